@@ -1,0 +1,49 @@
+"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan`.
+
+Each subcommand lives in its own module under `k3verify.commands` and exposes
+`register(subparsers)`; it sets `func` on its parser, which returns an exit code.
+Exit codes: 0 success, 1 a gate/check failed, 2 usage or setup error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan")
+
+
+class UsageError(Exception):
+    """A usage or setup problem: reported on stderr with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3verify", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"k3verify.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"k3verify.commands.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"k3verify {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
