@@ -1,0 +1,72 @@
+"""Strict loading of checkpoint tensors into a module through the one name map.
+
+Every module parameter/buffer must get a source, every checkpoint tensor must land somewhere or be
+declared ignorable (with a reason), and shapes must match; anything else raises naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from k3verify.checkpoint import mxfp4
+from k3verify.checkpoint.names import ignorable_reason, quantized_pair, to_module_name
+from k3verify.config import ModelConfig
+
+
+class WeightLoadError(ValueError):
+    """Missing, unexpected or mis-shaped weights."""
+
+
+def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str]) -> dict[str, list[str]]:
+    """module name -> the checkpoint names it is built from ([name], or [packed, scale] to dequantize)."""
+    by_module: dict[str, str] = {}
+    for name in ckpt_names:
+        mod = to_module_name(cfg, name)
+        if mod is not None:
+            by_module[mod] = name
+    wanted = set(module_names)
+    plan: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for mod in module_names:
+        if mod in by_module:
+            plan[mod] = [by_module[mod]]
+            used.add(by_module[mod])
+            continue
+        base = mod[: -len(".weight")] if mod.endswith(".weight") else None
+        packed, scale = (f"{base}.weight_packed", f"{base}.weight_scale") if base else (None, None)
+        if base and packed in by_module and scale in by_module and quantized_pair(packed):
+            plan[mod] = [by_module[packed], by_module[scale]]
+            used.update(plan[mod])
+    missing = sorted(set(module_names) - set(plan))
+    unexpected = sorted(n for n in ckpt_names if n not in used and ignorable_reason(n) is None
+                        and to_module_name(cfg, n) not in wanted)
+    if missing or unexpected:
+        raise WeightLoadError(
+            f"weights do not match the model: {len(missing)} module tensor(s) without a source "
+            f"{missing[:8]}{' …' if len(missing) > 8 else ''}; {len(unexpected)} checkpoint tensor(s) without a "
+            f"destination {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}"
+        )
+    return plan
+
+
+@torch.no_grad()
+def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors into `module` (cast to each parameter's dtype), strictly."""
+    state = module.state_dict(keep_vars=True)
+    plan = plan_sources(cfg, list(tensors.keys()), list(state.keys()))
+    group = cfg.quant.group_size if cfg.quant is not None else mxfp4.GROUP
+    for mod_name, sources in plan.items():
+        dest = state[mod_name]
+        if len(sources) == 2:
+            value = mxfp4.dequantize(tensors[sources[0]], tensors[sources[1]], torch.float32, group)
+        else:
+            value = tensors[sources[0]]
+        if tuple(value.shape) != tuple(dest.shape):
+            raise WeightLoadError(f"shape mismatch for {sources[0]}: checkpoint {tuple(value.shape)} vs module "
+                                  f"{mod_name} {tuple(dest.shape)}")
+        if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
+            raise WeightLoadError(f"{sources[0]} must be uint8 for {mod_name}; got {value.dtype}")
+        dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
