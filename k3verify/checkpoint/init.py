@@ -21,18 +21,18 @@ from k3verify.config import ModelConfig
 A_LOG_PAD_POISON = 1.0e6  # a wrong A_log slice turns exp(A_log) into inf: loud, not subtle
 
 
-def _gen(seed: int, name: str) -> torch.Generator:
-    g = torch.Generator()
+def _gen(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return g
 
 
 def _normal(shape: tuple[int, ...], std: float, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=g, dtype=torch.float32) * std
+    return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device) * std
 
 
 def _uniform(shape: tuple[int, ...], lo: float, hi: float, g: torch.Generator) -> torch.Tensor:
-    return torch.rand(shape, generator=g, dtype=torch.float32) * (hi - lo) + lo
+    return torch.rand(shape, generator=g, dtype=torch.float32, device=g.device) * (hi - lo) + lo
 
 
 def _dense_value(cfg: ModelConfig, spec: TensorSpec, role: str, g: torch.Generator) -> torch.Tensor:
@@ -60,7 +60,7 @@ def _dense_value(cfg: ModelConfig, spec: TensorSpec, role: str, g: torch.Generat
         n = cfg.kda_num_heads
         vals = torch.log(_uniform((n,), 1.0, 16.0, g))
         if cfg.is_k3:
-            out = torch.full(shape, A_LOG_PAD_POISON)
+            out = torch.full(shape, A_LOG_PAD_POISON, device=g.device)
             out[:n] = vals
             return out
         return vals.view(shape)
@@ -82,8 +82,11 @@ def _dense_value(cfg: ModelConfig, spec: TensorSpec, role: str, g: torch.Generat
     raise ValueError(f"no synthetic distribution for role {role!r}")
 
 
-def synthetic_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors (checkpoint names, checkpoint dtypes) for a synthetic model."""
+def synthetic_tensors(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """All checkpoint tensors (checkpoint names, checkpoint dtypes) for a synthetic model.
+
+    Values depend on the device's generator: a CUDA build (used for GPU-sized benchmarks) gives other
+    values than the CPU build, which is the one checkpoints and CPU checks use."""
     specs = checkpoint_specs(cfg)
     out: dict[str, torch.Tensor] = {}
     done_quant: set[str] = set()
@@ -96,10 +99,10 @@ def synthetic_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             packed_spec = specs[f"{base}.weight_packed"]
             dense_shape = (packed_spec.shape[0], packed_spec.shape[1] * 2)
             dense = _dense_value(cfg, TensorSpec(dense_shape, torch.float32, spec.role[6:]), spec.role[6:],
-                                 _gen(seed, f"{base}.weight"))
+                                 _gen(seed, f"{base}.weight", device))
             packed, scale = mxfp4.quantize(dense, cfg.quant.group_size)
             out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = packed, scale
             continue
-        value = _dense_value(cfg, spec, spec.role, _gen(seed, name))
+        value = _dense_value(cfg, spec, spec.role, _gen(seed, name, device))
         out[name] = value.to(spec.dtype).contiguous()
     return {name: out[name] for name in specs}

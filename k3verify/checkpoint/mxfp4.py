@@ -53,7 +53,7 @@ def quantize(w: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tensor, to
     amax = g.abs().amax(dim=-1).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)
     scaled = g / torch.pow(2.0, exp)[..., None]
-    mags = _lut()[:8]
+    mags = _lut(w.device)[:8]
     dist = (scaled.abs()[..., None] - mags).abs()
     code = dist.argmin(dim=-1).to(torch.uint8)  # argmin takes the first minimum: the smaller magnitude
     code = code | ((scaled < 0) & (code > 0)).to(torch.uint8) << 3
