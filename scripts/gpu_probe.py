@@ -40,11 +40,11 @@ out["hf_chunk_impl"] = getattr(mods.chunk_kimi_delta_attention, "__module__", "?
 with torch.no_grad():
     for T in (1024, 8192):
         ids = random_prompt(1, T, 163840, 1, dev)
-        t = cuda_time(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=3)
+        t = cuda_time(lambda ids=ids: model(input_ids=ids, use_cache=False), warmup=1, repeats=3)
         out[f"hf_prefill_{T}_tok_s"] = T / t.median_s
     for B in (1, 16, 64):
         ids = random_prompt(B, 128, 163840, 2, dev)
-        gen = lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,  # noqa: E731
+        gen = lambda ids=ids: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,  # noqa: E731
                                      min_new_tokens=64, do_sample=False, pad_token_id=0)
         t = cuda_time(gen, warmup=1, repeats=2)
         out[f"hf_generate_b{B}_tok_s"] = B * 64 / t.median_s
