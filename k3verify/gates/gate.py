@@ -1,0 +1,322 @@
+"""What a check is (Check, Trial, CheckContext), what it produces (Result), and the registry.
+
+Checks register at import time through `register_check`; the spec is validated there so that a
+bad bar, a missing justification or a duplicate id fails loudly before anything runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3verify.gates.compare import (
+    THIN_MARGIN,
+    Comparison,
+    Kind,
+    WorstElement,
+    compare,
+    default_bar,
+    error_over_position,
+    localize_layers,
+    rel_rms_error,
+)
+
+COMPONENTS = frozenset({
+    "kda", "mla", "moe", "mlp", "attn_res", "router", "norm", "tokenizer", "weights", "model", "serving",
+    "kernel", "oracle", "gates",
+})
+LEVELS = frozenset({"module", "model", "serving", "kernel"})
+SUITES = frozenset({"quick", "full"})
+DEVICES = frozenset({"cpu", "cuda"})
+_ID_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
+
+
+class Status(enum.StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    VACUOUS = "vacuous"
+    ERROR = "error"
+    SKIPPED = "skipped"
+
+
+class SkipCheck(Exception):
+    """The check does not apply here (feature absent in this preset, needs CUDA). Never hides a failure."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+LayerTrace = list[tuple[str, Any, Any]]
+
+
+@dataclass
+class Trial:
+    """What a check returns: the same function computed three ways (see docs/CHECK-API.md)."""
+
+    reference: Any
+    candidate: Any
+    control: Any
+    gold: Any = None
+    layers: LayerTrace | None = None
+    position_dim: int | None = None
+    control_layers: LayerTrace | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckContext:
+    """Everything a check may use. `generator` is a CPU generator, fresh per check and seeded from
+    (seed, check id): draw inputs on CPU, then move them to `device`, so inputs match across devices."""
+
+    cfg: Any
+    preset: str | None
+    checkpoint_dir: Path | None
+    device: torch.device
+    seed: int
+    generator: torch.Generator
+    suite: str
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+CheckFn = Callable[[CheckContext], Trial]
+
+
+@dataclass(frozen=True)
+class Check:
+    """A registered check spec. `bar` is the effective bar (defaults filled in)."""
+
+    id: str
+    component: str
+    level: str
+    kind: Kind
+    bar: float | None
+    bar_reason: str | None
+    suites: tuple[str, ...]
+    control: str
+    fn: CheckFn
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    @property
+    def module(self) -> str:
+        return getattr(self.fn, "__module__", "?")
+
+
+@dataclass
+class ControlOutcome:
+    status: str  # "fail" is what we want: the control must be caught
+    description: str
+    metric: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    first_divergent_layer: str | None = None
+
+
+@dataclass
+class Result:
+    id: str
+    component: str
+    level: str
+    kind: str
+    bar: float | None
+    bar_reason: str | None
+    status: Status
+    reason: str | None = None
+    metric: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    per_key: dict[str, dict[str, Any]] = field(default_factory=dict)
+    control: ControlOutcome | None = None
+    margin: float | None = None
+    thin: bool = False
+    worst: WorstElement | None = None
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    seed: int | None = None
+    duration_s: float = 0.0
+    localization: dict[str, Any] | None = None
+    instrument: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    traceback: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in (Status.FAIL, Status.VACUOUS, Status.ERROR)
+
+
+class Registry:
+    """Check id -> Check. One global instance (REGISTRY); tests may build their own."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, Check] = {}
+
+    def add(self, check: Check) -> Check:
+        existing = self._checks.get(check.id)
+        if existing is not None and _origin(existing.fn) != _origin(check.fn):
+            raise ValueError(f"duplicate check id {check.id!r}: registered by {_origin(existing.fn)} "
+                             f"and again by {_origin(check.fn)}")
+        # Same function object origin = the same module imported twice (reload); keep the newest.
+        self._checks[check.id] = check
+        return check
+
+    def register_check(self, **spec: Any) -> Callable[[CheckFn], CheckFn]:
+        def decorate(fn: CheckFn) -> CheckFn:
+            self.add(make_check(fn, **spec))
+            return fn
+        return decorate
+
+    def get(self, check_id: str) -> Check:
+        return self._checks[check_id]
+
+    def __contains__(self, check_id: object) -> bool:
+        return check_id in self._checks
+
+    def __iter__(self) -> Iterator[Check]:
+        return iter(sorted(self._checks.values(), key=lambda c: c.id))
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+
+def _origin(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def make_check(
+    fn: CheckFn,
+    *,
+    id: str,
+    component: str,
+    level: str,
+    kind: Kind | str,
+    control: str,
+    bar: float | None = None,
+    bar_reason: str | None = None,
+    suites: tuple[str, ...] | list[str] = ("quick", "full"),
+    devices: tuple[str, ...] | list[str] = ("cpu", "cuda"),
+) -> Check:
+    """Validate a spec and build the Check. Every rejection names the field and the value."""
+    where = f"check {id!r} ({_origin(fn)})"
+    if not isinstance(id, str) or not _ID_RE.match(id):
+        raise ValueError(f"{where}: id must be dotted lower_snake like 'kda.conv.packed_boundary'; got {id!r}")
+    if component not in COMPONENTS:
+        raise ValueError(f"{where}: component must be one of {sorted(COMPONENTS)}; got {component!r}")
+    if level not in LEVELS:
+        raise ValueError(f"{where}: level must be one of {sorted(LEVELS)}; got {level!r}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ValueError(f"{where}: kind must be one of {[k.value for k in Kind]}; got {kind!r}") from None
+    if not isinstance(control, str) or not control.strip():
+        raise ValueError(f"{where}: control must say in one sentence what the control breaks; got {control!r}")
+    suites, devices = tuple(suites), tuple(devices)
+    if not suites or not set(suites) <= SUITES:
+        raise ValueError(f"{where}: suites must be a non-empty subset of {sorted(SUITES)}; got {suites!r}")
+    if not devices or not set(devices) <= DEVICES:
+        raise ValueError(f"{where}: devices must be a non-empty subset of {sorted(DEVICES)}; got {devices!r}")
+    if bar is not None:
+        if kind is not Kind.RMS:
+            raise ValueError(f"{where}: only RMS checks take a bar; {kind.value} bars are fixed (got bar={bar})")
+        if not (isinstance(bar, int | float) and 0.0 < float(bar) < float("inf")):
+            raise ValueError(f"{where}: bar must be a positive finite number; got {bar!r}")
+        if not (isinstance(bar_reason, str) and bar_reason.strip()):
+            raise ValueError(f"{where}: an RMS bar override ({bar}) needs a one-line bar_reason")
+        bar = float(bar)
+    elif bar_reason is not None:
+        raise ValueError(f"{where}: bar_reason given without a bar override")
+    effective = bar if bar is not None else default_bar(kind)
+    return Check(id, component, level, kind, effective, bar_reason, suites, control.strip(), fn, devices)
+
+
+REGISTRY = Registry()
+
+
+def register_check(**spec: Any) -> Callable[[CheckFn], CheckFn]:
+    """Decorator registering a check in the global REGISTRY (see docs/CHECK-API.md)."""
+    return REGISTRY.register_check(**spec)
+
+
+def evaluate_trial(check: Check, trial: Trial) -> Result:
+    """The gate rules: candidate fails -> fail; else control passes -> vacuous; else pass.
+    NaN/Inf fail inside compare(); exceptions and skips are handled by the runner."""
+    if not isinstance(trial, Trial):
+        raise TypeError(f"check {check.id} returned {type(trial).__name__}; it must return a Trial")
+    rms_bar = check.bar if check.kind is Kind.RMS else None
+    comp = compare(check.kind, trial.reference, trial.candidate, rms_bar)
+    ctrl = compare(check.kind, trial.reference, trial.control, rms_bar)
+    control = ControlOutcome("pass" if ctrl.passed else "fail", check.control, ctrl.metric,
+                             comparison_metrics(ctrl), ctrl.reason)
+    result = Result(
+        id=check.id, component=check.component, level=check.level, kind=check.kind.value, bar=check.bar,
+        bar_reason=check.bar_reason, status=Status.PASS, metric=comp.metric,
+        metrics={**comparison_metrics(comp), **{k: float(v) for k, v in trial.metrics.items()}},
+        per_key={k: {"passed": c.passed, "metric": c.metric, **comparison_metrics(c)} for k, c in comp.per_key.items()},
+        control=control, margin=comp.margin, worst=comp.worst, shapes=comp.shapes, dtypes=comp.dtypes,
+        notes=[str(n) for n in trial.notes],
+    )
+    if not comp.passed:
+        result.status, result.reason = Status.FAIL, comp.reason
+        if ctrl.passed:
+            result.notes.append("the control passes too: even a correct candidate could not be told from a wrong one")
+    elif ctrl.passed:
+        result.status = Status.VACUOUS
+        result.reason = f"control passed ({check.control}): this check cannot tell right from wrong"
+    result.thin = comp.passed and comp.margin is not None and comp.margin > THIN_MARGIN
+    if trial.gold is not None:
+        result.instrument = _instrument(trial, comp)
+        if result.instrument["flag"]:
+            result.reason = (f"{result.reason}; instrument suspect: the reference is farther from the fp64 gold "
+                             f"({result.instrument['ref_to_gold']:.3g}) than the candidate "
+                             f"({result.instrument['cand_to_gold']:.3g})")
+    if trial.layers or trial.position_dim is not None:
+        result.localization = _localize(check, trial, comp)
+    if trial.control_layers:
+        control.first_divergent_layer = localize_layers(check.kind, trial.control_layers, rms_bar)[1]
+    return result
+
+
+def comparison_metrics(comp: Comparison) -> dict[str, float]:
+    out = {"max_abs": comp.max_abs}
+    for name in ("fail_fraction", "rms_ratio", "max_tol_ratio"):
+        value = getattr(comp, name)
+        if value is not None:
+            out[name] = value
+    if comp.kind is Kind.BITEXACT:
+        out["mismatches"] = comp.metric
+    return out
+
+
+def _instrument(trial: Trial, comp: Comparison) -> dict[str, Any]:
+    """PyTorch OpInfo's rule: whoever is farther from fp64 is wrong. Flag only when they disagree."""
+    ref_to_gold = rel_rms_error(trial.gold, trial.reference)
+    cand_to_gold = rel_rms_error(trial.gold, trial.candidate)
+    return {"flag": (not comp.passed) and ref_to_gold > cand_to_gold,
+            "ref_to_gold": ref_to_gold, "cand_to_gold": cand_to_gold}
+
+
+def _pick(value: Any, key: str | None) -> Any:
+    """The tensor to plot over position: the worst key of a dict (else its first key)."""
+    if not isinstance(value, dict):
+        return value
+    return value[key] if key in value else next(iter(value.values()))
+
+
+def _localize(check: Check, trial: Trial, comp: Comparison) -> dict[str, Any]:
+    rms_bar = check.bar if check.kind is Kind.RMS else None
+    out: dict[str, Any] = {"per_layer": [], "first_divergent_layer": None, "per_position": []}
+    if trial.layers:
+        per_layer, first = localize_layers(check.kind, trial.layers, rms_bar)
+        out["per_layer"] = [vars(e).copy() for e in per_layer]
+        out["first_divergent_layer"] = first
+    if trial.position_dim is not None:
+        key = comp.worst.key if comp.worst is not None else None
+        ref, cand = _pick(trial.reference, key), _pick(trial.candidate, key)
+        if getattr(ref, "shape", None) == getattr(cand, "shape", None):
+            out["per_position"] = [vars(e).copy() for e in error_over_position(ref, cand, trial.position_dim)]
+    return out

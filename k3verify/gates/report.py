@@ -1,0 +1,184 @@
+"""report.json (validated against schema.json before it is written), atomic writes, loading, and the
+lookup `serve` uses to find a passing report for a checkpoint.
+
+Every file is written to a temporary name in the destination directory, fsynced, then os.replace'd:
+a crash mid-write leaves the previous report intact and no partial file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from k3verify.gates.gate import Check, Result
+from k3verify.gates.suite import RunResult, status_counts
+
+SCHEMA_VERSION = 1
+MUTATION_STATUSES = ("killed", "survived", "error", "equivalent")
+REPORT_FILES = ("report.json", "report.html", "junit.xml")
+
+
+@cache
+def load_schema() -> dict[str, Any]:
+    return json.loads(resources.files("k3verify.gates").joinpath("schema.json").read_text(encoding="utf-8"))
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN/Inf: store them as strings the schema allows; tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def result_to_dict(result: Result) -> dict[str, Any]:
+    """One Result as it appears in report.json["results"] (before NaN/Inf become strings)."""
+    out: dict[str, Any] = {
+        "id": result.id, "component": result.component, "level": result.level, "kind": result.kind,
+        "bar": result.bar, "bar_reason": result.bar_reason, "status": result.status.value,
+        "reason": result.reason, "metric": result.metric, "metrics": dict(result.metrics),
+        "per_key": result.per_key, "margin": result.margin, "thin": result.thin,
+        "control": None if result.control is None else asdict(result.control),
+        "worst": None, "shapes": result.shapes, "dtypes": result.dtypes,
+        "seed": result.seed, "duration_s": result.duration_s, "localization": result.localization,
+        "instrument": result.instrument, "notes": list(result.notes), "traceback": result.traceback,
+    }
+    if result.worst is not None:
+        out["worst"] = asdict(result.worst) | {"index": list(result.worst.index)}
+    return out
+
+
+def check_to_dict(check: Check) -> dict[str, Any]:
+    """A registered check's spec, for `parity --list --json` and docs."""
+    return {"id": check.id, "component": check.component, "level": check.level, "kind": check.kind.value,
+            "bar": check.bar, "bar_reason": check.bar_reason, "suites": list(check.suites),
+            "devices": list(check.devices), "control": check.control, "module": check.module}
+
+
+def report_dict(run: RunResult) -> dict[str, Any]:
+    """The report as plain data (schema_version 1). Validated, never written, by this function."""
+    counts = status_counts(run.results)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "run": asdict(run.run),
+        "results": [result_to_dict(r) for r in run.results],
+        "summary": {"counts": counts, "total": len(run.results), "verdict": run.verdict},
+    }
+    if run.mutations:
+        out["mutations"] = [dict(m) for m in run.mutations]
+        out["summary"]["mutation_counts"] = {s: sum(m.get("status") == s for m in run.mutations)
+                                             for s in MUTATION_STATUSES}
+    out = _json_safe(out)
+    validate_report(out)
+    return out
+
+
+def validate_report(data: Mapping[str, Any]) -> None:
+    """Raise jsonschema.ValidationError naming the first offending path."""
+    jsonschema.Draft202012Validator(load_schema()).validate(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically: temp file in the same directory, fsync, os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be read by CI and colleagues
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # The rename itself is durable only once the directory entry is synced.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
+
+
+def write_json_report(run: RunResult, path: str | Path) -> Path:
+    return atomic_write_text(path, json.dumps(report_dict(run), indent=2, allow_nan=False) + "\n")
+
+
+def write_reports(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.html and junit.xml into out_dir. The JSON is validated first, so a
+    report that does not match the schema leaves the previous files untouched."""
+    from k3verify.gates.html import render_html
+    from k3verify.gates.junit import render_junit
+
+    out_dir = Path(out_dir)
+    data = report_dict(run)
+    texts = {
+        "report.json": json.dumps(data, indent=2, allow_nan=False) + "\n",
+        "report.html": render_html(data),
+        "junit.xml": render_junit(data),
+    }
+    return {name: atomic_write_text(out_dir / name, text) for name, text in texts.items()}
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read and validate a report.json (a directory means its report.json)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    validate_report(data)
+    return data
+
+
+def iter_reports(report_root: str | Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every valid report.json under report_root (recursively); unreadable or invalid ones are skipped."""
+    root = Path(report_root)
+    if not root.exists():
+        return
+    for path in sorted(root.rglob("report.json")):
+        try:
+            yield path, load_report(path)
+        except (OSError, ValueError, jsonschema.ValidationError):
+            continue
+
+
+def newest_matching_report(
+    report_root: str | Path, *, checkpoint_digest: str, version: str, device: str
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest report (by run.started_at) for this checkpoint digest, k3verify version and device
+    kind, whatever its verdict. `serve` must check summary.verdict == "pass" itself: a newer failing
+    report for the same checkpoint must shadow an older passing one."""
+    matches = [
+        (data["run"]["started_at"], str(path), path, data)
+        for path, data in iter_reports(report_root)
+        if data["run"]["checkpoint_digest"] == checkpoint_digest
+        and data["run"]["k3verify_version"] == version
+        and data["run"]["device"] == device
+    ]
+    if not matches:
+        return None
+    _, _, path, data = max(matches, key=lambda m: (m[0], m[1]))
+    return path, data
+
+
+def failing_results(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in data["results"] if r["status"] in ("fail", "vacuous", "error")]
+
