@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -209,7 +210,7 @@ def test_empty_name_falls_back_to_role() -> None:
     assert segs[1] == Segment("user", special=False)
 
 
-def test_encode_chat_refuses_a_tokenizer_without_template(tmp_path: Any) -> None:
+def test_encode_chat_refuses_a_tokenizer_without_template(tmp_path: Path) -> None:
     """No template in the checkpoint means no chat encoding; we never borrow the shipped one."""
     (tmp_path / MODEL_FILE).write_bytes((ASSETS_DIR / MODEL_FILE).read_bytes())
     config = json.loads((ASSETS_DIR / CONFIG_FILE).read_text())
