@@ -239,6 +239,16 @@ def _kl_48b_8l() -> dict[str, Any]:
     return cfg
 
 
+def _k3_slice_4l() -> dict[str, Any]:
+    """K3 widths (hidden 7168, 96 KDA and MLA heads, LatentMoE 3584, MXFP4) cut to 4 layers and 64 experts:
+    a K3-shaped slice that fits one H200 (~12 GB)."""
+    cfg = _k3_real()
+    text = cfg["text_config"]
+    text.update(num_hidden_layers=4, num_experts=64, attn_res_block_size=2)
+    text["linear_attn_config"] = {**text["linear_attn_config"], "kda_layers": [1, 2, 3], "full_attn_layers": [4]}
+    return cfg
+
+
 _BUILDERS = {
     "k3-tiny": lambda: _k3(_k3_text()),
     "k3-syn-25": _syn25,
@@ -247,11 +257,12 @@ _BUILDERS = {
     "k3": _k3_real,
     "kimi-linear-48b": _kimi_linear_48b,
     "kl-48b-8l": _kl_48b_8l,
+    "k3-slice-4l": _k3_slice_4l,
 }
 
 SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny")
 REAL_SHAPES = ("k3", "kimi-linear-48b")
-GPU_PRESETS = ("kl-48b-8l",)
+GPU_PRESETS = ("kl-48b-8l", "k3-slice-4l")
 PRESETS = tuple(_BUILDERS)
 
 
