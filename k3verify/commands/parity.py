@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from k3verify.cli import UsageError
-from k3verify.gates.gate import REGISTRY, Check
+from k3verify.gates.gate import Check
+from k3verify.gates.suite import check_import_errors, load_all_checks
 
 DEFAULT_PRESET = "k3-tiny"
 DEFAULT_REPORT_DIR = Path("reports/latest")
@@ -53,15 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def registered_checks() -> list[Check]:
     """Every registered check, after importing all check modules (a hook tests can replace)."""
-    import k3verify.gates.checks  # noqa: F401  (import registers the checks)
-
-    return list(REGISTRY)
+    return load_all_checks()
 
 
 def import_errors() -> dict[str, str]:
-    from k3verify.gates.checks import IMPORT_ERRORS
-
-    return dict(IMPORT_ERRORS)
+    return check_import_errors()
 
 
 def validate_device(device: str) -> torch.device:

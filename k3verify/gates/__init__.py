@@ -26,11 +26,19 @@ from k3verify.gates.gate import (
     evaluate_trial,
     register_check,
 )
-from k3verify.gates.suite import RunInfo, RunResult, collect_run_info, make_context_factory, run_suite, select_checks
+from k3verify.gates.suite import (
+    RunInfo,
+    RunResult,
+    collect_run_info,
+    load_all_checks,
+    make_context_factory,
+    run_suite,
+    select_checks,
+)
 
 __all__ = [
     "BF16_ATOL", "BF16_MAX_FAIL_FRACTION", "BF16_RTOL", "REGISTRY", "RMS_DEFAULT_BAR", "THIN_MARGIN", "Check",
     "CheckContext", "Comparison", "Kind", "Registry", "Result", "RunInfo", "RunResult", "SkipCheck", "Status",
-    "Trial", "WorstElement", "collect_run_info", "compare", "evaluate_trial", "make_context_factory",
+    "Trial", "WorstElement", "collect_run_info", "compare", "evaluate_trial", "load_all_checks", "make_context_factory",
     "register_check", "run_suite", "select_checks",
 ]

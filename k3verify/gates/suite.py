@@ -90,6 +90,21 @@ def derive_seed(seed: int, check_id: str) -> int:
     return zlib.crc32(f"{seed}:{check_id}".encode())
 
 
+def load_all_checks() -> list[Check]:
+    """Import every module in k3verify.gates.checks (registering its checks) and return all checks."""
+    import k3verify.gates.checks  # noqa: F401  (importing registers)
+    from k3verify.gates.gate import REGISTRY
+
+    return list(REGISTRY)
+
+
+def check_import_errors() -> dict[str, str]:
+    """Check modules that failed to import (module -> traceback); see k3verify.gates.checks."""
+    from k3verify.gates.checks import IMPORT_ERRORS
+
+    return dict(IMPORT_ERRORS)
+
+
 def _matches(check_id: str, pattern: str) -> bool:
     # A bare prefix like "kda" or "kda.conv" selects that subtree, as a glob would with ".*".
     return fnmatch.fnmatchcase(check_id, pattern) or check_id.startswith(pattern + ".")
