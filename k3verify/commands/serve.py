@@ -1,0 +1,168 @@
+"""`k3verify serve`: an OpenAI-compatible server that starts only behind a passing gate report.
+
+The gate is checked before any weight is loaded: no report.json under --report-dir for this exact
+checkpoint digest, k3verify version and device kind with verdict pass means exit 2 and a message
+naming the `k3verify parity` command to run (or `--run-gates` runs the quick suite first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3verify.cli import UsageError
+
+DEFAULT_REPORT_DIR = Path("reports/latest")
+DEFAULT_PRESET = "k3-tiny"
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
+                              description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", help=f"synthetic preset (default {DEFAULT_PRESET})")
+    src.add_argument("--checkpoint", metavar="DIR", type=Path, help="a checkpoint directory with config.json")
+    p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR",
+                   help=f"where gate reports are searched, recursively (default {DEFAULT_REPORT_DIR})")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
+    p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
+    p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
+    p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.set_defaults(func=run_serve)
+
+
+@dataclass(frozen=True)
+class GatedTarget:
+    cfg: Any
+    name: str
+    checkpoint_dir: Path
+    digest: str
+    report: Path
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{name} must be >= 1; got {value}")
+
+
+def parity_command(args: argparse.Namespace) -> str:
+    if args.checkpoint is not None:
+        src = f"--checkpoint {args.checkpoint}"
+    else:
+        src = f"--preset {args.preset or DEFAULT_PRESET}"
+    device = "" if args.device == "cpu" else f" --device {args.device}"
+    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+
+
+def run_gates(args: argparse.Namespace) -> int:
+    """The quick parity suite, through the parity command's own parser and function."""
+    from k3verify.commands import parity
+
+    parser = argparse.ArgumentParser(prog="k3verify")
+    parity.register(parser.add_subparsers(dest="command"))
+    argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
+    argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
+        ["--preset", args.preset or DEFAULT_PRESET]
+    pargs = parser.parse_args(argv)
+    return int(pargs.func(pargs))
+
+
+def resolve_checkpoint(args: argparse.Namespace) -> tuple[Any, str, Path, str]:
+    """(config, model name, checkpoint dir, digest). The config comes with generation_config.json's eos."""
+    from k3verify.checkpoint.digest import checkpoint_digest
+    from k3verify.config import ModelConfig
+
+    try:
+        if args.checkpoint is not None:
+            ckpt = Path(args.checkpoint)
+            if not (ckpt / "config.json").is_file():
+                raise UsageError(f"--checkpoint {ckpt}: no config.json there")
+            return ModelConfig.from_file(ckpt / "config.json"), ckpt.resolve().name, ckpt, checkpoint_digest(ckpt)
+        from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
+        from k3verify.presets import SYNTHETIC_PRESETS, get_preset
+
+        name = args.preset or DEFAULT_PRESET
+        if name not in SYNTHETIC_PRESETS:
+            raise UsageError(f"--preset {name!r}: only synthetic presets can be served: {', '.join(SYNTHETIC_PRESETS)}")
+        ckpt = Path(ensure_preset_checkpoint(name))
+        return get_preset(name), name, ckpt, checkpoint_digest(ckpt)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UsageError(f"cannot load the checkpoint: {exc}") from exc
+
+
+def require_gate(args: argparse.Namespace) -> GatedTarget:
+    """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
+    import k3verify
+    from k3verify.serving.gating import lookup_report
+
+    for name in ("port", "max_batch", "num_pages", "page_size", "max_prefill_tokens"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    try:
+        device_kind = torch.device(args.device).type
+    except RuntimeError as exc:
+        raise UsageError(f"--device {args.device!r}: {exc}") from exc
+    cfg, name, ckpt, digest = resolve_checkpoint(args)
+    found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+    if found.passing is None and args.run_gates:
+        print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
+        code = run_gates(args)
+        found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+        if found.passing is None:
+            raise UsageError(f"the gates did not pass (parity exit code {code}): {found.reason}. "
+                             f"Refusing to serve; see the report under {args.report_dir}")
+    if found.passing is None:
+        raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
+                         f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
+    return GatedTarget(cfg, name, ckpt, digest, found.passing)
+
+
+def build_engine(args: argparse.Namespace, target: GatedTarget) -> tuple[Any, Any]:
+    """(engine, tokenizer) for a gated target: weights, runner, the checkpoint's own tokenizer."""
+    from k3verify.checkpoint.reader import CheckpointReader
+    from k3verify.serving.engine import Engine
+    from k3verify.serving.runner import build_runner
+    from k3verify.tokenizer import KimiTokenizer
+
+    try:
+        tokenizer = KimiTokenizer.from_dir(target.checkpoint_dir)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{target.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint must "
+                         "ship its own tokenizer files") from exc
+    cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
+    runner = build_runner(target.cfg, CheckpointReader(target.checkpoint_dir), dtype=torch.bfloat16,
+                          device=torch.device(args.device), max_batch=args.max_batch, **cache_kw)
+    engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
+                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
+    return engine, tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3verify.serving.metrics import ServerMetrics
+    from k3verify.serving.server import create_app
+
+    target = require_gate(args)
+    print(f"k3verify serve: gate report {target.report} vouches for {target.name} ({target.digest})", flush=True)
+    engine, tokenizer = build_engine(args, target)
+    metrics = ServerMetrics()
+    engine.observer = metrics
+    app = create_app(engine.start(), tokenizer, model_name=target.name, api_key=args.api_key, metrics=metrics)
+    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {target.name!r})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.stop()
+    return 0 if engine.health() in (None, "engine stopped") else 1

@@ -1,0 +1,355 @@
+"""The serving engine: one thread drives the ModelRunner (continuous batching, sampling, stops).
+
+Callers `submit` a prompt with a `sink`; the engine thread calls the sink with one EngineEvent per
+generated token (text delta, logprobs) and a final event carrying finish_reason or error. A loop
+that dies fails every pending request and keeps /health red instead of hanging anyone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from k3verify.serving.sampler import (
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    nonfinite_rows,
+    sample,
+    token_logprobs,
+)
+from k3verify.serving.scheduler import ModelRunner, ScheduledSeq, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it failed, stalled or was stopped)."""
+
+
+class ContextLengthError(ValueError):
+    """A request that can never fit: prompt + max_tokens over the context or the empty cache."""
+
+
+class Tokenizer(Protocol):
+    n_vocab: int
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def is_special(self, token_id: int) -> bool: ...
+
+
+class Observer(Protocol):
+    def observe_ttft(self, seconds: float) -> None: ...
+    def observe_inter_token(self, seconds: float) -> None: ...
+    def set_load(self, num_waiting: int, num_running: int) -> None: ...
+
+
+@dataclass
+class EngineEvent:
+    """One step's output for one request; `finished` once finish_reason or error is set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class _TokenText:
+    """Token bytes for detokenization; ids the tokenizer does not know (model vocab padding) carry no text."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def is_special(self, token_id: int) -> bool:
+        return not 0 <= token_id < self.tokenizer.n_vocab or self.tokenizer.is_special(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.tokenizer.n_vocab:
+            return f"<|unused_{token_id}|>".encode()
+        return self.tokenizer.token_bytes(token_id)
+
+
+def find_stop(text: str, start: int, stops: Sequence[str]) -> int | None:
+    """Earliest index >= start where any stop string begins in text."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop_len(text: str, start: int, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text[start:] that could still grow into a stop string."""
+    longest = min(len(text) - start, max((len(s) for s in stops), default=1) - 1)
+    for k in range(longest, 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0
+
+
+@dataclass(eq=False, kw_only=True)
+class _Request(ScheduledSeq):
+    params: SamplingParams
+    sink: Callable[[EngineEvent], None]
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    decoder: Any
+    arrival: float
+    text: str = ""
+    sent: int = 0
+    last_token_at: float | None = None
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int], vocab_size: int,
+                 max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
+                 observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
+        self.runner = runner
+        self.token_text = _TokenText(tokenizer)
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(runner, max_prefill_tokens=max_prefill_tokens, max_running=max_running)
+        self.debug = debug
+        self.observer = observer
+        self.stall_timeout_s = stall_timeout_s
+        self.idle_wait_s = idle_wait_s
+        self.num_waiting = 0
+        self.num_running = 0
+        self.num_steps = 0
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._error: str | None = None
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="k3verify-engine", daemon=True)
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    def health(self) -> str | None:
+        """None when healthy, else why not (failed, stopped, or a step running past stall_timeout_s)."""
+        if self._error is not None:
+            return self._error
+        if not self._thread.is_alive():
+            return "engine loop is not running"
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > self.stall_timeout_s:
+            return f"engine loop stalled: no progress for {stalled:.1f}s (limit {self.stall_timeout_s}s)"
+        return None
+
+    def validate(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+        """Raise ValueError/ContextLengthError for a request that could never be served."""
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        total, limit = len(prompt_ids) + max_tokens, self.runner.max_context
+        if total > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+                f"({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.")
+        if not self.runner.can_ever_fit(total):
+            raise ContextLengthError(
+                f"The request needs {total} tokens of cache ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                "completion), more than this server's KV cache holds even when empty. Reduce prompt or max_tokens.")
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
+        """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
+        self.validate(prompt_ids, params.max_tokens)
+        from k3verify.tokenizer.streaming import IncrementalDecoder
+
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        req = _Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
+                       params=params, sink=sink, stop_ids=frozenset(stop_ids), generator=make_generator(params.seed),
+                       decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
+                       arrival=time.monotonic())
+        with self._lock:
+            if self.health() is not None:
+                raise EngineDeadError(f"engine is not running: {self.health()}")
+            self._commands.put(("add", req))
+        return req.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Drop a request (client gone): its cache is released on the engine thread's next turn."""
+        self._commands.put(("abort", seq_id))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run fn on the engine thread between steps (the runner is not thread-safe)."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self.health() is not None:
+                raise EngineDeadError(f"engine is not running: {self.health()}")
+            self._commands.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    def check_integrity(self, timeout: float = 60.0) -> None:
+        self.call(self.runner.check_integrity, timeout)
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=self.scheduler.is_idle()):
+                self._heartbeat = time.monotonic()
+                if not self.scheduler.is_idle():
+                    self._step()
+                    if self.debug:
+                        self.runner.check_integrity()
+                self._publish_load()
+            self._fail_all("engine stopped")
+        except Exception as exc:
+            log.exception("engine loop failed")
+            self._fail_all(f"engine loop failed: {type(exc).__name__}: {exc}")
+
+    def _handle_commands(self, block: bool) -> bool:
+        try:
+            cmd = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                self._requests[cmd[1].seq_id] = cmd[1]
+                self.scheduler.add(cmd[1])
+            elif cmd[0] == "abort":
+                self._requests.pop(cmd[1], None)
+                self.scheduler.finish(cmd[1])
+            elif cmd[0] == "call":
+                try:
+                    cmd[2].set_result(cmd[1]())
+                except Exception as exc:
+                    cmd[2].set_exception(exc)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> None:
+        new = self.scheduler.schedule_prefill()
+        if new:
+            self._process(new, self.runner.prefill([(s.seq_id, s.prompt_ids) for s in new]))
+        batch = self.scheduler.decode_batch(exclude=new)
+        if batch:
+            self._process(batch, self.runner.decode([(s.seq_id, s.last_token) for s in batch]))
+        if not new and not batch and self.scheduler.num_running == 0 and self.scheduler.waiting:
+            head = self.scheduler.waiting[0]
+            self._finish(self._requests[head.seq_id], EngineEvent(
+                error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
+                prompt_tokens=len(head.prompt_ids)))
+        self.num_steps += 1
+
+    def _process(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise RuntimeError(f"runner returned logits {tuple(logits.shape)} for {len(seqs)} sequences")
+        reqs = [self._requests[s.seq_id] for s in seqs]
+        bad = set(nonfinite_rows(logits))
+        for i in bad:
+            self._finish(reqs[i], EngineEvent(error=f"model produced non-finite logits (NaN/inf) at step "
+                                              f"{len(reqs[i].output_ids)}", prompt_tokens=len(reqs[i].prompt_ids)))
+        keep = [i for i in range(len(reqs)) if i not in bad]
+        if not keep:
+            return
+        reqs = [reqs[i] for i in keep]
+        logits = logits[keep] if bad else logits
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        lps = token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+        now = time.monotonic()
+        for req, tok, lp in zip(reqs, tokens, lps, strict=True):
+            self._advance(req, tok, lp, now)
+
+    def _advance(self, req: _Request, token: int, lp: TokenLogprob | None, now: float) -> None:
+        if self.observer is not None:
+            if req.last_token_at is None:
+                self.observer.observe_ttft(now - req.arrival)
+            else:
+                self.observer.observe_inter_token(now - req.last_token_at)
+        req.last_token_at = now
+        req.output_ids.append(token)
+        finish: str | None = None
+        if token in req.stop_ids:
+            finish, final = "stop", True
+        else:
+            req.text += req.decoder.push(token)
+            final = len(req.output_ids) >= req.params.max_tokens
+        if final:
+            req.text += req.decoder.finish()
+        stop_at = find_stop(req.text, req.sent, req.params.stop) if req.params.stop else None
+        if stop_at is not None:
+            end, finish = stop_at, "stop"
+        elif final:
+            end, finish = len(req.text), finish or "length"
+        else:
+            end = len(req.text) - partial_stop_len(req.text, req.sent, req.params.stop) if req.params.stop \
+                else len(req.text)
+        event = EngineEvent(text=req.text[req.sent:end], token_ids=[token], logprobs=[lp] if lp else [],
+                            finish_reason=finish, prompt_tokens=len(req.prompt_ids),
+                            completion_tokens=len(req.output_ids))
+        req.sent = end
+        if finish is not None:
+            self._finish(req, event)
+        else:
+            self._emit(req, event)
+
+    def _finish(self, req: _Request, event: EngineEvent) -> None:
+        self._requests.pop(req.seq_id, None)
+        self.scheduler.finish(req.seq_id)
+        event.completion_tokens = len(req.output_ids)
+        self._emit(req, event)
+
+    def _emit(self, req: _Request, event: EngineEvent) -> None:
+        try:
+            req.sink(event)
+        except Exception:
+            log.exception("sink of request %d failed; dropping the request", req.seq_id)
+            if req.seq_id in self._requests:
+                self._requests.pop(req.seq_id)
+                self.scheduler.finish(req.seq_id)
+
+    def _publish_load(self) -> None:
+        self.num_waiting, self.num_running = self.scheduler.num_waiting, self.scheduler.num_running
+        if self.observer is not None:
+            self.observer.set_load(self.num_waiting, self.num_running)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self._error = reason
+        pending = list(self._requests.values())
+        self._requests.clear()
+        self.scheduler.drain()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                pending.append(cmd[1])
+            elif cmd[0] == "call":
+                cmd[2].set_exception(EngineDeadError(reason))
+        for req in pending:
+            self._emit(req, EngineEvent(error=reason, prompt_tokens=len(req.prompt_ids),
+                                        completion_tokens=len(req.output_ids)))
+        self._publish_load()

@@ -1,0 +1,25 @@
+"""Fixtures for the server tests: one toy server per module, started on 127.0.0.1 at a free port."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from server_fakes import RunningServer, running_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def toy_server() -> Iterator[RunningServer]:
+    with running_server(debug=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(toy_server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{toy_server.url}/v1", api_key="unused", max_retries=0, timeout=30)

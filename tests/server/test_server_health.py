@@ -1,0 +1,138 @@
+"""A dead or stalled engine turns /health red and answers pending requests with an error, never a hang;
+a client that goes away has its cache released."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import torch
+from server_fakes import FakeRunner, running_server
+
+BODY = {"model": "toy", "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+class SlowRunner(FakeRunner):
+    """FakeRunner whose decode steps take `delay_s` (so requests stay in flight), optionally blocking on an event."""
+
+    def __init__(self, delay_s: float, gate: threading.Event | None = None, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.delay_s, self.gate = delay_s, gate
+
+    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        if self.gate is not None:
+            self.gate.wait(30)
+        return super().decode(seqs)
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_engine_fault_fails_requests_and_health() -> None:
+    """An exception in the engine loop: in-flight and new requests get 503 envelopes, /health turns 503."""
+    runner = SlowRunner(0.01)
+    with running_server(runner) as server:
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        results: list[httpx.Response] = []
+        inflight = threading.Thread(target=lambda: results.append(
+            httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30)))
+        inflight.start()
+        assert wait_until(lambda: server.engine.num_running == 1)
+        runner.fail_next = RuntimeError("injected decode fault")
+        inflight.join(15)
+        assert not inflight.is_alive(), "the in-flight request hung after the engine died"
+        r = results[0]
+        assert r.status_code == 503 and "injected decode fault" in r.json()["error"]["message"]
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503 and "injected decode fault" in health.json()["error"]["message"]
+        late = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_engine_fault_mid_stream_sends_error_event_then_done() -> None:
+    """A stream in flight when the engine dies ends with an SSE error event and [DONE], not a hang."""
+    runner = SlowRunner(0.01)
+    with running_server(runner) as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=BODY | {"stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln)
+            assert json.loads(first[6:])["choices"][0]["text"] is not None
+            runner.fail_next = RuntimeError("boom mid-stream")
+            rest = [ln for ln in lines if ln]
+        assert rest[-1] == "data: [DONE]"
+        errors = [json.loads(ln[6:]) for ln in rest[:-1] if "error" in json.loads(ln[6:])]
+        assert len(errors) == 1 and "boom mid-stream" in errors[0]["error"]["message"]
+
+
+def test_stalled_engine_turns_health_red() -> None:
+    """A step that makes no progress past stall_timeout_s makes /health 503 while the engine is stuck."""
+    gate = threading.Event()
+    with running_server(SlowRunner(0.0, gate), stall_timeout_s=0.3) as server:
+        sender = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions",
+                                                            json=BODY | {"max_tokens": 3}, timeout=30))
+        sender.start()
+        try:
+            assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, 10)
+            assert "stalled" in httpx.get(f"{server.url}/health", timeout=5).json()["error"]["message"]
+        finally:
+            gate.set()
+        sender.join(15)
+        assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200, 10)
+
+
+def test_stream_disconnect_releases_cache() -> None:
+    """Closing a stream mid-generation aborts the request: its slot and pages are free within seconds."""
+    runner = SlowRunner(0.02)  # 200 tokens would take 4 s
+    with running_server(runner) as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=BODY | {"stream": True}, timeout=30) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += bool(line)
+                if chunks == 3:
+                    break
+        assert runner.slots, "the request finished before the disconnect: the test proved nothing"
+        assert wait_until(lambda: not runner.slots and server.engine.num_running == 0, 2.5), runner.slots
+        assert server.engine.num_steps < 150, "released only by finishing, not by the abort"
+        server.engine.check_integrity()
+        assert runner.free_pages == runner.num_pages
+
+
+def test_non_stream_disconnect_releases_cache() -> None:
+    """A non-streaming client that times out and hangs up has its request aborted too."""
+    runner = SlowRunner(0.02)  # 400 tokens would take 8 s
+    with running_server(runner) as server:
+        try:
+            httpx.post(f"{server.url}/v1/completions", json=BODY | {"max_tokens": 400}, timeout=0.3)
+            raise AssertionError("the request finished before the client timed out")
+        except httpx.ReadTimeout:
+            pass
+        assert wait_until(lambda: not runner.slots, 3), runner.slots
+        assert server.engine.num_steps < 200, "released only by finishing, not by the abort"
+        server.engine.check_integrity()
+        assert runner.free_pages == runner.num_pages
+
+
+def test_waiting_request_is_admitted_when_pages_free() -> None:
+    """A request that fits only once another finishes waits (no 400, no error) and is then served."""
+    runner = FakeRunner(num_pages=20, page_size=16, max_context=512)  # 320 tokens of cache
+    with running_server(runner) as server:
+        body = BODY | {"max_tokens": 250}  # 5 + 250 tokens = 16 pages: two cannot fit at once
+        out: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: out.append(
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=60))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in out] == [200, 200]
+        assert runner.max_batch_seen == 1
+        assert out[0].json()["choices"][0]["text"] == out[1].json()["choices"][0]["text"]
