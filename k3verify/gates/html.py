@@ -176,7 +176,9 @@ def _kill_matrix(mutations: Sequence[Mapping[str, Any]]) -> str:
             # ● expected and killed, ○ expected but stayed green, + killed though not listed.
             mark = "●" if killed and expected else ("○" if expected else ("+" if killed else ""))
             cells.append(f'<td title="{_e(c)}">{mark}</td>')
-        rows.append(f'<tr><td class="mid"><code>{_e(m["id"])}</code><div class="small">{_e(m["fault"])}</div></td>'
+        preset = f' <span class="small">({_e(m["preset"])})</span>' if m.get("preset") else ""
+        rows.append(f'<tr><td class="mid"><code>{_e(m["id"])}</code>{preset}'
+                    f'<div class="small">{_e(m["fault"])}</div></td>'
                     f'<td class="mid small">{_e(m["target"])}</td><td>{_status(m["status"])}</td>{"".join(cells)}</tr>')
     legend = '<p class="small">● expected killer went red · ○ expected killer stayed green · + unexpected killer</p>'
     return (f'<section id="mutations"><h2>Kill matrix</h2>{legend}<table class="km"><tr><th>mutant</th><th>target'

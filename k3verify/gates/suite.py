@@ -196,7 +196,8 @@ def run_suite(
     """Run `checks` in order and return results plus run metadata (collected if `info` is None)."""
     device_kind = torch.device(device).type
     info = info or collect_run_info(device=device, seed=seed, suite=suite)
-    info.started_at = info.started_at or datetime.now(UTC).isoformat(timespec="seconds")
+    # Microseconds: `serve` orders reports by this string, and two runs can start within one second.
+    info.started_at = info.started_at or datetime.now(UTC).isoformat(timespec="microseconds")
     start = time.perf_counter()
     results = import_error_results(import_errors or {})
     for check in checks:
