@@ -1,0 +1,38 @@
+"""KDA recurrence: `kda_prefill` (packed varlen, chunked) and `kda_decode` (one token per sequence).
+
+CPU runs the torch reference (torch_ref); CUDA runs fla's Triton kernels when they accept the call,
+else the torch reference with a logged reason (see kernels/registry.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3verify.kernels.kda import fla_triton, torch_ref
+from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
+
+PREFILL = "kda.prefill"
+DECODE = "kda.decode"
+CHUNK = torch_ref.CHUNK
+
+REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
+REGISTRY.register(PREFILL, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
+                  available=fla_triton.available)
+REGISTRY.register(DECODE, TORCH, torch_ref.kda_decode_torch)
+REGISTRY.register(DECODE, TRITON, fla_triton.kda_decode_fla, accepts=fla_triton.accepts_decode,
+                  available=fla_triton.available)
+
+
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q,k [T,h,dk] raw; v [T,h,dv]; g [T,h,dk] fp32 log decay; beta [T,h] post-sigmoid;
+    initial_state [N,h,dk,dv] fp32 -> (o [T,h,dv], final_state [N,h,dk,dv] fp32)."""
+    return dispatch(PREFILL, q, k, v, g, beta, cu_seqlens, initial_state, scale, lower_bound=lower_bound,
+                    device=q.device)
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: q,k,g [B,h,dk]; v [B,h,dv]; beta [B,h]; state [B,h,dk,dv] fp32."""
+    return dispatch(DECODE, q, k, v, g, beta, state, scale, device=q.device)

@@ -1,0 +1,95 @@
+"""fla's Triton KDA kernels behind the same contract as torch_ref (CUDA only).
+
+The layer hands over raw q/k (normalized in-kernel), the finished log decay g (fp32) and the
+post-sigmoid beta, so the kernels' own gate and beta-sigmoid stages stay off: beta is squashed
+exactly once, in the layer. fla is probed by signature, not version: an older fla silently swallows
+unknown keyword arguments via **kwargs and computes something else.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+_PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                   "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens")
+_DECODE_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                  "use_beta_sigmoid_in_kernel")
+MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _fla_ops() -> tuple[Any, Any] | str:
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return f"fla KDA kernels unavailable: {type(exc).__name__}: {exc}"
+    for fn, needed in ((chunk_kda, _PREFILL_PARAMS), (fused_recurrent_kda, _DECODE_PARAMS)):
+        params = inspect.signature(fn).parameters
+        missing = [p for p in needed if p not in params]
+        if missing:
+            return f"fla {fn.__name__} lacks parameters {missing} (signature probe); refusing to call it"
+    return chunk_kda, fused_recurrent_kda
+
+
+def available() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    ops = _fla_ops()
+    return ops if isinstance(ops, str) else None
+
+
+def _shape_reason(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> str | None:
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims dk={q.shape[-1]}, dv={v.shape[-1]} exceed fla's limit {MAX_HEAD_DIM}"
+    if q.dtype not in _DTYPES:
+        return f"activation dtype {q.dtype} is not one of {_DTYPES}"
+    if state.dtype != torch.float32:
+        return f"state dtype {state.dtype} is not float32 (fla keeps the recurrent state in fp32)"
+    if not q.is_cuda:
+        return f"tensors are on {q.device}, not CUDA"
+    return None
+
+
+def accepts_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                    lower_bound: float | None = None) -> str | None:
+    if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
+        return f"lower_bound {lower_bound} is outside fla's safe-gate range [-5, 0)"
+    return _shape_reason(q, v, initial_state)
+
+
+def accepts_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, scale: float) -> str | None:
+    return _shape_reason(q, v, state)
+
+
+def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                    lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk_kda, _ = _fla_ops()  # type: ignore[misc]
+    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
+    dt = q.dtype
+    o, final = chunk_kda(
+        q=q[None], k=k[None].to(dt), v=v[None].to(dt), g=g[None].float(), beta=beta[None].float(), scale=scale,
+        initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+        safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu,
+    )
+    return o[0].to(v.dtype), final
+
+
+def kda_decode_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, fused_recurrent_kda = _fla_ops()  # type: ignore[misc]
+    dt = q.dtype
+    o, final = fused_recurrent_kda(
+        q=q[:, None], k=k[:, None].to(dt), v=v[:, None].to(dt), g=g[:, None].float(), beta=beta[:, None].float(),
+        scale=scale, initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+    )
+    return o[:, 0].to(v.dtype), final

@@ -1,0 +1,102 @@
+"""KDA (Kimi Delta Attention) recurrence in plain torch: chunked prefill and a one-token step.
+
+Per head, with state S in R^{dk x dv} (fp32), log decay g_t in R^{dk} and beta_t in (0, 1):
+
+    S <- diag(exp(g_t)) S                      (decay acts on the key dim)
+    S <- S + beta_t k_t (v_t - S^T k_t)^T      (delta rule on the decayed state)
+    o_t = S^T (scale * q_t)
+
+Chunked form (derived here, not taken from fla): inside a chunk of c tokens let G_t = sum_{s<=t} g_s
+(relative to the chunk start) and write the per-token correction d_t = beta_t (v_t - (D_t S_{t-1})^T k_t).
+Then S_t = diag(e^{G_t}) S_0 + sum_{j<=t} diag(e^{G_t - G_j}) k_j d_j^T, so the corrections solve a unit
+lower-triangular system (I + A) d = beta * (v - (e^G * k) S_0) with
+A[t, j] = beta_t sum_i k_t[i] k_j[i] e^{G_t[i] - G_j[i]} for j < t. Outputs and the end state follow in
+closed form. Decay factors are only ever formed as e^{G_t - G_j} with j <= t (<= 1), never as
+e^{G_t} * e^{-G_j}, which would overflow for long chunks with strong decay.
+
+Chunks start at each sequence's first token (64-token grid from the sequence start), so a state cut
+at a multiple of 64 and handed over in fp32 reproduces the unsegmented result bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, computed in `dtype` (fp32 unless gold)."""
+    x = x.to(dtype)
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _compute_dtype(state: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if state is not None and state.dtype == torch.float64 else torch.float32
+
+
+def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk for all heads. q,k,g: [h, c, dk] (q already scaled), v: [h, c, dv], beta: [h, c],
+    S: [h, dk, dv]. Returns (o [h, c, dv], S_end [h, dk, dv])."""
+    c = q.shape[1]
+    G = g.cumsum(dim=1)
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # e^{G_t - G_j} for j <= t, exactly 0 above the diagonal; masked before exp so nothing overflows.
+    diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~incl[None, :, :, None], float("-inf"))
+    decay = diff.exp()  # [h, t, j, dk]
+    kk = torch.einsum("hti,htji,hji->htj", k, decay, k)
+    qk = torch.einsum("hti,htji,hji->htj", q, decay, k)  # includes j == t
+    strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+    A = (beta[:, :, None] * kk).masked_fill(~strict, 0.0)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    eG = G.exp()
+    rhs = beta[:, :, None] * (v - (eG * k) @ S)
+    d = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    o = (eG * q) @ S + qk.masked_fill(~incl, 0.0) @ d
+    tail = (G[:, -1:, :] - G).exp() * k  # e^{G_c - G_j} k_j
+    S_end = eG[:, -1, :, None] * S + tail.transpose(1, 2) @ d
+    return o, S_end
+
+
+def kda_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                      lower_bound: float | None = None, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen prefill.
+
+    q, k: [T, h, dk] raw (L2-normalized here, in fp32); v: [T, h, dv]; g: [T, h, dk] log decay;
+    beta: [T, h] post-sigmoid; cu_seqlens: N+1 host ints; initial_state: [N, h, dk, dv] (fp32, or fp64
+    for a gold run). `lower_bound` only tells fast paths that g is bounded (safe gate); g is final here.
+    Returns o [T, h, dv] in v's dtype and the final state [N, h, dk, dv].
+    """
+    cdt = _compute_dtype(initial_state)
+    qn = (l2_normalize(q, cdt) * scale).transpose(0, 1)  # [h, T, dk]
+    kn = l2_normalize(k, cdt).transpose(0, 1)
+    vf, gf, bf = v.to(cdt).transpose(0, 1), g.to(cdt).transpose(0, 1), beta.to(cdt).transpose(0, 1)
+    o = torch.empty_like(vf)
+    finals = []
+    for n in range(len(cu_seqlens) - 1):
+        S = initial_state[n].to(cdt)
+        for s in range(cu_seqlens[n], cu_seqlens[n + 1], chunk):
+            e = min(s + chunk, cu_seqlens[n + 1])
+            o[:, s:e], S = _chunk_step(qn[:, s:e], kn[:, s:e], vf[:, s:e], gf[:, s:e], bf[:, s:e], S)
+        finals.append(S)
+    final = torch.stack(finals) if finals else initial_state.new_zeros((0, *initial_state.shape[1:]))
+    return o.transpose(0, 1).to(v.dtype), final.to(initial_state.dtype)
+
+
+def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence. q, k, g: [B, h, dk]; v: [B, h, dv]; beta: [B, h]; state [B, h, dk, dv].
+    Returns (o [B, h, dv] in v's dtype, new state)."""
+    cdt = _compute_dtype(state)
+    qn = l2_normalize(q, cdt) * scale
+    kn = l2_normalize(k, cdt)
+    S = state.to(cdt) * g.to(cdt).exp()[..., None]
+    pred = torch.einsum("bhk,bhkv->bhv", kn, S)
+    delta = beta.to(cdt)[..., None] * (v.to(cdt) - pred)
+    S = S + kn[..., :, None] * delta[..., None, :]
+    o = torch.einsum("bhk,bhkv->bhv", qn, S)
+    return o.to(v.dtype), S.to(state.dtype)
+

@@ -1,0 +1,101 @@
+"""Packed batches: B sequences flattened to one token stream of T tokens plus the metadata every
+layer needs to keep the sequences apart (segment ids, positions, state slots, page tables).
+
+Shape legend: T tokens in the pack, B sequences, P pages per page-table row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SCRATCH = 0  # reserved page / state slot: padding rows park here, never at -1
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of every token. right=True: a token at position cu[i] belongs to sequence i
+    (right=False would hand every first token to the previous sequence)."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return torch.bucketize(positions, cu_seqlens, right=True) - 1
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [B+1] int64, offsets of each sequence's new tokens in the pack
+    cu_list: list[int]  # the same on the host (loops over sequences never sync)
+    start_pos: torch.Tensor  # [B] tokens each sequence already has cached (0 = fresh sequence)
+    start_list: list[int]
+    slots: torch.Tensor | None  # [B] KDA state slots
+    page_table: torch.Tensor | None  # [B, P] latent-cache pages, padded with SCRATCH
+    seg_ids: torch.Tensor  # [T] sequence of each token
+    local_pos: torch.Tensor  # [T] offset from the sequence's first token in this pack
+    positions: torch.Tensor  # [T] absolute position in its sequence (start_pos + local_pos)
+    is_decode: bool = False  # one token per sequence, run with the recurrent/absorbed decode kernels
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_list) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_list[-1]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [b - a for a, b in zip(self.cu_list[:-1], self.cu_list[1:], strict=True)]
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(s > 0 for s in self.start_list)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - 1
+
+    @classmethod
+    def build(cls, input_ids: torch.Tensor, seq_lens: Sequence[int], *, start_pos: Sequence[int] | None = None,
+              slots: Sequence[int] | None = None, page_tables: Sequence[Sequence[int]] | None = None,
+              page_size: int | None = None, is_decode: bool = False,
+              device: torch.device | str | None = None) -> PackedBatch:
+        """Validate and lay out one pack. `page_tables[i]` lists sequence i's pages in order; it must
+        cover start_pos[i] + seq_lens[i] tokens."""
+        device = torch.device(device) if device is not None else input_ids.device
+        lens = [int(n) for n in seq_lens]
+        if not lens or any(n <= 0 for n in lens):
+            raise ValueError(f"every sequence in a pack needs at least one token; got lengths {lens}")
+        if input_ids.dim() != 1 or input_ids.numel() != sum(lens):
+            raise ValueError(f"input_ids must be 1-D with sum(seq_lens)={sum(lens)} tokens; "
+                             f"got {tuple(input_ids.shape)}")
+        starts = [int(s) for s in start_pos] if start_pos is not None else [0] * len(lens)
+        if len(starts) != len(lens) or any(s < 0 for s in starts):
+            raise ValueError(f"start_pos must give one non-negative offset per sequence; got {starts}")
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        seg = segment_ids(cu_t, cu[-1])
+        local = torch.arange(cu[-1], device=device) - cu_t[seg]
+        slot_t = None
+        if slots is not None:
+            if len(slots) != len(lens) or any(int(s) == SCRATCH for s in slots):
+                raise ValueError(f"slots must give one non-scratch state slot per sequence; got {list(slots)}")
+            slot_t = torch.tensor([int(s) for s in slots], dtype=torch.long, device=device)
+        table_t = None
+        if page_tables is not None:
+            if page_size is None or len(page_tables) != len(lens):
+                raise ValueError("page_tables need page_size and one row per sequence")
+            for i, row in enumerate(page_tables):
+                need = -(-(starts[i] + lens[i]) // page_size)
+                if len(row) < need or any(int(p) == SCRATCH for p in row):
+                    raise ValueError(f"sequence {i}: {len(row)} page(s) {list(row)} cannot hold "
+                                     f"{starts[i] + lens[i]} tokens at page size {page_size} (needs {need}, "
+                                     f"none of them the scratch page)")
+            width = max(len(r) for r in page_tables)
+            padded = [list(map(int, r)) + [SCRATCH] * (width - len(r)) for r in page_tables]
+            table_t = torch.tensor(padded, dtype=torch.long, device=device)
+        return cls(input_ids.to(device), cu_t, cu, start_t, starts, slot_t, table_t, seg, local,
+                   start_t[seg] + local, is_decode)

@@ -1,0 +1,154 @@
+"""KDA layer (Kimi Delta Attention) over a packed token stream.
+
+x [T, H] -> q/k/v projections [T, D] -> per-sequence causal conv + SiLU (windows from the state pool
+for continuations / decode) -> q, k L2-normalized in fp32 inside the recurrence, q scaled by dk^-0.5
+-> recurrence with fp32 state (kernels.kda) -> gated RMSNorm with the output gate -> o_proj.
+D = heads * dk; the KDA value head dim equals dk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3verify.config import ModelConfig
+from k3verify.kernels.conv import causal_conv
+from k3verify.kernels.kda import CHUNK, kda_decode, kda_prefill
+from k3verify.serving.context import ForwardContext
+from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.norm import GatedRMSNorm
+
+Pieces = list[list[tuple[int, int]]]  # per sequence: (start, end) offsets of its prefill segments
+
+
+class ShortConv(nn.Module):
+    """Holds a depthwise conv weight [D, 1, W]; K3 ships it fp32, the call site casts it."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, width, dtype=torch.float32), requires_grad=False)
+
+
+def segment_pieces(seq_lens: list[int], segment_len: int | None) -> Pieces:
+    """Cut every sequence into segments of `segment_len` tokens (the last one may be shorter)."""
+    if segment_len is None:
+        return [[(0, n)] for n in seq_lens]
+    if segment_len <= 0 or segment_len % CHUNK:
+        raise ValueError(f"segment_len must be a positive multiple of the {CHUNK}-token KDA chunk; got {segment_len}")
+    return [[(s, min(s + segment_len, n)) for s in range(0, n, segment_len)] for n in seq_lens]
+
+
+def check_pieces(seq_lens: list[int], pieces: Pieces) -> None:
+    """Refuse any cut that is not on the chunk grid of its sequence: a mid-chunk cut regroups the
+    chunked recurrence and changes the result (state hand-over is exact only at chunk boundaries)."""
+    for i, (n, segs) in enumerate(zip(seq_lens, pieces, strict=True)):
+        if segs[0][0] != 0 or segs[-1][1] != n or any(a[1] != b[0] for a, b in zip(segs[:-1], segs[1:], strict=True)):
+            raise ValueError(f"sequence {i}: segments {segs} do not tile its {n} tokens")
+        bad = [s for s, _ in segs[1:] if s % CHUNK]
+        if bad:
+            raise ValueError(f"sequence {i}: KDA segment cut(s) at {bad} are not multiples of {CHUNK} "
+                             f"from the sequence start; refusing a mid-chunk cut")
+
+
+def run_pieces_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         cu: list[int], pieces: Pieces, state: torch.Tensor, scale: float,
+                         lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round r runs the r-th segment of every sequence that has one, as one packed call, with the
+    fp32 state handed over from round r-1. No cut validation: callers go through check_pieces."""
+    if all(len(p) == 1 for p in pieces):
+        return kda_prefill(q, k, v, g, beta, cu, state, scale, lower_bound=lower_bound)
+    out = torch.empty_like(v)
+    state = state.clone()
+    for r in range(max(len(p) for p in pieces)):
+        members = [i for i, p in enumerate(pieces) if r < len(p)]
+        idx = torch.cat([torch.arange(cu[i] + pieces[i][r][0], cu[i] + pieces[i][r][1]) for i in members])
+        idx = idx.to(q.device)
+        sub_cu = [0]
+        for i in members:
+            sub_cu.append(sub_cu[-1] + pieces[i][r][1] - pieces[i][r][0])
+        rows = torch.tensor(members, device=q.device)
+        o, final = kda_prefill(q[idx], k[idx], v[idx], g[idx], beta[idx], sub_cu, state[rows], scale,
+                               lower_bound=lower_bound)
+        out[idx] = o
+        state[rows] = final
+    return out, state
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        H, D, h, dk, W = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
+        self.layer_idx, self.heads, self.head_dim = layer_idx, h, dk
+        self.lower_bound = cfg.gate_lower_bound
+        self.q_proj, self.k_proj, self.v_proj = (linear(H, D, dtype, device) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(D, W) for _ in range(3))
+        a_shape = (cfg.a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
+        self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32), requires_grad=False)
+        self.f_a_proj = linear(H, dk, dtype, device)
+        self.f_b_proj = linear(dk, D, dtype, device)
+        self.dt_bias = nn.Parameter(torch.zeros(D, dtype=torch.float32), requires_grad=False)
+        self.b_proj = linear(H, h, dtype, device)
+        if cfg.use_full_rank_gate:
+            self.g_proj = linear(H, D, dtype, device)
+        else:
+            self.g_a_proj = linear(H, dk, dtype, device)
+            self.g_b_proj = linear(dk, D, dtype, device)
+        self.o_norm = GatedRMSNorm(dk, cfg.rms_norm_eps)
+        self.o_proj = linear(D, H, dtype, device)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe L sigmoid(exp(A) .)."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(-1, self.heads, self.head_dim)
+        A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]  # K3 pads A_log past the heads
+        if self.lower_bound is None:
+            return -A * F.softplus(raw)
+        return self.lower_bound * torch.sigmoid(A * raw)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        b, pool = ctx.batch, ctx.state_pool
+        T, h, dk = x.shape[0], self.heads, self.head_dim
+        if pool is not None and b.slots is None:
+            raise ValueError("a KDA pass with a state pool needs batch.slots")
+        continuing = pool is not None and (b.is_decode or b.has_prefix)
+        keep = (b.start_pos > 0).to(x.dtype)[:, None, None]  # fresh sequences restart from zero windows
+        windows = pool.windows(self.layer_idx, b.slots, x.dtype) if continuing else (None, None, None)
+        convolved, finals = [], []
+        for proj, conv, init in zip((self.q_proj, self.k_proj, self.v_proj),
+                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), windows, strict=True):
+            weight = conv.weight.to(x.dtype).reshape(conv.weight.shape[0], -1)  # fp32 in K3 -> activation dtype
+            y, final = causal_conv(proj(x), weight, b.seg_ids, b.local_pos, b.cu_seqlens,
+                                   None if init is None else init * keep)
+            convolved.append(y)
+            finals.append(final)
+        if pool is not None:
+            pool.store_windows(self.layer_idx, b.slots, *finals)
+        q, k, v = (t.view(T, h, dk) for t in convolved)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())  # the one and only sigmoid on beta
+        scale = dk**-0.5
+        if continuing:
+            state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
+        else:
+            state0 = torch.zeros(b.num_seqs, h, dk, dk, dtype=torch.float32, device=x.device)
+        if b.is_decode:
+            if pool is None:
+                raise ValueError("KDA decode needs the state pool")
+            o, state = kda_decode(q, k, v, g, beta, state0, scale)
+        else:
+            pieces = segment_pieces(b.seq_lens, ctx.segment_len)
+            check_pieces(b.seq_lens, pieces)
+            if ctx.segment_len is not None:
+                ctx.bump("kda_segmented")
+            o, state = run_pieces_unchecked(q, k, v, g, beta, b.cu_list, pieces, state0, scale, self.lower_bound)
+        if pool is not None:
+            pool.store_state(self.layer_idx, b.slots, state)
+        o = self.o_norm(o, self.output_gate(x).view(T, h, dk))
+        return self.o_proj(o.reshape(T, h * dk))

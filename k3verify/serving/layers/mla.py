@@ -1,0 +1,144 @@
+"""MLA layer over a packed token stream, with the paged latent cache.
+
+Per token the cache keeps only latent = [c_normed (kv_lora_rank) | k_rot (qk_rope)]. Prefill expands
+the latents of each sequence's keys through kv_b_proj and runs causal softmax attention per sequence
+(block-diagonal over the pack; a continuation also sees its cached prefix). Decode by default stays in
+the latent space: q_nope . W_kb scores against c directly and the output maps back through W_vb.
+No rotary (mla_use_nope); scale (qk_nope + qk_rope)^-0.5; K3 gates the output with sigmoid(g_proj(x)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3verify.config import ModelConfig
+from k3verify.serving.batch import PackedBatch
+from k3verify.serving.context import ForwardContext
+from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.norm import RMSNorm
+
+LORA_NORM_EPS = 1e-6  # the two MLA LoRA norms keep 1e-6 whatever rms_norm_eps says
+KeyRange = tuple[int, int, int]  # (first key, end key, query offset) of one sequence in the key stream
+
+
+def key_ranges(batch: PackedBatch, key_cu: list[int]) -> list[KeyRange]:
+    """Sequence i attends keys [key_cu[i], key_cu[i+1]); its query t sees keys up to offset + t,
+    where offset = its cached prefix length. This is the block-diagonal causal mask."""
+    return [(key_cu[i], key_cu[i + 1], batch.start_list[i]) for i in range(batch.num_seqs)]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
+    """q [h, Lq, d], k [h, Lk, d], v [h, Lk, dv]; query t sees keys 0..offset+t. Eager order:
+    scores in the activation dtype, softmax in fp32, cast back, then P @ V."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    allowed = torch.arange(Lk, device=q.device)[None, :] <= (torch.arange(Lq, device=q.device)[:, None] + offset)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.layer_idx, self.heads = layer_idx, nh
+        self.nope, self.rope, self.v_dim, self.rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                                       cfg.kv_lora_rank)
+        self.scale = cfg.qk_head_dim**-0.5
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(H, nh * cfg.qk_head_dim, dtype, device)
+        else:
+            self.q_a_proj = linear(H, cfg.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, dtype, device)
+        self.kv_a_proj_with_mqa = linear(H, self.rank + self.rope, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS, dtype)
+        self.kv_b_proj = linear(self.rank, nh * (self.nope + self.v_dim), dtype, device)
+        self.o_proj = linear(nh * self.v_dim, H, dtype, device)
+        if cfg.mla_use_output_gate:
+            self.g_proj = linear(H, nh * self.v_dim, dtype, device)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, rank + rope]: what the cache stores."""
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.heads, self.nope + self.rope)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        b, cache = ctx.batch, ctx.kv_cache
+        T = x.shape[0]
+        q, lat = self.queries(x), self.latent(x)
+        if cache is not None:
+            if ctx.kv_rows is None:
+                raise ValueError("an MLA pass with a latent cache needs ctx.kv_rows")
+            cache.write(self.layer_idx, ctx.kv_rows, lat)
+        elif b.is_decode or b.has_prefix:
+            raise ValueError("decode / prefix continuation needs the latent cache")
+        if b.is_decode and ctx.mla_absorb:
+            out = self._decode_absorbed(q, ctx)
+        else:
+            out = self._attend(q, lat, ctx)
+        out = out.reshape(T, self.heads * self.v_dim)
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _context_latents(self, lat: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]]:
+        """Latents of every key each sequence sees, concatenated ([Tk, width]), and their offsets."""
+        b = ctx.batch
+        if not (b.is_decode or b.has_prefix):
+            return lat, b.cu_list  # fresh sequences: the keys are exactly the pack's own tokens
+        cache = ctx.kv_cache
+        assert cache is not None and b.page_table is not None
+        lens = [s + n for s, n in zip(b.start_list, b.seq_lens, strict=True)]
+        seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)]).to(lat.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(lat.device)
+        rows = cache.rows(b.page_table, seq, pos)
+        key_cu = [0]
+        for n in lens:
+            key_cu.append(key_cu[-1] + n)
+        return cache.layer(self.layer_idx).index_select(0, rows).to(lat.dtype), key_cu
+
+    def _attend(self, q: torch.Tensor, lat: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        keys_lat, key_cu = self._context_latents(lat, ctx)
+        kv = self.kv_b_proj(keys_lat[:, : self.rank]).view(-1, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rot = keys_lat[:, None, self.rank:].expand(-1, self.heads, -1)
+        k = torch.cat([k_nope, k_rot], dim=-1)  # [Tk, nh, nope + rope]
+        b = ctx.batch
+        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
+        for i, (k0, k1, offset) in enumerate(key_ranges(b, key_cu)):
+            q0, q1 = b.cu_list[i], b.cu_list[i + 1]
+            out[q0:q1] = causal_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                                          v[k0:k1].transpose(0, 1), offset, self.scale).transpose(0, 1)
+        return out
+
+    def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One query per sequence against its whole cached context, in the latent space.
+        q [B, nh, nope+rope] -> [B, nh, v_dim]. Contexts are padded to the longest and masked."""
+        b, cache = ctx.batch, ctx.kv_cache
+        assert cache is not None and b.page_table is not None
+        ctx.bump("mla_absorbed_decode")
+        lens = b.positions + 1  # [B] tokens each query sees, itself included
+        L = int(max(b.start_list)) + 1
+        pos = torch.arange(L, device=q.device)[None, :].expand(b.num_seqs, -1)
+        valid = pos < lens[:, None]
+        seq = torch.arange(b.num_seqs, device=q.device)[:, None].expand(-1, L)
+        rows = cache.rows(b.page_table, seq, torch.where(valid, pos, 0))
+        lat = cache.layer(self.layer_idx)[rows].to(q.dtype)  # [B, L, width]
+        c, k_rot = lat[..., : self.rank], lat[..., self.rank:]
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope:]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_k)
+        scores = (torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, k_rot)) * self.scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o_lat = torch.einsum("bhl,blr->bhr", probs, c)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_v)

@@ -1,0 +1,145 @@
+"""Router, routed experts (dense or MXFP4) and the MoE / LatentMoE block.
+
+Router (fp32): s = sigmoid(x W^T); choose top-k of s + correction bias (grouped when groups >
+topk_group); weights are the uncorrected s at the chosen experts, renormalized, x scaling factor.
+Block: y = sum_k w_k expert_k(x_in) accumulated in fp32, cast back, + shared(x). LatentMoE (K3):
+x_in = routed_expert_down_proj(x) once per token, experts run in the latent, routed_expert_norm once
+after the combine, then routed_expert_up_proj; shared experts stay in hidden space.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3verify.config import ModelConfig
+from k3verify.kernels.mxfp4 import dequantize
+from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.mlp import GatedMLP, glu_activation
+from k3verify.serving.layers.norm import RMSNorm
+
+MXFP4_MODES = ("cached", "per_use")
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        E = cfg.num_experts
+        self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size, dtype=torch.float32, device=device),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32, device=device),
+                                                    requires_grad=False)
+        self.top_k, self.groups, self.topk_group = cfg.num_experts_per_token, cfg.num_expert_group, cfg.topk_group
+        self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64 ascending per token)."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias.float()
+        if self.groups > self.topk_group:
+            T, E = choice.shape
+            per_group = choice.view(T, self.groups, E // self.groups)
+            group_score = per_group.topk(min(2, E // self.groups), dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            choice = per_group.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        idx = choice.topk(self.top_k, dim=-1).indices.sort(dim=-1).values
+        weights = scores.gather(1, idx)
+        if self.renormalize and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, idx
+
+
+class PackedWeight(nn.Module):
+    """MXFP4 weight as the checkpoint stores it: `weight_packed` (2 codes/byte) + `weight_scale` (E8M0)."""
+
+    def __init__(self, n_out: int, n_in: int, group: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight_packed", torch.zeros(n_out, n_in // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(n_out, n_in // group, dtype=torch.uint8, device=device))
+        self.group = group
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight_packed, self.weight_scale, dtype, self.group)
+
+
+class Expert(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        Din, I = cfg.expert_in_dim, cfg.moe_intermediate_size
+        shapes = {"w1": (I, Din), "w3": (I, Din), "w2": (Din, I)}
+        for name, (n_out, n_in) in shapes.items():
+            if cfg.experts_quantized:
+                setattr(self, name, PackedWeight(n_out, n_in, cfg.quant.group_size, device))
+            else:
+                setattr(self, name, linear(n_in, n_out, dtype, device))
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 gate, w3 up, w2 down) dense in `dtype`."""
+        out = []
+        for w in (self.w1, self.w3, self.w2):
+            out.append(w.dense(dtype) if isinstance(w, PackedWeight) else w.weight)
+        return out[0], out[1], out[2]
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None,
+                 mxfp4_mode: str = "cached", tile_tokens: int | None = None) -> None:
+        super().__init__()
+        if mxfp4_mode not in MXFP4_MODES:
+            raise ValueError(f"mxfp4_mode must be one of {MXFP4_MODES}; got {mxfp4_mode!r}")
+        H = cfg.hidden_size
+        self.dtype, self.mxfp4_mode = dtype, mxfp4_mode
+        self.quantized, self.latent = cfg.experts_quantized, cfg.uses_latent_moe
+        self.act = glu_activation(cfg)
+        self.gate = Router(cfg, device)
+        self.experts = nn.ModuleList(Expert(cfg, dtype, device) for _ in range(cfg.num_experts))
+        self.shared_experts = GatedMLP(cfg, H, cfg.shared_intermediate_size, dtype, device, tile_tokens)
+        if self.latent:
+            L = cfg.routed_expert_hidden_size
+            self.routed_expert_down_proj = linear(H, L, dtype, device)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype)
+            self.routed_expert_up_proj = linear(L, H, dtype, device)
+        self._dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def invalidate(self) -> None:
+        """Drop dequantized weights (call after loading new packed weights)."""
+        self._dense = None
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.quantized or self.mxfp4_mode == "per_use":
+            return self.experts[e].weights(self.dtype)
+        if self._dense is None:
+            self._dense = [ex.weights(self.dtype) for ex in self.experts]
+        return self._dense[e]
+
+    def combine(self, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """sum_k w_k expert_k(x_in) in fp32 [T, Din]; each token's terms are added in ascending expert order."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens, w_sorted = order // k, weights.reshape(-1)[order]
+        out = torch.zeros(x_in.shape, dtype=torch.float32, device=x_in.device)
+        start = 0
+        for e, count in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            w1, w3, w2 = self.expert_weights(e)
+            xe = x_in.index_select(0, rows)
+            ye = F.linear(self.act(F.linear(xe, w1), F.linear(xe, w3)), w2)
+            out.index_add_(0, rows, ye.float() * w_sorted[start:start + count, None])
+            start += count
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        x_in = self.routed_expert_down_proj(x) if self.latent else x
+        y = self.combine(x_in, weights, idx).to(x.dtype)
+        if self.latent:
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        return y + self.shared_experts(x)
