@@ -30,7 +30,7 @@ class ProgressHooks:
 @contextmanager
 def progress_hooks(total: int, console: Console | None = None) -> Iterator[ProgressHooks]:
     """Yields (on_start, on_result) callbacks for run_suite that drive a rich progress bar."""
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     progress = Progress(TextColumn("[bold]parity[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.description}"), console=console, transient=True)
     with progress:
@@ -56,22 +56,31 @@ def _fmt(value: float | None) -> str:
 
 
 def summary_table(results: Sequence[Result]) -> Table:
-    table = Table(title="k3verify parity", show_lines=False)
-    for name, justify in (("component", "left"), ("check", "left"), ("kind", "left"), ("status", "left"),
-                          ("metric", "right"), ("bar", "right"), ("margin", "right"), ("control", "left")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    """One row per check, a heading row per component; the check id never wraps (it is what you grep)."""
+    table = Table(title="k3verify parity")
+    table.add_column("check", no_wrap=True)
+    for name in ("status", "kind"):
+        table.add_column(name, no_wrap=True)
+    for name in ("metric", "bar", "margin"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("control", no_wrap=True)
     previous = None
     for r in sorted(results, key=lambda r: (r.component, r.id)):
-        component = r.component if r.component != previous else ""
-        if r.component != previous and previous is not None:
-            table.add_section()
-        previous = r.component
-        margin = _fmt(r.margin) + (" [yellow](thin)[/]" if r.thin else "")
+        if r.component != previous:
+            table.add_row(f"[bold underline]{r.component}[/]", end_section=False)
+            previous = r.component
+        margin = _fmt(r.margin) + (" [yellow]thin[/]" if r.thin else "")
         control = "—" if r.control is None else (
-            "[green]fails (good)[/]" if r.control.status == "fail" else "[magenta]passes (vacuous)[/]")
-        table.add_row(component, r.id, r.kind, f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]", _fmt(r.metric),
+            "[green]caught[/]" if r.control.status == "fail" else "[magenta]NOT caught[/]")
+        table.add_row(f"  {r.id}", f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]", r.kind, _fmt(r.metric),
                       _fmt(r.bar), margin, control)
     return table
+
+
+def make_console(stderr: bool = False) -> Console:
+    """Rich assumes 80 columns when not on a terminal; CI logs are wide enough for the full table."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=160)
 
 
 def verdict_line(run: RunResult) -> str:
@@ -82,7 +91,7 @@ def verdict_line(run: RunResult) -> str:
 
 
 def print_summary(run: RunResult, console: Console | None = None, report_dir: str | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     console.print(summary_table(run.results))
     if report_dir is not None:
         console.print(f"reports: {report_dir}/report.json, report.html, junit.xml")
