@@ -25,6 +25,7 @@ th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:to
 th{background:#f6f8fa}
 tr.grp th{background:#eaeef2;font-size:15px;padding-top:8px}
 td.num{font-family:ui-monospace,Menlo,Consolas,monospace;text-align:right;white-space:nowrap}
+table.checks{width:100%}
 .st{font-weight:700;padding:1px 6px;border-radius:4px;color:#fff;white-space:nowrap}
 .st.pass,.st.killed{background:#1a7f37}.st.fail,.st.survived{background:#cf222e}
 .st.vacuous{background:#8250df}.st.error{background:#9a6700}
@@ -77,6 +78,8 @@ def _run_table(run: Mapping[str, Any]) -> str:
 
 def _notes_cell(r: Mapping[str, Any]) -> str:
     bits = []
+    if r["bar_reason"]:
+        bits.append(f'<div class="small">bar {_num(r["bar"])}: {_e(r["bar_reason"])}</div>')
     if r["reason"]:
         bits.append(f"<div>{_e(r['reason'])}</div>")
     if r.get("worst"):
@@ -118,17 +121,16 @@ def _margin_cell(r: Mapping[str, Any]) -> str:
 
 
 def _results_section(results: Sequence[Mapping[str, Any]]) -> str:
-    out = ['<section id="results"><h2>Checks</h2><table><tr><th>check</th><th>level</th><th>status</th>'
+    out = ['<section id="results"><h2>Checks</h2><table class="checks"><tr><th>check</th><th>level</th><th>status</th>'
            "<th>kind</th><th>metric</th><th>bar</th><th>margin</th><th>control</th><th>time s</th>"
            "<th>notes</th></tr>"]
     ordered = sorted(results, key=lambda r: (r["component"], r["id"]))
     for component, group in groupby(ordered, key=lambda r: r["component"]):
         out.append(f'<tr class="grp"><th colspan="10">{_e(component)}</th></tr>')
         for r in group:
-            bar_reason = f'<div class="small">{_e(r["bar_reason"])}</div>' if r["bar_reason"] else ""
             out.append(f'<tr id="check-{_e(r["id"])}"><td><code>{_e(r["id"])}</code></td><td>{_e(r["level"])}</td>'
                        f'<td>{_status(r["status"])}</td><td>{_e(r["kind"])}</td><td class="num">{_num(r["metric"])}'
-                       f'</td><td class="num">{_num(r["bar"])}{bar_reason}</td><td>{_margin_cell(r)}</td>'
+                       f'</td><td class="num">{_num(r["bar"])}</td><td>{_margin_cell(r)}</td>'
                        f'<td>{_control_cell(r.get("control"))}</td><td class="num">{r["duration_s"]:.2f}</td>'
                        f"<td>{_notes_cell(r)}</td></tr>")
     out.append("</table></section>")
