@@ -10,6 +10,7 @@ import fnmatch
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import time
 import traceback
@@ -173,7 +174,8 @@ def import_error_results(import_errors: Mapping[str, str]) -> list[Result]:
     """A check module that fails to import would silently drop its checks: make each one an error."""
     out = []
     for module, tb in sorted(import_errors.items()):
-        short = module.rsplit(".", 1)[-1]
+        # Ids must match the schema's dotted lower_snake pattern whatever the file is called.
+        short = re.sub(r"[^a-z0-9_]", "_", module.rsplit(".", 1)[-1].lower()) or "module"
         last = tb.strip().splitlines()[-1] if tb.strip() else "import failed"
         out.append(Result(id=f"gates.import.{short}", component="gates", level="module", kind="bitexact",
                           bar=None, bar_reason=None, status=Status.ERROR,

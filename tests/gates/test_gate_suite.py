@@ -84,6 +84,8 @@ def test_a_broken_check_module_becomes_an_error_result() -> None:
     (result,) = import_error_results({"k3verify.gates.checks.kda_conv": "Traceback...\nSyntaxError: bad"})
     assert result.status is Status.ERROR and result.id == "gates.import.kda_conv"
     assert "SyntaxError: bad" in str(result.reason)
+    (odd,) = import_error_results({"k3verify.gates.checks.KDA-v2": "Traceback...\nImportError: x"})
+    assert odd.id == "gates.import.kda_v2"
 
 
 def test_every_check_module_imports_and_selftests_are_registered() -> None:
