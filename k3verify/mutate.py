@@ -189,9 +189,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
         return 3
     if "--mutant" in opts:
         by_id = {m.id: m for m in load_catalog(Path(opts["--catalog"]))}
-        mutant = by_id[opts["--mutant"]]
-        if mutant.kind == "patch":
-            apply_patch(mutant)
+        apply_patch(by_id[opts["--mutant"]])
     from k3verify.cli import main
 
     return main(args[split + 1:])
@@ -223,7 +221,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
         for check_id in check_ids:
             cli += ["--only", check_id]
         opts = ["--root", str(root)]
-        if mutant is not None:
+        if mutant is not None and mutant.kind == "patch":
             opts += ["--catalog", str(catalog_dir.resolve()), "--mutant", mutant.id]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                    PYTHONDONTWRITEBYTECODE="1", K3V_CACHE_DIR=str(cache_dir))
