@@ -107,8 +107,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     import k3verify
     from k3verify.serving.gating import lookup_report
 
-    for name in ("port", "max_batch", "num_pages", "page_size", "max_prefill_tokens"):
+    for name in ("max_batch", "num_pages", "page_size", "max_prefill_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535; got {args.port}")
     try:
         device_kind = torch.device(args.device).type
     except RuntimeError as exc:

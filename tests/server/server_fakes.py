@@ -72,6 +72,7 @@ class _Slot:
     pages: int
     reserved: int
     history: list[int] = field(default_factory=list)
+    prompt_len: int = 0
 
 
 class FakeRunner:
@@ -86,6 +87,9 @@ class FakeRunner:
         self.max_batch_seen = 0
         self.prefill_calls: list[int] = []
         self.fail_next: BaseException | None = None
+
+    def logits_for(self, slot: _Slot) -> torch.Tensor:
+        return toy_logits(slot.history, self.eos_bias)
 
     def _pages(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -115,8 +119,8 @@ class FakeRunner:
             slot = self.slots[seq_id]
             if slot.history or not tokens or len(tokens) > slot.reserved:
                 raise RuntimeError(f"bad prefill of seq {seq_id}: {len(tokens)} tokens, slot {slot}")
-            slot.history = list(tokens)
-            rows.append(toy_logits(slot.history, self.eos_bias))
+            slot.history, slot.prompt_len = list(tokens), len(tokens)
+            rows.append(self.logits_for(slot))
         self.prefill_calls.append(len(seqs))
         self.max_batch_seen = max(self.max_batch_seen, len(seqs))
         return torch.stack(rows)
@@ -129,7 +133,7 @@ class FakeRunner:
             if not slot.history or len(slot.history) >= slot.reserved:
                 raise RuntimeError(f"decode of seq {seq_id} past its reservation of {slot.reserved} tokens")
             slot.history.append(token)
-            rows.append(toy_logits(slot.history, self.eos_bias))
+            rows.append(self.logits_for(slot))
         self.max_batch_seen = max(self.max_batch_seen, len(seqs))
         return torch.stack(rows)
 

@@ -1,0 +1,160 @@
+"""`k3verify serve` refuses to start without a passing gate report for this exact checkpoint, version and
+device kind; the lookup is recursive, newest-wins, and skips corrupt files with a warning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+import k3verify
+from k3verify.cli import UsageError, build_parser, main
+from k3verify.commands import serve
+from k3verify.gates.report import validate_report
+from k3verify.serving.gating import find_passing_report, lookup_report
+
+OTHER_DIGEST = "sha256:" + "0" * 64
+
+
+def write_report(directory: Path, *, digest: str, version: str = k3verify.__version__, device: str = "cpu",
+                 verdict: str = "pass", started_at: str = "2026-01-01T00:00:00+00:00") -> Path:
+    """A minimal schema-valid report.json (validated here, so schema drift fails this helper, not silently)."""
+    counts = {"pass": 3, "fail": 0, "vacuous": 0, "error": 0, "skipped": 1}
+    if verdict == "fail":
+        counts |= {"fail": 1}
+    data = {
+        "schema_version": 1,
+        "run": {"k3verify_version": version, "git_sha": "unknown", "git_dirty": None, "python": "3.11",
+                "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
+                "preset": "k3-tiny", "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
+                "only": [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {}},
+        "results": [],
+        "summary": {"counts": counts, "total": sum(counts.values()), "verdict": verdict},
+    }
+    validate_report(data)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "report.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def tiny_digest() -> str:
+    return serve.resolve_checkpoint(serve_args())[3]
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(["serve", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_no_arguments_default_to_k3_tiny_and_reports_latest() -> None:
+    """`k3verify serve` alone means the k3-tiny preset, reports/latest, 127.0.0.1."""
+    args = serve_args()
+    assert (args.preset, args.checkpoint, args.report_dir, args.host) == (None, None, Path("reports/latest"),
+                                                                          "127.0.0.1")
+    assert serve.parity_command(args) == "k3verify parity --preset k3-tiny --report-dir reports/latest"
+
+
+def test_refuses_without_any_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No report → exit 2 naming the parity command to run and --run-gates."""
+    err = refusal(capsys, "--report-dir", str(tmp_path))
+    assert f"`k3verify parity --preset k3-tiny --report-dir {tmp_path}`" in err
+    assert "--run-gates" in err and "refusing to serve" in err
+
+
+def test_refuses_failing_report(tmp_path: Path, tiny_digest: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failing report for this checkpoint → refused, naming the verdict."""
+    write_report(tmp_path / "run1", digest=tiny_digest, verdict="fail")
+    err = refusal(capsys, "--report-dir", str(tmp_path))
+    assert "verdict 'fail'" in err and "k3verify parity --preset k3-tiny" in err
+
+
+@pytest.mark.parametrize("mismatch", [{"digest": OTHER_DIGEST}, {"version": "0.0.0-other"}, {"device": "cuda"}],
+                         ids=["digest", "version", "device"])
+def test_refuses_passing_report_for_something_else(tmp_path: Path, tiny_digest: str, mismatch: dict,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A passing report for another checkpoint digest, k3verify version or device kind does not count."""
+    write_report(tmp_path, **({"digest": tiny_digest} | mismatch))
+    err = refusal(capsys, "--report-dir", str(tmp_path))
+    assert f"no report for checkpoint {tiny_digest}" in err and "1 report(s) for other" in err
+
+
+def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -> None:
+    """A passing report nested anywhere under --report-dir lets the gate open; the newest one is chosen."""
+    write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
+    newest = write_report(tmp_path / "c", digest=tiny_digest, started_at="2026-02-01T00:00:00+00:00")
+    target = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
+    assert target.report == newest and target.digest == tiny_digest and target.name == "k3-tiny"
+    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == newest
+    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cuda") is None
+
+
+def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: str) -> None:
+    """A regression recorded after a green run closes the gate again."""
+    write_report(tmp_path / "old", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
+    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at="2026-03-01T00:00:00+00:00")
+    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") is None
+    with pytest.raises(UsageError, match="verdict 'fail'"):
+        serve.require_gate(serve_args("--report-dir", str(tmp_path)))
+
+
+def test_corrupt_report_is_ignored_with_a_warning(tmp_path: Path, tiny_digest: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Half-written and schema-invalid files are skipped, each named in a warning; a valid pass still counts."""
+    half = tmp_path / "half" / "report.json"
+    half.parent.mkdir()
+    half.write_text('{"schema_version": 1, "run": {"k3verify_ver', encoding="utf-8")
+    invalid = tmp_path / "invalid" / "report.json"
+    invalid.parent.mkdir()
+    invalid.write_text(json.dumps({"schema_version": 1, "summary": {"verdict": "pass"}}), encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="k3verify.serving.gating"):
+        assert lookup_report(tmp_path, tiny_digest, k3verify.__version__, "cpu").passing is None
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert str(half) in warned and str(invalid) in warned
+    good = write_report(tmp_path / "good", digest=tiny_digest)
+    found = lookup_report(tmp_path, tiny_digest, k3verify.__version__, "cpu")
+    assert found.passing == good and set(found.skipped) == {half, invalid}
+
+
+def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--run-gates runs the quick parity suite for this checkpoint/report dir and serves only if it passed."""
+    from k3verify.commands import parity
+
+    calls: list[argparse.Namespace] = []
+
+    def fake_parity(verdict: str):  # type: ignore[no-untyped-def]
+        def run(args: argparse.Namespace) -> int:
+            calls.append(args)
+            write_report(Path(args.report_dir), digest=tiny_digest, verdict=verdict)
+            return 0 if verdict == "pass" else 1
+        return run
+
+    monkeypatch.setattr(parity, "run_parity", fake_parity("fail"))
+    with pytest.raises(UsageError, match="gates did not pass .parity exit code 1"):
+        serve.require_gate(serve_args("--report-dir", str(tmp_path), "--run-gates"))
+    monkeypatch.setattr(parity, "run_parity", fake_parity("pass"))
+    target = serve.require_gate(serve_args("--report-dir", str(tmp_path / "second"), "--run-gates"))
+    assert target.report == tmp_path / "second" / "report.json"
+    assert [(a.preset, a.suite, a.device, a.report_dir) for a in calls] == [
+        ("k3-tiny", "quick", "cpu", tmp_path), ("k3-tiny", "quick", "cpu", tmp_path / "second")]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--preset", "k3"], "only synthetic presets"),
+    (["--checkpoint", "/nonexistent/ckpt"], "no config.json"),
+])
+def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad flags fail before anything loads, with exit 2 and the value named."""
+    assert message in refusal(capsys, *argv)

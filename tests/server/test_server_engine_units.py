@@ -1,0 +1,184 @@
+"""Unit tests below HTTP: sampler filters and seeds, stop-string holding, FIFO scheduling, engine stop/fault logic."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _Slot
+
+from k3verify.serving.engine import Engine, EngineEvent, find_stop, partial_stop_len
+from k3verify.serving.sampler import SamplingParams, filter_logits, make_generator, sample, sample_row
+from k3verify.serving.scheduler import ScheduledSeq, Scheduler
+
+
+class ScriptedRunner(FakeRunner):
+    """Emits `script[i]` as the i-th generated token (one-hot logits); NaN logits where the script says None."""
+
+    def __init__(self, script: list[int | None], **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.script = script
+
+    def logits_for(self, slot: _Slot) -> torch.Tensor:
+        step = len(slot.history) - slot.prompt_len
+        token = self.script[min(step, len(self.script) - 1)]
+        if token is None:
+            return torch.full((MODEL_VOCAB,), float("nan"))
+        row = torch.full((MODEL_VOCAB,), -5.0)
+        row[token] = 5.0
+        return row
+
+
+def run_engine(runner: FakeRunner, requests: list[tuple[list[int], SamplingParams]], **kw: object
+               ) -> list[list[EngineEvent]]:
+    """Submit all requests to a real Engine thread and collect each one's events until it finishes."""
+    engine = Engine(runner, ByteTokenizer(), eos_token_ids=(EOS, IM_END), vocab_size=MODEL_VOCAB, **kw).start()
+    events: list[list[EngineEvent]] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def sink(i: int):  # type: ignore[no-untyped-def]
+        def put(ev: EngineEvent) -> None:
+            events[i].append(ev)
+            if ev.finished:
+                done[i].set()
+        return put
+
+    try:
+        for i, (prompt, params) in enumerate(requests):
+            engine.submit(prompt, params, sink(i))
+        assert all(d.wait(10) for d in done), "a request never finished"
+        if engine.health() is None:
+            engine.check_integrity()
+    finally:
+        engine.stop()
+    return events
+
+
+def text_of(events: list[EngineEvent]) -> str:
+    return "".join(e.text for e in events)
+
+
+def test_top_k_keeps_exactly_k() -> None:
+    """top_k masks all but the k largest logits."""
+    row = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    kept = torch.isfinite(filter_logits(row, 7, 1.0))
+    assert int(kept.sum()) == 7 and set(kept.nonzero().flatten().tolist()) == set(torch.topk(row, 7).indices.tolist())
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 1), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)])
+def test_top_p_keeps_smallest_nucleus(top_p: float, kept: int) -> None:
+    """top_p keeps the fewest most-likely tokens whose mass reaches top_p (probs .5 .3 .15 .05)."""
+    row = torch.log(torch.tensor([0.15, 0.5, 0.05, 0.3]))
+    out = filter_logits(row, 0, top_p)
+    assert int(torch.isfinite(out).sum()) == kept
+    assert torch.isfinite(out[1])
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
+    """Same seed → same draws; a different seed → different draws; greedy consumes no randomness."""
+    logits = torch.zeros(4, 64)
+    params = [SamplingParams(max_tokens=1, temperature=1.0)] * 4
+    draws = lambda seed: [sample(logits, params, [make_generator(seed + i) for i in range(4)]) for _ in range(1)]  # noqa: E731
+    assert draws(5) == draws(5) and draws(5) != draws(6)
+    g = make_generator(3)
+    state = g.get_state().clone()
+    assert sample_row(torch.arange(10.0), SamplingParams(max_tokens=1, temperature=0.0), g) == 9
+    assert torch.equal(g.get_state(), state)
+
+
+def test_sampling_follows_temperature() -> None:
+    """At tiny temperature the draw is the argmax; at temperature 1 it spreads over the support."""
+    row = torch.tensor([0.0, 1.0, 0.5, 0.9])
+    g = make_generator(0)
+    assert {sample_row(row, SamplingParams(max_tokens=1, temperature=0.01), g) for _ in range(50)} == {1}
+    assert len({sample_row(row, SamplingParams(max_tokens=1, temperature=1.0), g) for _ in range(200)}) == 4
+
+
+def test_find_stop_and_partial_hold() -> None:
+    """The earliest stop wins; a tail that could still become a stop is held back, nothing else is."""
+    assert find_stop("abcENDxEN", 0, ["END", "xE"]) == 3
+    assert find_stop("abcENDx", 4, ["END"]) is None
+    assert partial_stop_len("hello EN", 0, ["END"]) == 2
+    assert partial_stop_len("hello E", 0, ["END", "Ex"]) == 1
+    assert partial_stop_len("hello", 0, ["END"]) == 0
+    assert partial_stop_len("xEN", 1, ["END"]) == 2
+    assert partial_stop_len("xEN", 2, ["END"]) == 0  # "E" was already sent: only "N" is unsent
+
+
+def test_scheduler_is_fifo_without_overtaking() -> None:
+    """A head that does not fit blocks smaller later requests (no starvation of long prompts)."""
+    runner = FakeRunner(num_pages=10, page_size=16)
+    sched = Scheduler(runner, max_prefill_tokens=10_000)
+    sched.add(ScheduledSeq(1, [1] * 100, 40))  # 9 pages
+    assert [s.seq_id for s in sched.schedule_prefill()] == [1]
+    sched.add(ScheduledSeq(2, [1] * 100, 40))  # does not fit now
+    sched.add(ScheduledSeq(3, [1] * 4, 4))  # would fit, but must not overtake 2
+    assert sched.schedule_prefill() == [] and sched.num_waiting == 2
+    sched.finish(1)
+    assert [s.seq_id for s in sched.schedule_prefill()] == [2, 3]
+    runner.check_integrity()
+
+
+def test_scheduler_packs_within_token_budget() -> None:
+    """Prefill packs waiting prompts up to the budget; a single prompt over budget still runs alone."""
+    sched = Scheduler(FakeRunner(num_pages=200), max_prefill_tokens=64)
+    for i in range(3):
+        sched.add(ScheduledSeq(i, [1] * 30, 4))
+    assert [s.seq_id for s in sched.schedule_prefill()] == [0, 1]
+    sched.add(ScheduledSeq(9, [1] * 100, 4))
+    assert [s.seq_id for s in sched.schedule_prefill()] == [2]
+    assert [s.seq_id for s in sched.schedule_prefill()] == [9]
+
+
+def test_stop_string_spanning_tokens_never_leaks() -> None:
+    """With stop "END", text streamed before the match never contains a piece of it; a false start is released."""
+    script = [ord(c) for c in "abENxyEND!"]
+    events = run_engine(ScriptedRunner(script), [([1, 2], SamplingParams(max_tokens=20, temperature=0, stop=("END",)))])
+    [ev] = events
+    assert text_of(ev) == "abENxy"
+    assert "E" not in "".join(e.text for e in ev[:2]) and ev[-1].finish_reason == "stop"
+    assert [e.text for e in ev[:4]] == ["a", "b", "", ""]  # "E", "EN" held back until "x" rules the stop out
+
+
+@pytest.mark.parametrize("eos", [EOS, IM_END], ids=["config_eos", "generation_eos"])
+def test_both_eos_ids_stop_unless_ignored(eos: int) -> None:
+    """Config eos and generation eos both end generation (no eos text); ignore_eos runs to max_tokens."""
+    script = [ord("h"), ord("i"), eos, ord("z")]
+    stop, cont = run_engine(ScriptedRunner(script), [
+        ([5], SamplingParams(max_tokens=6, temperature=0)),
+        ([5], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))])
+    assert text_of(stop) == "hi" and stop[-1].finish_reason == "stop" and stop[-1].completion_tokens == 3
+    assert cont[-1].finish_reason == "length" and cont[-1].completion_tokens == 6 and text_of(cont) == "hizzz"
+
+
+def test_nonfinite_logits_fail_one_request_not_the_engine() -> None:
+    """NaN logits end that request with an error; the engine stays healthy for the next request."""
+    runner = ScriptedRunner([ord("a"), None])
+    [bad] = run_engine(runner, [([7], SamplingParams(max_tokens=5, temperature=0))])
+    assert bad[-1].error is not None and "non-finite" in bad[-1].error
+    runner.script = [ord("a"), ord("b")]
+    [good] = run_engine(runner, [([7], SamplingParams(max_tokens=3, temperature=0))])
+    assert text_of(good) == "abb" and good[-1].finish_reason == "length"
+
+
+def test_debug_mode_integrity_violation_kills_loop_loudly() -> None:
+    """debug=True checks the caches after every step: a corrupted page count fails every pending request."""
+    runner = FakeRunner()
+    runner.free_pages -= 1  # a leaked page
+    [events] = run_engine(runner, [([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))], debug=True)
+    assert events[-1].error is not None and "page accounting broken" in events[-1].error
+
+
+def test_check_integrity_on_demand_raises() -> None:
+    """engine.check_integrity() runs the runner's check on the engine thread and raises what it raises."""
+    runner = FakeRunner()
+    engine = Engine(runner, ByteTokenizer(), eos_token_ids=(EOS,), vocab_size=MODEL_VOCAB).start()
+    try:
+        engine.check_integrity()
+        runner.free_pages += 2
+        with pytest.raises(RuntimeError, match="page accounting broken"):
+            engine.check_integrity()
+        assert engine.health() is None
+    finally:
+        engine.stop()

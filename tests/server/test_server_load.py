@@ -1,0 +1,48 @@
+"""A smaller run of scripts/load_test.py: concurrent streaming clients with malformed requests and hang-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from server_fakes import FakeRunner, running_server
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
+
+
+def load_script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("k3v_load_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(clients: int, requests_per_client: int) -> None:
+    load_test = load_script()
+    runner = FakeRunner(max_slots=8, num_pages=160, max_context=2048)  # byte tokens: prompts up to ~800
+    with running_server(runner, model="k3-tiny") as server:
+        result = asyncio.run(load_test.run_load(server.url, model="k3-tiny", clients=clients,
+                                                requests_per_client=requests_per_client, seed=1, timeout_s=120))
+        print(result.summary())
+        server.engine.check_integrity()
+        assert not runner.slots and runner.free_pages == runner.num_pages, "cache not fully released"
+    assert not result.failures, result.failures[:10]
+    assert result.completed + result.malformed + result.disconnected == result.requests
+    assert result.completed >= result.requests // 2 and result.malformed > 0 and result.disconnected > 0
+    assert runner.max_batch_seen > 1
+
+
+def test_load_16_clients() -> None:
+    """16 streaming clients × 4 requests: every well-formed one completes, malformed → 400, no 5xx, caches freed."""
+    run(16, 4)
+
+
+@pytest.mark.slow
+def test_load_64_clients() -> None:
+    """The full 64-client run of the script."""
+    run(64, 4)
