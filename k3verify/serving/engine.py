@@ -178,6 +178,14 @@ class Engine:
                 f"The request needs {total} tokens of cache ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                 "completion), more than this server's KV cache holds even when empty. Reduce prompt or max_tokens.")
 
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
+        lo, hi = 0, self.runner.max_context - prompt_len
+        while lo < hi:  # can_ever_fit is monotone in the token count
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.runner.can_ever_fit(prompt_len + mid) else (lo, mid - 1)
+        return max(lo, 0)
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
         self.validate(prompt_ids, params.max_tokens)

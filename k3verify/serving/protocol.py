@@ -413,7 +413,8 @@ class ChatRenderer(Renderer):
                                                logprobs=self._logprobs(first_logprob))], None)
 
     def response(self) -> dict[str, Any]:
-        assert self.usage is not None, "response() before the final event"
+        if self.usage is None:
+            raise RuntimeError("ChatRenderer.response() called before the final event")
         choice = ChatChoice(message=AssistantMessage(content=self.text), finish_reason=self.finish_reason,
                             logprobs=self._logprobs())
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],

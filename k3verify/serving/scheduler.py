@@ -7,6 +7,7 @@ admitted sequences join the running decode batch on the next step.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -116,10 +117,8 @@ class Scheduler:
         """Remove every sequence (engine shutdown or failure), releasing what can be released."""
         seqs = list(self.running.values()) + list(self.waiting)
         for seq_id in list(self.running):
-            try:
+            with contextlib.suppress(Exception):  # the runner may be the thing that failed
                 self.runner.release(seq_id)
-            except Exception:  # noqa: BLE001 - the runner may be the thing that failed
-                pass
         self.running.clear()
         self.waiting.clear()
         return seqs

@@ -101,12 +101,21 @@ class _CountRequests:
             return
         endpoint = scope["path"] if scope["path"] in ROUTES else "other"
 
+        started = False
+
         async def counting_send(message: Any) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.count_request(endpoint, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:  # the outermost error middleware will answer 500
+                self.metrics.count_request(endpoint, 500)
+            raise
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -125,9 +134,11 @@ def _parse_json(raw: bytes) -> Any:
 
 
 def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-               metrics: ServerMetrics | None = None,
+               metrics: ServerMetrics | None = None, default_max_tokens: int = 1024,
                encode_chat: Callable[[list[dict[str, Any]]], list[int]] | None = None) -> FastAPI:
-    """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer)."""
+    """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).
+    A chat request without max_tokens gets what still fits, capped at default_max_tokens: the runner reserves
+    cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests."""
     metrics = metrics or ServerMetrics()
     if encode_chat is None:
         from k3verify.tokenizer import encode_chat as kimi_encode_chat
@@ -156,7 +167,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     @app.exception_handler(Exception)
     async def _server_error(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {str(exc)[:200]}",
+                                       type="server_error"))
 
     def check_auth(request: Request) -> None:
         if api_key is None:
@@ -253,7 +265,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
             ids = await asyncio.to_thread(chat_encoder, messages)
         except ValueError as exc:
             raise APIError(400, f"messages could not be rendered: {exc}", param="messages") from None
-        max_tokens = req.max_new_tokens or max(1, engine.runner.max_context - len(ids))
+        max_tokens = req.max_new_tokens or max(1, min(default_max_tokens, engine.max_new_tokens_for(len(ids))))
         renderer = ChatRenderer(make_id("chatcmpl"), now(), model_name, engine.token_text,
                                 want_logprobs=req.logprobs, include_usage=req.include_usage)
         params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

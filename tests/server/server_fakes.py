@@ -171,14 +171,14 @@ class RunningServer:
 @contextmanager
 def running_server(runner: Any | None = None, *, api_key: str | None = None, model: str = "toy",
                    tokenizer: Any | None = None, chat: Any = encode_chat, eos_ids: Sequence[int] = (EOS, IM_END),
-                   vocab_size: int = MODEL_VOCAB, **engine_kw: Any):
+                   vocab_size: int = MODEL_VOCAB, default_max_tokens_app: int = 1024, **engine_kw: Any):
     """Engine + app + uvicorn on 127.0.0.1 at a free port; everything is stopped on exit."""
     runner = runner if runner is not None else FakeRunner()
     metrics = ServerMetrics()
     engine = Engine(runner, tokenizer or ByteTokenizer(), eos_token_ids=eos_ids, vocab_size=vocab_size,
                     observer=metrics, **engine_kw).start()
     app = create_app(engine, tokenizer or ByteTokenizer(), model_name=model, api_key=api_key, metrics=metrics,
-                     encode_chat=chat)
+                     encode_chat=chat, default_max_tokens=default_max_tokens_app)
     try:
         with ServerThread(app) as server:
             yield RunningServer(server.url, engine, runner, metrics, model)

@@ -178,3 +178,19 @@ def test_no_client_error_is_5xx(toy_server: RunningServer) -> None:
     lines = [ln for ln in text.splitlines() if ln.startswith("k3v_requests_total{")]
     assert lines and not [ln for ln in lines if 'status="5' in ln], lines
     assert json.dumps(lines)  # keep the list in the failure message
+
+
+def test_internal_error_is_500_envelope_and_counted() -> None:
+    """A server bug still answers in the envelope and shows up as a 5xx in /metrics (so "no 5xx" checks can fail)."""
+    from server_fakes import ByteTokenizer
+
+    class BrokenTokenizer(ByteTokenizer):
+        def encode(self, text: str) -> list[int]:
+            raise TypeError("tokenizer bug")
+
+    with running_server(tokenizer=BrokenTokenizer()) as server:
+        err = assert_envelope(httpx.post(f"{server.url}/v1/completions", json=GOOD, timeout=10), 500,
+                              contains="tokenizer bug")
+        assert err["type"] == "server_error"
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'k3v_requests_total{endpoint="/v1/completions",status="500"} 1.0' in text

@@ -176,3 +176,17 @@ def test_metrics_count_requests_tokens_and_latency(client: openai.OpenAI, toy_se
         line = next(ln for ln in text.splitlines() if ln.startswith(name))
         if name.endswith(("_total", "_count")):
             assert float(line.split()[-1]) > 0, line
+
+
+def test_chat_without_max_tokens_fits_the_cache() -> None:
+    """No max_tokens: the reply may use what still fits in an empty cache (here 128 tokens), capped by the default."""
+    from server_fakes import FakeRunner, running_server
+
+    with running_server(FakeRunner(num_pages=8, page_size=16, max_context=512)) as server:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="toy", messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 128 and r.choices[0].finish_reason == "length"
+    with running_server(default_max_tokens_app=5) as server:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="toy", messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
