@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -36,6 +40,35 @@ def _fla_function(module: str, name: str) -> Callable[..., Any]:
     fn = getattr(mod, name, None)
     if fn is None:
         raise OracleMismatch(f"{module} has no {name}: the installed fla is not the pinned one")
+    return fn
+
+
+@functools.cache
+def _naive_module() -> ModuleType:
+    """fla/ops/kda/naive.py, the pinned file itself. It needs only torch and einops, so unless fla is
+    already imported it is loaded on its own: importing the fla package costs ~7 s of CPU (triton,
+    its layers) that a CPU reference never uses."""
+    if "fla.ops.kda.naive" in sys.modules:
+        return sys.modules["fla.ops.kda.naive"]
+    spec = importlib.util.find_spec("fla")  # locates the package without executing fla/__init__
+    if spec is None or not spec.submodule_search_locations:
+        raise OracleMismatch("flash-linear-attention is not installed (fla-core 0.6.0 is pinned)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    file_spec = importlib.util.spec_from_file_location("_k3verify_fla_kda_naive", path)
+    if file_spec is None or file_spec.loader is None or not path.is_file():
+        raise OracleMismatch(f"fla's KDA reference file is missing: {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    try:
+        file_spec.loader.exec_module(module)
+    except ImportError:  # a newer naive.py with package-relative imports: take the normal route
+        return importlib.import_module("fla.ops.kda.naive")
+    return module
+
+
+def _naive_function(name: str) -> Callable[..., Any]:
+    fn = getattr(_naive_module(), name, None)
+    if fn is None:
+        raise OracleMismatch(f"fla/ops/kda/naive.py has no {name}: the installed fla is not the pinned one")
     return fn
 
 
@@ -63,7 +96,7 @@ def naive_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float | None = None, initial_state: torch.Tensor | None = None,
                     output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `naive_recurrent_kda` (pure torch, fp32 inside; o in v's dtype, state [B, h, dk, dv])."""
-    fn = _fla_function("fla.ops.kda.naive", "naive_recurrent_kda")
+    fn = _naive_function("naive_recurrent_kda")
     return _call(fn, dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                           output_final_state=output_final_state))
 
@@ -74,7 +107,7 @@ def naive_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
     The pad is q=k=v=0, g=0 (decay 1), β=0: a padded token never writes the state, and as the pad
     sits after every real token, causality keeps it out of every real output."""
-    fn = _fla_function("fla.ops.kda.naive", "naive_chunk_kda")
+    fn = _naive_function("naive_chunk_kda")
     T = q.shape[1]
     pad = (-T) % chunk_size
 
