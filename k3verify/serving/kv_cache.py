@@ -46,6 +46,11 @@ class PagedLatentCache:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def owners(self) -> frozenset[int]:
+        """Sequence ids holding pages."""
+        return frozenset(self._tables)
+
     def capacity(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, ())) * self.page_size
 

@@ -39,6 +39,10 @@ class KDAStatePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def used_slots(self) -> frozenset[int]:
+        return frozenset(self._used)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"state": self.state, "conv_q": self.conv_q, "conv_k": self.conv_k, "conv_v": self.conv_v}
 

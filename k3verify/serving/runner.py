@@ -1,0 +1,190 @@
+"""ModelRunner: the engine-facing API over ServingModel and its two caches.
+
+A sequence is admitted with its full budget (prompt + max new tokens): pages and a KDA state slot are
+reserved up front, so a running sequence can never be starved. `prefill` packs any number of admitted
+sequences (a sequence may prefill more than once: prefix continuation / chunked prefill), `decode`
+advances each by one token. Token positions are tracked here; the scheduler only names seq ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from k3verify.config import ModelConfig
+from k3verify.serving.batch import PackedBatch
+from k3verify.serving.kv_cache import CacheError
+from k3verify.serving.model import ServingModel
+
+
+@dataclass
+class _Sequence:
+    slot: int
+    budget: int  # tokens reserved (prompt + max new)
+    cached: int = 0  # tokens already run through the model
+
+
+class ModelRunner:
+    def __init__(self, model: ServingModel, *, num_pages: int, page_size: int, num_slots: int,
+                 max_context: int) -> None:
+        if max_context < 1:
+            raise ValueError(f"max_context must be >= 1; got {max_context}")
+        self.model = model
+        self.max_context = max_context
+        model.allocate_caches(num_pages, page_size, num_slots)
+        assert model.kv_cache is not None and model.state_pool is not None
+        self.kv_cache, self.state_pool = model.kv_cache, model.state_pool
+        self._seqs: dict[int, _Sequence] = {}
+
+    @property
+    def active_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def num_cached(self, seq_id: int) -> int:
+        return self._get(seq_id).cached
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return (0 < num_tokens <= self.max_context
+                and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_usable_pages)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return (self.can_ever_fit(num_tokens) and self.state_pool.num_free >= 1
+                and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_free_pages)
+
+    def admit(self, seq_id: int, num_tokens: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already admitted")
+        if not self.can_ever_fit(num_tokens):
+            raise CacheError(f"sequence {seq_id}: {num_tokens} tokens can never fit (max_context "
+                             f"{self.max_context}, {self.kv_cache.num_usable_pages} pages of "
+                             f"{self.kv_cache.page_size})")
+        if not self.can_admit(num_tokens):
+            raise CacheError(f"sequence {seq_id}: {num_tokens} tokens do not fit now "
+                             f"({self.kv_cache.num_free_pages} free pages, {self.state_pool.num_free} free slots)")
+        slot = self.state_pool.allocate()
+        self.kv_cache.reserve(seq_id, num_tokens)
+        self._seqs[seq_id] = _Sequence(slot, num_tokens)
+
+    def release(self, seq_id: int) -> None:
+        seq = self._get(seq_id)
+        self.kv_cache.free(seq_id)
+        self.state_pool.free(seq.slot)
+        del self._seqs[seq_id]
+
+    def prefill(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Pack and run new tokens of admitted sequences -> [n, V] fp32 logits of each one's last token."""
+        if not seqs:
+            raise ValueError("prefill needs at least one sequence")
+        states = [self._get(sid) for sid, _ in seqs]
+        if len({sid for sid, _ in seqs}) != len(seqs):
+            raise ValueError(f"a sequence appears twice in one prefill: {[sid for sid, _ in seqs]}")
+        for (sid, tokens), st in zip(seqs, states, strict=True):
+            if not tokens:
+                raise ValueError(f"sequence {sid}: prefill with no tokens")
+            if st.cached + len(tokens) > st.budget:
+                raise CacheError(f"sequence {sid}: {st.cached} cached + {len(tokens)} new tokens exceed its "
+                                 f"admitted budget of {st.budget}")
+        ids = torch.tensor([t for _, tokens in seqs for t in tokens], dtype=torch.long)
+        batch = PackedBatch.build(ids, [len(t) for _, t in seqs], start_pos=[s.cached for s in states],
+                                  slots=[s.slot for s in states],
+                                  page_tables=[self.kv_cache.table(sid) for sid, _ in seqs],
+                                  page_size=self.kv_cache.page_size, device=self.model.device)
+        logits = self.model.prefill(batch).logits
+        for (_, tokens), st in zip(seqs, states, strict=True):
+            st.cached += len(tokens)
+        return logits
+
+    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
+        """One token per sequence (seq_id, last token) -> [n, V] fp32 logits."""
+        if not seqs:
+            raise ValueError("decode needs at least one sequence")
+        states = [self._get(sid) for sid, _ in seqs]
+        if len({sid for sid, _ in seqs}) != len(seqs):
+            raise ValueError(f"a sequence appears twice in one decode: {[sid for sid, _ in seqs]}")
+        for (sid, _), st in zip(seqs, states, strict=True):
+            if st.cached + 1 > st.budget:
+                raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
+        ids = torch.tensor([tok for _, tok in seqs], dtype=torch.long, device=self.model.device)
+        logits = self.model.decode(ids, [s.slot for s in states], [self.kv_cache.table(sid) for sid, _ in seqs],
+                                   [s.cached for s in states])
+        for st in states:
+            st.cached += 1
+        return logits
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        self.state_pool.check_integrity()
+        slots = [s.slot for s in self._seqs.values()]
+        if len(set(slots)) != len(slots):
+            raise CacheError(f"two sequences share a KDA state slot: {slots}")
+        if set(slots) != self.state_pool.used_slots:
+            raise CacheError(f"state slots in use {sorted(self.state_pool.used_slots)} != slots of running sequences "
+                             f"{sorted(slots)}")
+        for sid, seq in self._seqs.items():
+            if self.kv_cache.capacity(sid) < seq.budget:
+                raise CacheError(f"sequence {sid}: {self.kv_cache.capacity(sid)} cached-token capacity for a "
+                                 f"budget of {seq.budget}")
+            if seq.cached > seq.budget:
+                raise CacheError(f"sequence {sid}: {seq.cached} cached tokens exceed its budget {seq.budget}")
+        owners = set(self.kv_cache.owners)
+        if owners != set(self._seqs):
+            raise CacheError(f"page owners {sorted(owners)} != running sequences {sorted(self._seqs)}")
+
+    def _get(self, seq_id: int) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise KeyError(f"sequence {seq_id} is not admitted")
+        return self._seqs[seq_id]
+
+
+def build_runner(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", mxfp4_mode: str = "cached", num_pages: int = 256,
+                 page_size: int = 16, num_slots: int = 8, max_context: int | None = None) -> ModelRunner:
+    """A loaded ServingModel wrapped in a runner (max_context defaults to what the pages can hold)."""
+    model = ServingModel(cfg, dtype, device, mxfp4_mode).load(tensors)
+    ctx_len = max_context if max_context is not None else min((num_pages - 1) * page_size, cfg.max_position_embeddings)
+    return ModelRunner(model, num_pages=num_pages, page_size=page_size, num_slots=num_slots, max_context=ctx_len)
+
+
+def generate_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
+                    eos_token_ids: Collection[int] | None = None) -> list[list[int]]:
+    """Offline greedy decoding: the generated tokens of each prompt (an eos, when given, ends a
+    sequence and is included). Admits as many prompts as fit, runs them to completion, repeats."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    stop = set(eos_token_ids or ())
+    out: list[list[int]] = [[] for _ in prompts]
+    pending = list(range(len(prompts)))
+    next_id = max(runner.active_ids, default=-1) + 1
+    while pending:
+        wave: dict[int, int] = {}  # seq id -> prompt index
+        for i in list(pending):
+            need = len(prompts[i]) + max_new_tokens
+            if not runner.can_ever_fit(need):
+                raise CacheError(f"prompt {i} ({len(prompts[i])} tokens) + {max_new_tokens} new can never fit")
+            if not runner.can_admit(need):
+                break
+            runner.admit(next_id, need)
+            wave[next_id] = i
+            next_id += 1
+            pending.remove(i)
+        if not wave:
+            raise CacheError("no prompt fits into the free cache: release running sequences first")
+        try:
+            logits = runner.prefill([(sid, list(prompts[i])) for sid, i in wave.items()])
+            live = list(wave)
+            while live:
+                nxt = logits.argmax(dim=-1).tolist()
+                still = []
+                for sid, tok in zip(live, nxt, strict=True):
+                    out[wave[sid]].append(tok)
+                    if tok not in stop and len(out[wave[sid]]) < max_new_tokens:
+                        still.append((sid, tok))
+                live = [sid for sid, _ in still]
+                if still:
+                    logits = runner.decode(still)
+        finally:
+            for sid in wave:
+                runner.release(sid)
+    return out
