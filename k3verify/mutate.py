@@ -54,15 +54,18 @@ class Mutant:
     presets: tuple[str, ...] = ("k3-tiny",)
     quick: bool = False
     equivalent: str | None = None
+    also: tuple[tuple[str, str], ...] = ()  # further (old, new) edits in the same file, for multi-site faults
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "killers", tuple(self.killers))
         object.__setattr__(self, "presets", tuple(self.presets))
+        object.__setattr__(self, "also", tuple((str(a), str(b)) for a, b in self.also))
         module = self.module
         if not any(module == p or module.startswith(p + ".") for p in MUTABLE_PREFIXES):
             raise CatalogError(f"mutant {self.id!r}: target module {module!r} is not mutable "
                                f"(allowed: {', '.join(MUTABLE_PREFIXES)}; never the oracle or the gates)")
-        if self.kind == "replace" and (self.old is None or self.new is None or self.old == self.new):
+        if self.kind == "replace" and (self.old is None or self.new is None or self.old == self.new
+                                       or any(a == b for a, b in self.also)):
             raise CatalogError(f"replace mutant {self.id!r} needs distinct `old` and `new` snippets")
         if self.kind == "patch" and self.patch is None:
             raise CatalogError(f"patch mutant {self.id!r} needs a `patch` factory (original -> replacement)")
@@ -70,6 +73,10 @@ class Mutant:
             raise CatalogError(f"mutant {self.id!r}: kind must be 'replace' or 'patch'; got {self.kind!r}")
         if not self.killers or not self.presets or not self.fault.strip():
             raise CatalogError(f"mutant {self.id!r} needs a fault sentence, >=1 killer and >=1 preset")
+
+    @property
+    def edits(self) -> list[tuple[str, str]]:
+        return [(self.old or "", self.new or ""), *self.also] if self.kind == "replace" else []
 
     @property
     def module(self) -> str:
@@ -144,14 +151,21 @@ def stale_reason(mutant: Mutant, root: Path = PACKAGE_DIR.parent) -> str | None:
     if not path.is_file():
         return f"target module {mutant.module} has no source file ({path.relative_to(root)} missing)"
     if mutant.kind == "patch":
-        return None
+        try:
+            owner: Any = importlib.import_module(mutant.module)
+            for part in mutant.attr.split("."):
+                owner = getattr(owner, part)
+        except (ImportError, AttributeError) as exc:
+            return f"stale patch mutant: target {mutant.target} does not resolve ({exc})"
     text = path.read_text(encoding="utf-8")
-    count = text.count(mutant.old or "")
-    if count != 1:
-        return (f"stale mutant: `old` snippet occurs {count} times in {path.relative_to(root)} (expected exactly "
-                f"once): {(mutant.old or '')[:80]!r}")
+    for old, new in mutant.edits:
+        count = text.count(old)
+        if count != 1:
+            return (f"stale mutant: `old` snippet occurs {count} times in {path.relative_to(root)} (expected "
+                    f"exactly once): {old[:80]!r}")
+        text = text.replace(old, new)
     try:
-        compile(text.replace(mutant.old or "", mutant.new or ""), str(path), "exec")
+        compile(text, str(path), "exec")
     except SyntaxError as exc:
         return f"mutated {path.relative_to(root)} does not compile: {exc}"
     return None
@@ -163,7 +177,9 @@ def make_copy(dest_root: Path, mutant: Mutant | None) -> Path:
     if mutant is not None and mutant.kind == "replace":
         path = module_file(dest_root, mutant.module)
         text = path.read_text(encoding="utf-8")
-        path.write_text(text.replace(mutant.old or "", mutant.new or "", 1), encoding="utf-8")
+        for old, new in mutant.edits:
+            text = text.replace(old, new, 1)
+        path.write_text(text, encoding="utf-8")
     return dest_root
 
 

@@ -1,0 +1,58 @@
+"""Checkpoint faults: the MXFP4 codec used by the loader, the strict loader, the reconciler and the config."""
+
+from __future__ import annotations
+
+from k3verify.mutate import Mutant
+
+CODEC = "k3verify.checkpoint.mxfp4"
+
+MUTANTS = [
+    Mutant(
+        id="checkpoint.mxfp4.high_nibble_first", quick=True,
+        fault="the checkpoint MXFP4 decoder reads the high nibble of each byte as the earlier element",
+        target=f"{CODEC}:decode_codes",
+        old="return torch.stack((low, high), dim=-1)",
+        new="return torch.stack((high, low), dim=-1)",
+        killers=["oracle.mxfp4.*", "weights.*"],
+    ),
+    Mutant(
+        id="checkpoint.mxfp4.e8m0_bias_128",
+        fault="the checkpoint MXFP4 decoder uses an E8M0 bias of 128 instead of 127",
+        target=f"{CODEC}:dequantize",
+        old="exps = scale.to(torch.int32) - 127",
+        new="exps = scale.to(torch.int32) - 128",
+        killers=["oracle.mxfp4.*", "weights.*"],
+    ),
+    Mutant(
+        id="checkpoint.loader.skips_unknown_names", quick=True,
+        fault="the loader silently skips checkpoint tensors that have no destination instead of refusing",
+        target="k3verify.checkpoint.loader:plan_sources",
+        old="if missing or unexpected:",
+        new="if missing:",
+        killers=["weights.*"],
+    ),
+    Mutant(
+        id="checkpoint.loader.skips_missing",
+        fault="the loader leaves module tensors without a checkpoint source at their init values",
+        target="k3verify.checkpoint.loader:plan_sources",
+        old="if missing or unexpected:",
+        new="if unexpected:",
+        killers=["weights.*"],
+    ),
+    Mutant(
+        id="checkpoint.reconcile.ignores_shape_mismatch",
+        fault="the reconciler matches a tensor whose header shape differs from its parameter",
+        target="k3verify.checkpoint.reconcile:_check",
+        old="bad_shape = got.shape is not None and tuple(got.shape) != tuple(shape)",
+        new="bad_shape = False",
+        killers=["weights.*"],
+    ),
+    Mutant(
+        id="config.generation_eos_dropped",
+        fault="the config keeps only config.json's eos id and drops generation_config.json's (163585 vs 163586)",
+        target="k3verify.config:_parse_text",
+        old="eos_ids = eos_ids + tuple(e for e in generation_eos if e not in eos_ids)",
+        new="eos_ids = eos_ids",
+        killers=["serving.*", "weights.*", "tokenizer.*"],
+    ),
+]

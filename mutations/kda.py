@@ -1,0 +1,158 @@
+"""KDA faults: the layer (serving/layers/kda.py), its causal conv and its recurrence kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3verify.mutate import Mutant
+
+KDA = "k3verify.serving.layers.kda"
+CONV = "k3verify.kernels.conv.torch_ref"
+REC = "k3verify.kernels.kda.torch_ref"
+
+
+def cut_mid_chunk(original: Any) -> Any:
+    """Cut prefill segments one token short of the 64-token grid AND drop the guard that refuses such cuts
+    (the guard alone would turn the fault into a loud error; the fault modelled is a silent mid-chunk cut)."""
+    import k3verify.serving.layers.kda as kda
+
+    kda.check_pieces = lambda seq_lens, pieces: None
+
+    def segment_pieces(seq_lens: list[int], segment_len: int | None) -> list[list[tuple[int, int]]]:
+        if segment_len is None:
+            return original(seq_lens, segment_len)
+        step = segment_len - 1
+        return [[(s, min(s + step, n)) for s in range(0, n, step)] for n in seq_lens]
+
+    return segment_pieces
+
+
+MUTANTS = [
+    Mutant(
+        id="kda.beta.sigmoid_twice", quick=True,
+        fault="beta is passed through sigmoid twice (the layer applies it and a kernel applies it again)",
+        target=f"{KDA}:KimiDeltaAttention.beta",
+        old="return torch.sigmoid(self.b_proj(x).float())",
+        new="return torch.sigmoid(torch.sigmoid(self.b_proj(x).float()))",
+        killers=["kda.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="kda.beta.never_sigmoided",
+        fault="beta is used as raw b_proj logits (nobody applies the sigmoid)",
+        target=f"{KDA}:KimiDeltaAttention.beta",
+        old="return torch.sigmoid(self.b_proj(x).float())",
+        new="return self.b_proj(x).float()",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.gate.softplus_for_safe_gate", quick=True,
+        fault="K3's safe gate L*sigmoid(exp(A)*g) is replaced by the plain -exp(A)*softplus(g) gate",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        old="return self.lower_bound * torch.sigmoid(A * raw)",
+        new="return -A * F.softplus(raw)",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.gate.a_log_last_heads",
+        fault="A_log is sliced from the end ([-heads:]) instead of the first `heads` entries of the padded vector",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        old="A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]",
+        new="A = self.A_log.float().reshape(-1)[-self.heads :].exp()[:, None]",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.gate.a_log_ignored",
+        fault="the plain gate drops the per-head decay rate exp(A_log): g = -softplus(f)",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        old="return -A * F.softplus(raw)",
+        new="return -F.softplus(raw)",
+        killers=["kda.*"], presets=("kl-tiny",),
+    ),
+    Mutant(
+        id="kda.gate.dt_bias_dropped",
+        fault="the forget-gate bias dt_bias is never added",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        old="raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()",
+        new="raw = self.f_b_proj(self.f_a_proj(x)).float()",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.qk.l2norm_dropped", quick=True,
+        fault="q and k are not L2-normalized before the recurrence",
+        target=f"{REC}:l2_normalize",
+        old="return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)",
+        new="return x",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.q.scale_missing",
+        fault="q is not scaled by head_dim^-0.5",
+        target=f"{KDA}:KimiDeltaAttention.forward",
+        old="g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5",
+        new="g, beta, scale = self.forget_gate(x), self.beta(x), 1.0",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.norm.gate_not_sigmoided",
+        fault="the gated o_norm multiplies by the raw output-gate logits instead of sigmoid(gate)",
+        target="k3verify.serving.layers.norm:GatedRMSNorm.forward",
+        old="return (normed * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)",
+        new="return (normed * self.weight.float() * gate.float()).to(x.dtype)",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.conv.leaks_across_sequences", quick=True,
+        fault="the causal conv window reaches into the previous sequence of the pack (no zero-pad per sequence)",
+        target=f"{CONV}:_sources",
+        old="inside = local_pos >= shift",
+        new="inside = torch.arange(seg_ids.numel(), device=seg_ids.device) >= shift",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.conv.silu_dropped",
+        fault="the short conv output skips its SiLU",
+        target=f"{CONV}:causal_conv_varlen_torch",
+        old="y = torch.nn.functional.silu(acc)",
+        new="y = acc",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.decode.conv_state_not_advanced",
+        fault="decode steps read the conv windows but never store the advanced windows back",
+        target=f"{KDA}:KimiDeltaAttention.short_convs",
+        old="        if pool is not None:\n            pool.store_windows(",
+        new="        if pool is not None and not b.is_decode:\n            pool.store_windows(",
+        killers=["serving.*", "kda.*"],
+    ),
+    Mutant(
+        id="kda.decode.state_not_stored",
+        fault="the recurrent state after a decode step is never written back to the state pool",
+        target=f"{KDA}:KimiDeltaAttention.forward",
+        old="        if pool is not None:\n            assert b.slots is not None\n            pool.store_state(",
+        new="        if pool is not None and not b.is_decode:\n"
+            "            assert b.slots is not None\n            pool.store_state(",
+        killers=["serving.*", "kda.*"],
+    ),
+    Mutant(
+        id="kda.decode.no_decay",
+        fault="the one-token decode step forgets to decay the state by exp(g)",
+        target=f"{REC}:kda_decode_torch",
+        old="S = state.to(cdt) * g.to(cdt).exp()[..., None]",
+        new="S = state.to(cdt)",
+        killers=["kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kda.prefill.cut_mid_chunk", kind="patch", patch=cut_mid_chunk,
+        fault="long prefill is cut into segments off the 64-token chunk grid (and nothing refuses the cut)",
+        target=f"{KDA}:segment_pieces",
+        killers=["kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kda.state.slot_off_by_one",
+        fault="the state pool reads the recurrent state of the neighbouring slot (slots - 1)",
+        target="k3verify.serving.state_cache:KDAStatePool.read_state",
+        old="return self.state[self.layer_index[layer]].index_select(0, slots)",
+        new="return self.state[self.layer_index[layer]].index_select(0, slots - 1)",
+        killers=["serving.*", "kda.*"],
+    ),
+]

@@ -1,0 +1,118 @@
+"""Router, MoE / LatentMoE and MXFP4 expert-weight faults."""
+
+from __future__ import annotations
+
+from k3verify.mutate import Mutant
+
+MOE = "k3verify.serving.layers.moe"
+MXFP4_KERNEL = "k3verify.kernels.mxfp4.torch_ref"
+
+MUTANTS = [
+    Mutant(
+        id="router.correction_bias_ignored", quick=True,
+        fault="experts are chosen by top-k of the plain sigmoid scores, without e_score_correction_bias",
+        target=f"{MOE}:Router.forward",
+        old="choice = scores + self.e_score_correction_bias.float()",
+        new="choice = scores",
+        killers=["router.*", "moe.*"],
+    ),
+    Mutant(
+        id="router.bias_in_weights",
+        fault="the combine weights are the bias-corrected scores instead of the uncorrected sigmoid scores",
+        target=f"{MOE}:Router.forward",
+        old="weights = scores.gather(1, idx)",
+        new="weights = choice.gather(1, idx)",
+        killers=["router.*", "moe.*"],
+    ),
+    Mutant(
+        id="router.no_renormalize",
+        fault="the top-k weights are not renormalized to sum to one",
+        target=f"{MOE}:Router.forward",
+        old="if self.renormalize and self.top_k > 1:",
+        new="if False:",
+        killers=["router.*", "moe.*"],
+    ),
+    Mutant(
+        id="router.no_scaling_factor",
+        fault="routed_scaling_factor is never applied to the routing weights",
+        target=f"{MOE}:Router.forward",
+        old="return weights * self.scaling, idx",
+        new="return weights, idx",
+        killers=["router.*", "moe.*"],
+    ),
+    Mutant(
+        id="router.softmax_scores",
+        fault="router scores use softmax over experts instead of sigmoid",
+        target=f"{MOE}:Router.forward",
+        old="scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))",
+        new="scores = torch.softmax(F.linear(x.float(), self.weight.float()), dim=-1)",
+        killers=["router.*", "moe.*"],
+    ),
+    Mutant(
+        id="router.grouped_topk_ignored",
+        fault="grouped top-k (num_expert_group > topk_group) is skipped: experts come from every group",
+        target=f"{MOE}:Router.forward",
+        old="if self.groups > self.topk_group:",
+        new="if False:",
+        killers=["router.*", "moe.*"], presets=("k3-skew-10",),
+    ),
+    Mutant(
+        id="moe.combine_in_bf16",
+        fault="the expert outputs are accumulated in the activation dtype (bf16) instead of fp32",
+        target=f"{MOE}:SparseMoE.combine",
+        old="out.index_add_(0, rows, ye.float() * w_sorted[start:start + count, None])",
+        new="out = out.index_add(0, rows, ye.float() * w_sorted[start:start + count, None]).to(x_in.dtype).float()",
+        killers=["moe.*"],
+    ),
+    Mutant(
+        id="moe.gate_up_swapped",
+        fault="the routed experts use w3 as the gate and w1 as the up projection",
+        target=f"{MOE}:SparseMoE.combine",
+        old="ye = F.linear(self.act(F.linear(xe, w1), F.linear(xe, w3)), w2)",
+        new="ye = F.linear(self.act(F.linear(xe, w3), F.linear(xe, w1)), w2)",
+        killers=["moe.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="moe.latent_norm_per_expert",
+        fault="routed_expert_norm is applied to each expert's output before the combine instead of once after it",
+        target=f"{MOE}:SparseMoE.combine",
+        old="ye = F.linear(self.act(F.linear(xe, w1), F.linear(xe, w3)), w2)",
+        new="ye = F.linear(self.act(F.linear(xe, w1), F.linear(xe, w3)), w2)\n"
+            "            ye = self.routed_expert_norm(ye) if hasattr(self, 'routed_expert_norm') else ye",
+        also=(("                y = self.routed_expert_norm(y)\n", "                pass\n"),),
+        killers=["moe.*"],
+    ),
+    Mutant(
+        id="moe.latent_norm_after_up_proj",
+        fault="the LatentMoE norm runs in hidden space after routed_expert_up_proj instead of in the latent before it",
+        target=f"{MOE}:SparseMoE.forward",
+        old="                y = self.routed_expert_norm(y)\n            y = self.routed_expert_up_proj(y)",
+        new="                pass\n            y = self.routed_expert_up_proj(y)\n"
+            "            y = F.rms_norm(y.float(), (y.shape[-1],), eps=self.routed_expert_norm.eps).to(y.dtype)",
+        killers=["moe.*"],
+    ),
+    Mutant(
+        id="moe.shared_expert_dropped",
+        fault="the shared expert output is not added to the routed output",
+        target=f"{MOE}:SparseMoE.forward",
+        old="return y + self.shared_experts(x)",
+        new="return y",
+        killers=["moe.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="mxfp4.kernel.high_nibble_first", quick=True,
+        fault="the serving MXFP4 decoder reads the high nibble of each byte as the earlier element",
+        target=f"{MXFP4_KERNEL}:codes_low_first",
+        old="return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)",
+        new="return torch.stack((packed >> 4, packed & 0x0F), dim=-1).flatten(-2)",
+        killers=["moe.*", "kernel.mxfp4*"],
+    ),
+    Mutant(
+        id="mxfp4.kernel.e8m0_bias_128",
+        fault="the serving MXFP4 decoder uses an E8M0 bias of 128 (every weight halved)",
+        target=f"{MXFP4_KERNEL}:dequantize_torch",
+        old="scale.to(torch.int32) - 127",
+        new="scale.to(torch.int32) - 128",
+        killers=["moe.*", "kernel.mxfp4*"],
+    ),
+]

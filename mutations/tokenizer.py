@@ -1,0 +1,59 @@
+"""Tokenizer and chat faults: special-token injection, the long-input split, the pre-tokenizer, streaming."""
+
+from __future__ import annotations
+
+from k3verify.mutate import Mutant
+
+TOK = "k3verify.tokenizer.tokenizer"
+CHAT = "k3verify.tokenizer.chat"
+
+MUTANTS = [
+    Mutant(
+        id="tokenizer.special_tokens_in_user_text", quick=True,
+        fault="chat content is encoded with specials allowed, so a user typing [EOS] or <|im_end|> injects the token",
+        target=f"{CHAT}:reference_chat_ids",
+        old="ids += tokenizer.encode(seg.text)",
+        new="ids += tokenizer.encode(seg.text, allow_special=True)",
+        killers=["tokenizer.*"],
+    ),
+    Mutant(
+        id="tokenizer.encode_always_parses_specials",
+        fault="encode() turns special-token names into special ids even when allow_special is False",
+        target=f"{TOK}:KimiTokenizer.encode",
+        old="        if not allow_special:\n            return self._encode_plain(text)\n",
+        new="",
+        killers=["tokenizer.*"],
+    ),
+    Mutant(
+        id="tokenizer.split_run_cap_ignored",
+        fault="long-input splitting ignores the per-run cap, so over-long whitespace runs reach tiktoken whole",
+        target=f"{TOK}:split_for_encoding",
+        old="for pos in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):",
+        new="for pos in range(run.start() + MAX_RUN_CHARS, run.start(), MAX_RUN_CHARS):",
+        killers=["tokenizer.*"],
+    ),
+    Mutant(
+        id="tokenizer.pretokenizer_digits_unbounded",
+        fault="the pre-tokenizer groups any number of digits (\\p{N}+) instead of at most three",
+        target=f"{TOK}:PAT_STR",
+        old='r"\\p{N}{1,3}",',
+        new='r"\\p{N}+",',
+        killers=["tokenizer.*"],
+    ),
+    Mutant(
+        id="tokenizer.chat_role_word_dropped",
+        fault="chat turns render the marker without the role word (<|im_user|><|im_middle|>...)",
+        target=f"{CHAT}:render_chat",
+        old="        text(name or role)\n",
+        new="",
+        killers=["tokenizer.*"],
+    ),
+    Mutant(
+        id="tokenizer.stream_skip_special_ignored",
+        fault="the streaming decoder emits special tokens' text even when asked to skip them",
+        target="k3verify.tokenizer.streaming:IncrementalDecoder.push",
+        old="if self.skip_special and self.tokenizer.is_special(token_id):",
+        new="if False:",
+        killers=["tokenizer.*", "serving.*"],
+    ),
+]
