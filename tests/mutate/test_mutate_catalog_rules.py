@@ -11,7 +11,7 @@ import pytest
 
 from k3verify.cli import main
 from k3verify.gates.report import load_report
-from k3verify.mutate import CatalogError, ChildRun, Mutant, classify, expand_killers, stale_reason
+from k3verify.mutate import CatalogError, ChildRun, Mutant, classify, expand_killers, load_catalog, stale_reason
 
 MXFP4 = "k3verify.checkpoint.mxfp4:decode_codes"
 
@@ -114,3 +114,12 @@ def test_child_that_imported_the_installed_package_is_an_error() -> None:
     mutant = Mutant(id="m", fault="f", target=MXFP4, old="a", new="b", killers=["a.*"])
     child = ChildRun(3, _report(a_x="fail"), None, "child imported /work/main/k3verify", 0.1)
     assert classify(mutant, "k3-tiny", ["a.x"], child).status == "error"
+
+
+def test_catalog_entries_apply_to_the_current_code() -> None:
+    """Every catalog entry's snippet still occurs exactly once (or its patch target resolves): a refactor that
+    moves mutated code must update the catalog instead of leaving stale mutants behind."""
+    mutants = load_catalog()
+    assert len(mutants) >= 40
+    stale = {m.id: stale_reason(m) for m in mutants}
+    assert {k: v for k, v in stale.items() if v} == {}
