@@ -36,10 +36,10 @@ def attn_res_mix(p: torch.Tensor, blocks: torch.Tensor, norm_weight: torch.Tenso
     scores = torch.stack([_score(blocks[:, i].float(), w, eps) for i in range(n)] + [_score(p.float(), w, eps)],
                          dim=-1)
     alpha = torch.softmax(scores, dim=-1)  # [T, n+1]
-    out = alpha[:, n, None] * p.float()
-    for i in range(n):
+    out = alpha[:, 0, None] * blocks[:, 0].float()  # sources summed in order B_0 .. B_{n-1}, p
+    for i in range(1, n):
         out = out + alpha[:, i, None] * blocks[:, i].float()
-    return out.to(p.dtype)
+    return (out + alpha[:, n, None] * p.float()).to(p.dtype)
 
 
 class BlockBuffer:

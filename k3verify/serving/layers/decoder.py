@@ -51,8 +51,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg, H, cfg.intermediate_size, dtype, device, tile_tokens)
 
+    @property
+    def ffn_module(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+        return self.ffn_module(x)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, captures: Captures) -> torch.Tensor:
         """Plain residual stream x [T, H] -> x."""

@@ -112,29 +112,38 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, h] fp32: the one and only sigmoid on beta (the kernels get post-sigmoid values)."""
+        return torch.sigmoid(self.b_proj(x).float())
+
+    def short_convs(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor,
+                    continuing: bool) -> list[torch.Tensor]:
+        """q, k, v projections through their causal convs [T, D]; windows come from / go to the pool."""
+        b, pool = ctx.batch, ctx.state_pool
+        windows = pool.windows(self.layer_idx, b.slots, x.dtype) if continuing else (None, None, None)
+        outs, finals = [], []
+        for proj, conv, init in zip((self.q_proj, self.k_proj, self.v_proj),
+                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), windows, strict=True):
+            weight = conv.weight.to(x.dtype).reshape(conv.weight.shape[0], -1)  # fp32 in K3 -> activation dtype
+            y, final = causal_conv(proj(x), weight, b.seg_ids, b.local_pos, b.cu_seqlens,
+                                   None if init is None else init * keep)
+            outs.append(y)
+            finals.append(final)
+        if pool is not None:
+            pool.store_windows(self.layer_idx, b.slots, *finals)
+        return outs
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, pool = ctx.batch, ctx.state_pool
         T, h, dk = x.shape[0], self.heads, self.head_dim
         if pool is not None and b.slots is None:
             raise ValueError("a KDA pass with a state pool needs batch.slots")
         continuing = pool is not None and (b.is_decode or b.has_prefix)
-        keep = (b.start_pos > 0).to(x.dtype)[:, None, None]  # fresh sequences restart from zero windows
-        windows = pool.windows(self.layer_idx, b.slots, x.dtype) if continuing else (None, None, None)
-        convolved, finals = [], []
-        for proj, conv, init in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), windows, strict=True):
-            weight = conv.weight.to(x.dtype).reshape(conv.weight.shape[0], -1)  # fp32 in K3 -> activation dtype
-            y, final = causal_conv(proj(x), weight, b.seg_ids, b.local_pos, b.cu_seqlens,
-                                   None if init is None else init * keep)
-            convolved.append(y)
-            finals.append(final)
-        if pool is not None:
-            pool.store_windows(self.layer_idx, b.slots, *finals)
-        q, k, v = (t.view(T, h, dk) for t in convolved)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())  # the one and only sigmoid on beta
-        scale = dk**-0.5
+        keep = (b.start_pos > 0).to(x.dtype)[:, None, None]  # fresh sequences restart from zero windows/state
+        q, k, v = (t.view(T, h, dk) for t in self.short_convs(x, ctx, keep, continuing))
+        g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5
         if continuing:
+            assert pool is not None and b.slots is not None
             state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
         else:
             state0 = torch.zeros(b.num_seqs, h, dk, dk, dtype=torch.float32, device=x.device)
@@ -149,6 +158,7 @@ class KimiDeltaAttention(nn.Module):
                 ctx.bump("kda_segmented")
             o, state = run_pieces_unchecked(q, k, v, g, beta, b.cu_list, pieces, state0, scale, self.lower_bound)
         if pool is not None:
+            assert b.slots is not None
             pool.store_state(self.layer_idx, b.slots, state)
         o = self.o_norm(o, self.output_gate(x).view(T, h, dk))
         return self.o_proj(o.reshape(T, h * dk))

@@ -1,0 +1,96 @@
+"""Cached serving objects and small helpers for the serving parity checks (gates/checks/serving_*.py).
+
+Weights come from the oracle's `checkpoint_tensors(ctx)` so both stacks load the very same tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from k3verify.serving.batch import PackedBatch
+from k3verify.serving.context import ForwardContext
+from k3verify.serving.model import ServingModel
+
+_MISSING = object()
+
+
+def checkpoint_tensors(ctx: Any) -> Any:
+    try:
+        from k3verify.oracle.fixtures import checkpoint_tensors as oracle_tensors
+    except ImportError:  # the oracle package is optional for serving-only installs
+        from k3verify.checkpoint.init import synthetic_tensors
+
+        key = "serving.tensors"
+        if key not in ctx.cache:
+            ctx.cache[key] = synthetic_tensors(ctx.cfg, seed=0)
+        return ctx.cache[key]
+    return oracle_tensors(ctx)
+
+
+def serving_model(ctx: Any, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
+    """ServingModel(ctx.cfg, dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
+    Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check)."""
+    key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
+    if key not in ctx.cache:
+        ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
+    model: ServingModel = ctx.cache[key]
+    model.attn_res_storage = "prealloc"
+    model.mla_absorb = True
+    return model
+
+
+def reference_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
+    from k3verify.oracle.fixtures import reference_model as oracle_reference
+
+    return oracle_reference(ctx, dtype)
+
+
+def prompt(ctx: Any, length: int, salt: int = 0) -> torch.Tensor:
+    """Token ids [length] that depend only on (run seed, length, salt): checks share oracle runs."""
+    g = torch.Generator().manual_seed(ctx.seed * 1_000_003 + length * 7919 + salt)
+    return torch.randint(0, ctx.cfg.vocab_size, (length,), generator=g)
+
+
+def reference_forward(ctx: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+    """The oracle's forward (with captures) on `ids`, cached per run: several checks compare to it."""
+    key = f"serving.oracle_run.{str(dtype).removeprefix('torch.')}.{hash(tuple(ids.tolist()))}"
+    if key not in ctx.cache:
+        ctx.cache[key] = reference_model(ctx, dtype)(ids.to(ctx.device), capture=True)
+    return ctx.cache[key]
+
+
+def single_pass(ids: torch.Tensor, device: torch.device) -> ForwardContext:
+    """A cacheless context for one sequence (module checks)."""
+    return ForwardContext(PackedBatch.build(ids, [ids.numel()], device=device))
+
+
+def packed_pass(lens: list[int], device: torch.device) -> ForwardContext:
+    return ForwardContext(PackedBatch.build(torch.zeros(sum(lens), dtype=torch.long), lens, device=device))
+
+
+def dummy_ids(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.long)
+
+
+@contextlib.contextmanager
+def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    """Temporarily replace `obj.attr` (a control's deliberate fault); always restored."""
+    old = getattr(obj, attr, _MISSING)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        if old is _MISSING:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, old)
+
+
+def layer_inputs(ctx: Any, n_tokens: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Random hidden states [T, H] from the check's generator, on ctx.device."""
+    x = torch.randn(n_tokens, ctx.cfg.hidden_size, generator=ctx.generator) * scale
+    return x.to(dtype).to(ctx.device)
