@@ -43,6 +43,8 @@ KIMI_LINEAR_KEYS = _COMMON_TEXT_KEYS | frozenset({
     "head_dim", "model_max_length", "rope_scaling", "rope_theta",
     # written by transformers' KimiLinearConfig.save_pretrained
     "layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+    # transformers 5 renamed rope_scaling -> rope_parameters and writes it (null here: MLA uses no rotary)
+    "rope_parameters",
     "n_shared_experts", "num_local_experts", "num_experts_per_tok", "n_group", "norm_topk_prob",
     "output_router_logits", "pretraining_tp", "attention_bias", "attention_dropout", "qk_head_dim",
 })
@@ -415,7 +417,25 @@ def _parse_text(t: dict[str, Any], *, is_k3: bool, generation_eos: tuple[int, ..
         quant=_parse_quant(quant) if quant is not None else None,
     )
     _validate(cfg)
+    _check_transformers_echoes(t, cfg, where)
     return cfg
+
+
+def _check_transformers_echoes(t: dict[str, Any], cfg: ModelConfig, where: str) -> None:
+    """Keys transformers re-saves restate facts parsed elsewhere; accepted only when they agree."""
+    moe = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
+    echoes = {
+        "layer_types": [{"kda": "linear_attention", "mla": "full_attention"}[cfg.layer_kind(i)]
+                        for i in range(cfg.num_hidden_layers)],
+        "mlp_layer_types": moe,
+        "linear_head_dim": cfg.kda_head_dim,
+        "linear_num_heads": cfg.kda_num_heads,
+        "linear_conv_kernel_dim": cfg.conv_kernel_size,
+        "qk_head_dim": cfg.qk_head_dim,
+    }
+    for key, want in echoes.items():
+        if key in t and t[key] != want:
+            raise ConfigError(f"{where}: {key}={t[key]!r} contradicts the rest of the config, which implies {want!r}")
 
 
 def _validate(cfg: ModelConfig) -> None:

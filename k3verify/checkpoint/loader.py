@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from k3verify.checkpoint import mxfp4
-from k3verify.checkpoint.names import ignorable_reason, quantized_pair, to_module_name
+from k3verify.checkpoint.names import quantized_pair, to_module_name
 from k3verify.config import ModelConfig
 
 
@@ -23,8 +23,13 @@ class WeightLoadError(ValueError):
 def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str]) -> dict[str, list[str]]:
     """module name -> the checkpoint names it is built from ([name], or [packed, scale] to dequantize)."""
     by_module: dict[str, str] = {}
+    outside: list[str] = []  # names outside the K3 prefix and not ignorable: unexpected, not a KeyError crash
     for name in ckpt_names:
-        mod = to_module_name(cfg, name)
+        try:
+            mod = to_module_name(cfg, name)
+        except KeyError:
+            outside.append(name)
+            continue
         if mod is not None:
             by_module[mod] = name
     wanted = set(module_names)
@@ -41,8 +46,7 @@ def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str
             plan[mod] = [by_module[packed], by_module[scale]]
             used.update(plan[mod])
     missing = sorted(set(module_names) - set(plan))
-    unexpected = sorted(n for n in ckpt_names if n not in used and ignorable_reason(n) is None
-                        and to_module_name(cfg, n) not in wanted)
+    unexpected = sorted(outside + [n for mod, n in by_module.items() if n not in used and mod not in wanted])
     if missing or unexpected:
         raise WeightLoadError(
             f"weights do not match the model: {len(missing)} module tensor(s) without a source "

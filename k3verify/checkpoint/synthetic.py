@@ -1,0 +1,158 @@
+"""Synthetic checkpoints of the presets, written once and cached.
+
+`make_synthetic_checkpoint` writes a preset's config.json, generation_config.json, name-seeded weights
+(`init.synthetic_tensors`, MXFP4 experts packed) in small shards (so even the tiny presets exercise
+the index) and the project's tokenizer assets. `ensure_preset_checkpoint` keeps one copy per
+(preset, seed, code version) in a cache dir and rebuilds it when its completion marker is missing,
+stale or the shards no longer match their headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.names import checkpoint_specs
+from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
+from k3verify.checkpoint.writer import (
+    WrittenCheckpoint,
+    gc_paused,
+    stable_json,
+    write_checkpoint,
+    write_sparse_checkpoint,
+)
+from k3verify.presets import (
+    PRESETS,
+    SYNTHETIC_PRESETS,
+    get_preset,
+    preset_generation_config,
+    preset_hf_config,
+)
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC_SHARD_MAX_BYTES = 1 << 20  # 1 MiB: every synthetic preset (>= 1.7 MiB) gets at least two shards
+SPARSE_SHARD_MAX_BYTES = 50 << 30  # real-shape sparse fixtures: ~30 shards for K3, like a real release
+TOKENIZER_ASSETS = Path(__file__).resolve().parents[1] / "tokenizer" / "assets"
+TOKENIZER_REQUIRED = ("tiktoken.model", "tokenizer_config.json")
+MARKER_FILE = ".k3verify-complete.json"
+CACHE_ENV = "K3V_CACHE_DIR"
+
+# Sources whose change changes the bytes of a synthetic checkpoint (the cache key's code version).
+_PACKAGE = Path(__file__).resolve().parents[1]
+_CODE_FILES = ("config.py", "presets.py", "checkpoint/names.py", "checkpoint/init.py", "checkpoint/mxfp4.py",
+               "checkpoint/writer.py", "checkpoint/synthetic.py")
+
+
+def code_version() -> str:
+    """12 hex digits over the sources that decide the checkpoint bytes and the tokenizer assets."""
+    h = hashlib.sha256()
+    files = [_PACKAGE / rel for rel in _CODE_FILES] + _asset_files()
+    for path in files:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _asset_files() -> list[Path]:
+    if not TOKENIZER_ASSETS.is_dir():
+        return []
+    return sorted(p for p in TOKENIZER_ASSETS.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.suffix != ".py")
+
+
+def _tokenizer_dir() -> Path | None:
+    """The assets folder, or None with a warning while it lacks the tokenizer files."""
+    present = {p.name for p in _asset_files()}
+    missing = [name for name in TOKENIZER_REQUIRED if name not in present]
+    if not present:
+        log.warning("%s has no tokenizer assets yet; the synthetic checkpoint is written without a tokenizer",
+                    TOKENIZER_ASSETS)
+        return None
+    if missing:
+        log.warning("%s lacks %s; copying only %s", TOKENIZER_ASSETS, missing, sorted(present))
+    return TOKENIZER_ASSETS
+
+
+def _check_synthetic(preset_name: str) -> None:
+    if preset_name not in PRESETS:
+        raise KeyError(f"unknown preset {preset_name!r}; known: {', '.join(PRESETS)}")
+    if preset_name not in SYNTHETIC_PRESETS:
+        raise ValueError(f"preset {preset_name!r} is a real shape and cannot be materialised; synthetic presets: "
+                         f"{', '.join(SYNTHETIC_PRESETS)} (a real shape can be written sparse, without data)")
+
+
+def make_synthetic_checkpoint(preset_name: str, out_dir: str | Path, seed: int = 0, *,
+                              overwrite: bool = False) -> WrittenCheckpoint:
+    """Write preset `preset_name` with weights seeded by `seed` into `out_dir` (deterministic bytes)."""
+    return _write_synthetic(preset_name, Path(out_dir), seed, overwrite, None)
+
+
+def _write_synthetic(preset_name: str, out_dir: Path, seed: int, overwrite: bool,
+                     marker: dict[str, str] | None) -> WrittenCheckpoint:
+    _check_synthetic(preset_name)
+    cfg = get_preset(preset_name)
+    return write_checkpoint(
+        preset_hf_config(preset_name), synthetic_tensors(cfg, seed), out_dir,
+        shard_max_bytes=SYNTHETIC_SHARD_MAX_BYTES, generation_config=preset_generation_config(preset_name),
+        tokenizer_dir=_tokenizer_dir(), overwrite=overwrite,
+        extra_files={MARKER_FILE: stable_json(marker)} if marker else None,
+    )
+
+
+def make_sparse_checkpoint(preset_name: str, out_dir: str | Path, *, overwrite: bool = False,
+                           shard_max_bytes: int = SPARSE_SHARD_MAX_BYTES) -> WrittenCheckpoint:
+    """Any preset (real shapes included) with exact names/shapes/dtypes and all-zero sparse data."""
+    with gc_paused():
+        specs = {name: (spec.shape, spec.dtype) for name, spec in checkpoint_specs(get_preset(preset_name)).items()}
+    return write_sparse_checkpoint(preset_hf_config(preset_name), specs, out_dir, shard_max_bytes=shard_max_bytes,
+                                   generation_config=preset_generation_config(preset_name), overwrite=overwrite)
+
+
+def default_cache_root() -> Path:
+    """`$K3V_CACHE_DIR/checkpoints`, else `~/.cache/k3verify/checkpoints`."""
+    env = os.environ.get(CACHE_ENV)
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "k3verify"
+    return root / "checkpoints"
+
+
+def preset_cache_dir(name: str, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    return root / f"{name}-s{seed}-{code_version()}"
+
+
+def _is_complete(path: Path, marker: dict[str, str]) -> bool:
+    try:
+        found = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if found != marker:
+        return False
+    try:
+        CheckpointReader(path)  # every shard present, every header parses, file sizes match
+    except CheckpointError as exc:
+        log.warning("cached checkpoint %s is damaged (%s); rebuilding", path, exc)
+        return False
+    return True
+
+
+def ensure_preset_checkpoint(name: str, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    """The cached synthetic checkpoint of preset `name`, built on first use."""
+    _check_synthetic(name)
+    path = preset_cache_dir(name, seed, cache_dir)
+    marker = {"preset": name, "seed": str(seed), "code_version": code_version()}
+    if _is_complete(path, marker):
+        return path
+    if path.exists():
+        log.warning("cached checkpoint %s is incomplete or stale; rebuilding", path)
+        shutil.rmtree(path)
+    try:
+        _write_synthetic(name, path, seed, False, marker)
+    except FileExistsError:
+        if not _is_complete(path, marker):  # another process won the rename: its copy must be whole
+            raise
+    return path
