@@ -14,6 +14,7 @@ import torch
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
+from k3verify.serving.route_pin import RouteRecord, record_routes
 
 _MISSING = object()
 
@@ -55,11 +56,14 @@ def prompt(ctx: Any, length: int, salt: int = 0) -> torch.Tensor:
     return torch.randint(0, ctx.cfg.vocab_size, (length,), generator=g)
 
 
-def reference_forward(ctx: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
-    """The oracle's forward (with captures) on `ids`, cached per run: several checks compare to it."""
+def reference_forward(ctx: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[Any, RouteRecord]:
+    """The oracle's forward (with captures) on `ids` and its router decisions, cached per run."""
     key = f"serving.oracle_run.{str(dtype).removeprefix('torch.')}.{hash(tuple(ids.tolist()))}"
     if key not in ctx.cache:
-        ctx.cache[key] = reference_model(ctx, dtype)(ids.to(ctx.device), capture=True)
+        ref = reference_model(ctx, dtype)
+        with record_routes(ref) as routes:
+            out = ref(ids.to(ctx.device), capture=True)
+        ctx.cache[key] = (out, routes)
     return ctx.cache[key]
 
 

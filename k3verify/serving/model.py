@@ -113,23 +113,30 @@ class ServingModel(nn.Module):
         captures: dict[str, torch.Tensor] | None = {} if capture else None
         x = self.model.embed_tokens(b.input_ids)
         if cfg.uses_attn_res:
-            blocks = self._new_blocks(x)
+            blocks = self._new_blocks(x, ctx)
             for layer in self.model.layers:
                 x = layer.forward_attn_res(x, blocks, ctx, captures)
-            x = attn_res_mix(x, blocks.view(), self.model.output_attn_res_norm.weight,
-                             self.model.output_attn_res_proj.weight, cfg.rms_norm_eps)
+            h = self.finish(x, blocks)
             del blocks  # the per-pass block buffer is released here
         else:
             for layer in self.model.layers:
                 x = layer(x, ctx, captures)
-        h = self.model.norm(x)
+            h = self.finish(x, None)
         if captures is not None:
             captures["final_hidden"] = h
         logits = self.lm_head(h.index_select(0, b.last_token_index))
         return ForwardOutput(logits, self.lm_head(h) if all_logits else None, captures, ctx.stats)
 
-    def _new_blocks(self, x: torch.Tensor) -> Blocks:
+    def finish(self, x: torch.Tensor, blocks: Blocks | None) -> torch.Tensor:
+        """Residual stream -> lm_head input: mix-then-norm with Block Attention Residuals, else norm."""
+        if blocks is not None:
+            x = attn_res_mix(x, blocks.view(), self.model.output_attn_res_norm.weight,
+                             self.model.output_attn_res_proj.weight, self.cfg.rms_norm_eps)
+        return self.model.norm(x)
+
+    def _new_blocks(self, x: torch.Tensor, ctx: ForwardContext) -> Blocks:
         if self.attn_res_storage == "prealloc":
+            ctx.bump("attn_res_prealloc")
             return BlockBuffer(x.shape[0], num_blocks(self.cfg), x.shape[1], x.dtype, x.device)
         if self.attn_res_storage == "concat":
             return ConcatBlocks()

@@ -41,21 +41,23 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """One chunk for all heads. q,k,g: [h, c, dk] (q already scaled), v: [h, c, dv], beta: [h, c],
     S: [h, dk, dv]. Returns (o [h, c, dv], S_end [h, dk, dv])."""
     c = q.shape[1]
-    G = g.cumsum(dim=1)
+    # Decay exponents in fp64: G reaches ~-300 inside a chunk (safe gate), and G_t - G_j formed from two
+    # fp32 cumsums of that size would lose ~1e-5 of every decay factor that matters.
+    G = g.double().cumsum(dim=1)
     incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     # e^{G_t - G_j} for j <= t, exactly 0 above the diagonal; masked before exp so nothing overflows.
     diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~incl[None, :, :, None], float("-inf"))
-    decay = diff.exp()  # [h, t, j, dk]
+    decay = diff.exp().to(q.dtype)  # [h, t, j, dk]
     kk = torch.einsum("hti,htji,hji->htj", k, decay, k)
     qk = torch.einsum("hti,htji,hji->htj", q, decay, k)  # includes j == t
     strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
     A = (beta[:, :, None] * kk).masked_fill(~strict, 0.0)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    eG = G.exp()
+    eG = G.exp().to(q.dtype)
     rhs = beta[:, :, None] * (v - (eG * k) @ S)
     d = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     o = (eG * q) @ S + qk.masked_fill(~incl, 0.0) @ d
-    tail = (G[:, -1:, :] - G).exp() * k  # e^{G_c - G_j} k_j
+    tail = (G[:, -1:, :] - G).exp().to(q.dtype) * k  # e^{G_c - G_j} k_j
     S_end = eG[:, -1, :, None] * S + tail.transpose(1, 2) @ d
     return o, S_end
 
