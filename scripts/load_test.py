@@ -173,7 +173,7 @@ async def run_load(url: str, *, model: str, clients: int = 64, requests_per_clie
 
 
 @contextmanager
-def tiny_server(max_batch: int = 16) -> Iterator[tuple[str, Any]]:
+def tiny_server(num_slots: int = 16, dtype: str = "float32") -> Iterator[tuple[str, Any]]:
     """An in-process k3-tiny server on 127.0.0.1 (synthetic weights; no gate check: this is a load tool)."""
     import torch
 
@@ -186,8 +186,8 @@ def tiny_server(max_batch: int = 16) -> Iterator[tuple[str, Any]]:
     from k3verify.tokenizer import default_tokenizer
 
     cfg = get_preset("k3-tiny")
-    runner = build_runner(cfg, synthetic_tensors(cfg), dtype=torch.float32, device=torch.device("cpu"),
-                          max_batch=max_batch)
+    runner = build_runner(cfg, synthetic_tensors(cfg), dtype=getattr(torch, dtype), device="cpu",
+                          num_slots=num_slots)
     metrics = ServerMetrics()
     engine = Engine(runner, default_tokenizer(), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
                     observer=metrics).start()
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--num-slots", type=int, default=16, help="in-process server: sequence slots")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="in-process server dtype")
     args = p.parse_args(argv)
 
     def go(url: str) -> LoadResult:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         result = go(args.url)
     else:
-        with tiny_server() as (url, engine):
+        with tiny_server(args.num_slots, args.dtype) as (url, engine):
             result = go(url)
             try:
                 engine.check_integrity()

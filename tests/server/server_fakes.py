@@ -1,4 +1,4 @@
-"""Test doubles for the server tests: a toy ModelRunner with real page/slot bookkeeping and a byte tokenizer.
+"""Unit-test doubles: a toy ModelRunner with real page/slot bookkeeping and a byte tokenizer.
 
 FakeRunner refuses every protocol violation the real runner would (decode of an unadmitted sequence,
 prefill twice, writing past the reservation, double admit/release), so an engine bug fails loudly.
@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-
-from k3verify.serving.engine import Engine
-from k3verify.serving.metrics import ServerMetrics
-from k3verify.serving.server import ServerThread, create_app
 
 BOS, EOS, IM_END = 256, 257, 258
 SPECIAL_NAMES = {BOS: "<|bos|>", EOS: "<|eos|>", IM_END: "<|im_end|>", 259: "<|im_user|>", 260: "<|im_assistant|>"}
@@ -47,15 +41,6 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         raw = b"".join(self.token_bytes(i) for i in ids if not (skip_special and self.is_special(i)))
         return raw.decode("utf-8", errors="replace")
-
-
-def encode_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    tok = ByteTokenizer()
-    ids = [BOS]
-    for m in messages:
-        content = m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
-        ids += [259] + tok.encode(f"{m['role']}: {content}") + [IM_END]
-    return ids + [260]
 
 
 def toy_logits(history: Sequence[int], eos_bias: float) -> torch.Tensor:
@@ -145,42 +130,3 @@ class FakeRunner:
         used = sum(s.pages for s in self.slots.values())
         if used + self.free_pages != self.num_pages or len(self.slots) > self.max_slots:
             raise RuntimeError(f"page accounting broken: {used} used + {self.free_pages} free != {self.num_pages}")
-
-
-def fake_generate_greedy(prompts: list[list[int]], max_new_tokens: int, eos_bias: float = 0.0) -> list[list[int]]:
-    """Offline greedy reference over the same toy model, one sequence at a time, no engine involved."""
-    out = []
-    for prompt in prompts:
-        history, new = list(prompt), []
-        for _ in range(max_new_tokens):
-            new.append(int(torch.argmax(toy_logits(history, eos_bias))))
-            history.append(new[-1])
-        out.append(new)
-    return out
-
-
-@dataclass
-class RunningServer:
-    url: str
-    engine: Engine
-    runner: Any
-    metrics: ServerMetrics
-    model: str
-
-
-@contextmanager
-def running_server(runner: Any | None = None, *, api_key: str | None = None, model: str = "toy",
-                   tokenizer: Any | None = None, chat: Any = encode_chat, eos_ids: Sequence[int] = (EOS, IM_END),
-                   vocab_size: int = MODEL_VOCAB, default_max_tokens_app: int = 1024, **engine_kw: Any):
-    """Engine + app + uvicorn on 127.0.0.1 at a free port; everything is stopped on exit."""
-    runner = runner if runner is not None else FakeRunner()
-    metrics = ServerMetrics()
-    engine = Engine(runner, tokenizer or ByteTokenizer(), eos_token_ids=eos_ids, vocab_size=vocab_size,
-                    observer=metrics, **engine_kw).start()
-    app = create_app(engine, tokenizer or ByteTokenizer(), model_name=model, api_key=api_key, metrics=metrics,
-                     encode_chat=chat, default_max_tokens=default_max_tokens_app)
-    try:
-        with ServerThread(app) as server:
-            yield RunningServer(server.url, engine, runner, metrics, model)
-    finally:
-        engine.stop()

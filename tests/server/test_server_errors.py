@@ -7,10 +7,10 @@ import json
 import httpx
 import openai
 import pytest
-from server_fakes import RunningServer, running_server
+from server_harness import TINY, RunningServer, running_server, tiny_parts
 
-GOOD = {"model": "toy", "prompt": "hi", "max_tokens": 4}
-CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+GOOD = {"model": TINY, "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def assert_envelope(r: httpx.Response, status: int, *, param: str | None = None, contains: str = "") -> dict:
@@ -54,7 +54,7 @@ INVALID_COMPLETIONS = [
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
     ({"prompt": ""}, "prompt", "at least one token"),
-    ({"prompt": [1, 2, 99999]}, "prompt", "token ids must be in [0, 300)"),
+    ({"prompt": [1, 2, 99999]}, "prompt", "token ids must be in [0, 4608)"),
     ({"prompt": [-1]}, "prompt", "token ids must be in"),
     ({"prompt": None}, "prompt", ""),
     ({"prompt": {"text": "x"}}, "prompt", ""),
@@ -65,10 +65,10 @@ INVALID_COMPLETIONS = [
 
 @pytest.mark.parametrize(("change", "param", "contains"), INVALID_COMPLETIONS,
                          ids=[f"{next(iter(c))}={next(iter(c.values()))!r}"[:40] for c, _, _ in INVALID_COMPLETIONS])
-def test_invalid_completion_field_is_400_naming_it(toy_server: RunningServer, change: dict, param: str,
+def test_invalid_completion_field_is_400_naming_it(tiny_server: RunningServer, change: dict, param: str,
                                                    contains: str) -> None:
     """Each invalid completions field → 400 invalid_request_error with param set and a message saying why."""
-    r = httpx.post(f"{toy_server.url}/v1/completions", json=GOOD | change, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | change, timeout=10)
     err = assert_envelope(r, 400, param=param, contains=contains)
     assert err["type"] == "invalid_request_error"
 
@@ -89,66 +89,67 @@ INVALID_CHAT = [
 
 @pytest.mark.parametrize(("change", "param", "contains"), INVALID_CHAT,
                          ids=[next(iter(c)) + str(i) for i, (c, _, _) in enumerate(INVALID_CHAT)])
-def test_invalid_chat_field_is_400_naming_it(toy_server: RunningServer, change: dict, param: str,
+def test_invalid_chat_field_is_400_naming_it(tiny_server: RunningServer, change: dict, param: str,
                                              contains: str) -> None:
     """Each invalid chat field → 400 with param naming the (nested) field."""
-    r = httpx.post(f"{toy_server.url}/v1/chat/completions", json=CHAT | change, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=CHAT | change, timeout=10)
     assert_envelope(r, 400, param=param, contains=contains)
 
 
 @pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b'"text"', b'{"model": "toy", "prompt": NaN}',
                                  b"\xff\xfe"], ids=["broken", "empty", "array", "string", "nan", "binary"])
-def test_malformed_body_is_400(toy_server: RunningServer, raw: bytes) -> None:
+def test_malformed_body_is_400(tiny_server: RunningServer, raw: bytes) -> None:
     """Bodies that are not a JSON object → 400, never 422/500."""
-    r = httpx.post(f"{toy_server.url}/v1/completions", content=raw, timeout=10,
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=raw, timeout=10,
                    headers={"content-type": "application/json"})
     assert_envelope(r, 400)
 
 
-def test_context_too_long_names_the_numbers(toy_server: RunningServer) -> None:
+def test_context_too_long_names_the_numbers(tiny_server: RunningServer) -> None:
     """prompt + max_tokens over the context → 400 context_length_exceeded naming prompt, max_tokens and the limit."""
-    limit = toy_server.runner.max_context
-    r = httpx.post(f"{toy_server.url}/v1/completions", json=GOOD | {"prompt": "x" * 300, "max_tokens": 400},
+    limit = tiny_server.runner.max_context
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"prompt": [5] * 300, "max_tokens": limit},
                    timeout=10)
     err = assert_envelope(r, 400, param="prompt", contains=f"maximum context length is {limit} tokens")
     assert err["code"] == "context_length_exceeded"
-    assert "700 tokens" in err["message"] and "300 in the prompt" in err["message"] and "400 for" in err["message"]
-    r = httpx.post(f"{toy_server.url}/v1/completions", json=GOOD | {"max_tokens": 10**30}, timeout=10)
+    assert f"{limit + 300} tokens" in err["message"] and "300 in the prompt" in err["message"]
+    assert f"{limit} for the completion" in err["message"]
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"max_tokens": 10**30}, timeout=10)
     assert_envelope(r, 400, param="prompt", contains="maximum context length")
 
 
-def test_chat_prompt_alone_over_context_is_400(toy_server: RunningServer) -> None:
+def test_chat_prompt_alone_over_context_is_400(tiny_server: RunningServer) -> None:
     """A chat whose prompt alone fills the context (no max_tokens) is a context-length 400, not a hang."""
-    body = CHAT | {"messages": [{"role": "user", "content": "y" * 600}]}
+    body = CHAT | {"messages": [{"role": "user", "content": " ".join(str(i) for i in range(3000))}]}
     body.pop("max_tokens")
-    r = httpx.post(f"{toy_server.url}/v1/chat/completions", json=body, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body, timeout=10)
     assert_envelope(r, 400, param="messages", contains="maximum context length")
 
 
-def test_unknown_model_is_404_model_not_found(toy_server: RunningServer) -> None:
+def test_unknown_model_is_404_model_not_found(tiny_server: RunningServer) -> None:
     """An unknown model → 404 with code model_not_found naming both models."""
-    r = httpx.post(f"{toy_server.url}/v1/completions", json=GOOD | {"model": "gpt-9"}, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"model": "gpt-9"}, timeout=10)
     err = assert_envelope(r, 404, param="model", contains="'gpt-9' does not exist")
-    assert err["code"] == "model_not_found" and "toy" in err["message"]
+    assert err["code"] == "model_not_found" and TINY in err["message"]
 
 
-def test_unknown_route_and_method_use_envelope(toy_server: RunningServer) -> None:
+def test_unknown_route_and_method_use_envelope(tiny_server: RunningServer) -> None:
     """FastAPI's own 404/405 leave in the envelope too."""
-    assert_envelope(httpx.get(f"{toy_server.url}/v1/nothing", timeout=10), 404, contains="not found")
-    assert_envelope(httpx.get(f"{toy_server.url}/v1/completions", timeout=10), 405, contains="method not allowed")
+    assert_envelope(httpx.get(f"{tiny_server.url}/v1/nothing", timeout=10), 404, contains="not found")
+    assert_envelope(httpx.get(f"{tiny_server.url}/v1/completions", timeout=10), 405, contains="method not allowed")
 
 
-def test_oversized_body_is_413(toy_server: RunningServer) -> None:
+def test_oversized_body_is_413(tiny_server: RunningServer) -> None:
     """A body over the size limit is refused before parsing."""
-    r = httpx.post(f"{toy_server.url}/v1/completions", content=b" " * (9 << 20), timeout=30)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=b" " * (9 << 20), timeout=30)
     assert_envelope(r, 413, contains="exceeds the limit")
 
 
-def test_openai_client_sees_bad_request(toy_server: RunningServer) -> None:
+def test_openai_client_sees_bad_request(tiny_server: RunningServer) -> None:
     """The official client raises BadRequestError carrying our message and param."""
-    c = openai.OpenAI(base_url=f"{toy_server.url}/v1", api_key="x", max_retries=0)
+    c = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        c.completions.create(model="toy", prompt="x", max_tokens=4, temperature=3.0)
+        c.completions.create(model=TINY, prompt="x", max_tokens=4, temperature=3.0)
     assert info.value.status_code == 400 and info.value.param == "temperature"
     with pytest.raises(openai.NotFoundError) as nf:
         c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -172,9 +173,9 @@ def test_api_key_required_when_configured() -> None:
             c.models.list()
 
 
-def test_no_client_error_is_5xx(toy_server: RunningServer) -> None:
+def test_no_client_error_is_5xx(tiny_server: RunningServer) -> None:
     """After all of the above, the metrics show no 5xx response from this server."""
-    text = httpx.get(f"{toy_server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text
     lines = [ln for ln in text.splitlines() if ln.startswith("k3v_requests_total{")]
     assert lines and not [ln for ln in lines if 'status="5' in ln], lines
     assert json.dumps(lines)  # keep the list in the failure message
@@ -182,13 +183,17 @@ def test_no_client_error_is_5xx(toy_server: RunningServer) -> None:
 
 def test_internal_error_is_500_envelope_and_counted() -> None:
     """A server bug still answers in the envelope and shows up as a 5xx in /metrics (so "no 5xx" checks can fail)."""
-    from server_fakes import ByteTokenizer
+    class BrokenTokenizer:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
 
-    class BrokenTokenizer(ByteTokenizer):
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
         def encode(self, text: str) -> list[int]:
             raise TypeError("tokenizer bug")
 
-    with running_server(tokenizer=BrokenTokenizer()) as server:
+    with running_server(tokenizer=BrokenTokenizer(tiny_parts()[2])) as server:
         err = assert_envelope(httpx.post(f"{server.url}/v1/completions", json=GOOD, timeout=10), 500,
                               contains="tokenizer bug")
         assert err["type"] == "server_error"

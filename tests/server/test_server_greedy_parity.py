@@ -1,4 +1,4 @@
-"""Greedy decoding through the server equals offline greedy generation, whatever shares the batch."""
+"""Greedy decoding through the server equals offline `generate_greedy` on k3-tiny, whatever shares the batch."""
 
 from __future__ import annotations
 
@@ -6,42 +6,47 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from server_fakes import MODEL_VOCAB, TOKENIZER_VOCAB, FakeRunner, fake_generate_greedy, running_server
+from server_harness import TINY, offline_greedy, running_server, token_text
 
 MAX_NEW = 24
 PROMPT_LENGTHS = [1, 3, 17, 40, 64, 5, 90, 2]
+# fp32 logits of one sequence move by up to ~2e-5 when its batch neighbours change (measured on k3-tiny);
+# with every top-2 gap 10x wider, a token difference is an engine bug (wrong row, stale state, wrong last
+# token), not rounding. The preflight below proves the prompts have no such near-tie.
+MIN_GAP = 2e-4
 
 
 def greedy_request(url: str, prompt: list[int]) -> dict:
-    body = {"model": "toy", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 0,
+    body = {"model": TINY, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 0,
             "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def noise_request(url: str, rng: random.Random) -> int:
-    body = {"model": "toy", "prompt": [rng.randrange(TOKENIZER_VOCAB) for _ in range(rng.randrange(1, 120))],
+    body = {"model": TINY, "prompt": [rng.randrange(4096) for _ in range(rng.randrange(1, 120))],
             "max_tokens": rng.randrange(1, 40), "temperature": 1.0, "top_p": 0.8, "stream": rng.random() < 0.5}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
 
 
 def test_greedy_through_server_equals_offline_under_concurrency() -> None:
-    """8 greedy prompts sent concurrently with 16 random sampled requests return the offline greedy tokens."""
+    """8 greedy prompts sent concurrently with 12 random sampled requests return generate_greedy's tokens."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(TOKENIZER_VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
-    expected = fake_generate_greedy(prompts, MAX_NEW)
-    runner = FakeRunner(max_slots=12, num_pages=256)
-    with running_server(runner, max_prefill_tokens=256) as server:
-        token_str = lambda t: server.engine.token_text.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
-        with ThreadPoolExecutor(24) as pool:
-            noise = [pool.submit(noise_request, server.url, random.Random(i)) for i in range(16)]
+    prompts = [[rng.randrange(4096) for _ in range(n)] for n in PROMPT_LENGTHS]
+    expected, min_gap = offline_greedy(prompts, MAX_NEW)
+    assert min_gap > MIN_GAP, f"offline trajectories contain a near-tie (gap {min_gap:.2e}); choose other prompts"
+    with running_server(max_prefill_tokens=256) as server:
+        with ThreadPoolExecutor(20) as pool:
+            noise = [pool.submit(noise_request, server.url, random.Random(i)) for i in range(12)]
             greedy = [pool.submit(greedy_request, server.url, p) for p in prompts]
             answers = [f.result() for f in greedy]
-            assert [f.result() for f in noise] == [200] * 16
+            assert [f.result() for f in noise] == [200] * 12
+        runner = server.runner
+        server.engine.check_integrity()
     for prompt, want, answer in zip(prompts, expected, answers, strict=True):
         got = answer["choices"][0]["logprobs"]["tokens"]
-        assert got == [token_str(t) for t in want], f"prompt of {len(prompt)} tokens diverged"
+        assert got == [token_text(t) for t in want], f"prompt of {len(prompt)} tokens diverged"
         assert answer["usage"]["completion_tokens"] == MAX_NEW
-    assert runner.max_batch_seen > 1 and max(runner.prefill_calls) > 1, "nothing was batched: proves nothing"
-    assert MODEL_VOCAB > TOKENIZER_VOCAB
+    assert max(runner.decode_sizes) > 1 and max(runner.prefill_sizes) > 1, "nothing was batched: proves nothing"
+    runner.assert_empty()

@@ -8,24 +8,14 @@ import threading
 import time
 
 import httpx
-import torch
-from server_fakes import FakeRunner, running_server
+from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
 
-BODY = {"model": "toy", "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+BODY = {"model": TINY, "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
-class SlowRunner(FakeRunner):
-    """FakeRunner whose decode steps take `delay_s` (so requests stay in flight), optionally blocking on an event."""
-
-    def __init__(self, delay_s: float, gate: threading.Event | None = None, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
-        self.delay_s, self.gate = delay_s, gate
-
-    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
-        time.sleep(self.delay_s)
-        if self.gate is not None:
-            self.gate.wait(30)
-        return super().decode(seqs)
+def SlowRunner(delay_s: float, gate: threading.Event | None = None, **kw: object) -> RecordingRunner:  # noqa: N802
+    """The k3-tiny runner with every step slowed by delay_s (so requests stay in flight), optionally gated."""
+    return RecordingRunner(make_tiny_runner(**kw), delay_s=delay_s, gate=gate)
 
 
 def wait_until(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
@@ -99,11 +89,10 @@ def test_stream_disconnect_releases_cache() -> None:
                 chunks += bool(line)
                 if chunks == 3:
                     break
-        assert runner.slots, "the request finished before the disconnect: the test proved nothing"
-        assert wait_until(lambda: not runner.slots and server.engine.num_running == 0, 2.5), runner.slots
+        assert runner.active_ids, "the request finished before the disconnect: the test proved nothing"
+        assert wait_until(lambda: not runner.active_ids and server.engine.num_running == 0, 2.5), runner.active_ids
         assert server.engine.num_steps < 150, "released only by finishing, not by the abort"
-        server.engine.check_integrity()
-        assert runner.free_pages == runner.num_pages
+        runner.assert_empty()
 
 
 def test_non_stream_disconnect_releases_cache() -> None:
@@ -115,17 +104,16 @@ def test_non_stream_disconnect_releases_cache() -> None:
             raise AssertionError("the request finished before the client timed out")
         except httpx.ReadTimeout:
             pass
-        assert wait_until(lambda: not runner.slots, 3), runner.slots
+        assert wait_until(lambda: not runner.active_ids, 3), runner.active_ids
         assert server.engine.num_steps < 200, "released only by finishing, not by the abort"
-        server.engine.check_integrity()
-        assert runner.free_pages == runner.num_pages
+        runner.assert_empty()
 
 
 def test_waiting_request_is_admitted_when_pages_free() -> None:
     """A request that fits only once another finishes waits (no 400, no error) and is then served."""
-    runner = FakeRunner(num_pages=20, page_size=16, max_context=512)  # 320 tokens of cache
+    runner = SlowRunner(0.0, num_pages=9, page_size=16)  # 8 usable pages = 128 tokens of cache
     with running_server(runner) as server:
-        body = BODY | {"max_tokens": 250}  # 5 + 250 tokens = 16 pages: two cannot fit at once
+        body = BODY | {"max_tokens": 70}  # prompt + 70 tokens = 5 pages: two cannot fit at once
         out: list[httpx.Response] = []
         threads = [threading.Thread(target=lambda: out.append(
             httpx.post(f"{server.url}/v1/completions", json=body, timeout=60))) for _ in range(2)]

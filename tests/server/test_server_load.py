@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_fakes import FakeRunner, running_server
+from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
 
@@ -24,13 +24,12 @@ def load_script():  # type: ignore[no-untyped-def]
 
 def run(clients: int, requests_per_client: int) -> None:
     load_test = load_script()
-    runner = FakeRunner(max_slots=8, num_pages=160, max_context=2048)  # byte tokens: prompts up to ~800
-    with running_server(runner, model="k3-tiny") as server:
-        result = asyncio.run(load_test.run_load(server.url, model="k3-tiny", clients=clients,
-                                                requests_per_client=requests_per_client, seed=1, timeout_s=120))
+    runner = RecordingRunner(make_tiny_runner(num_slots=16, num_pages=96))  # 1520 tokens: requests must queue
+    with running_server(runner) as server:
+        result = asyncio.run(load_test.run_load(server.url, model=TINY, clients=clients,
+                                                requests_per_client=requests_per_client, seed=1, timeout_s=240))
         print(result.summary())
-        server.engine.check_integrity()
-        assert not runner.slots and runner.free_pages == runner.num_pages, "cache not fully released"
+        runner.assert_empty()
     assert not result.failures, result.failures[:10]
     assert result.completed + result.malformed + result.disconnected == result.requests
     assert result.completed >= result.requests // 2 and result.malformed > 0 and result.disconnected > 0
