@@ -70,9 +70,21 @@ def torch_kda_paths(device: torch.device) -> Iterator[dict[str, str]]:
             setattr(mod, name, fn)
 
 
+def kda_routing(device: torch.device) -> dict[str, str]:
+    """Where each KDA / conv helper lands while a forward on `device` runs (see torch_kda_paths)."""
+    with torch_kda_paths(device) as routing:
+        return routing
+
+
 def _describe(fn: Any) -> str:
-    target = "torch" if not hasattr(fn, "__wrapped__") else "decorated (fla when importable)"
-    return f"{fn.__module__}.{fn.__qualname__} [{target}]"
+    """Where a call of `fn` lands: the torch function itself, or what transformers' decorator chose."""
+    if not hasattr(fn, "__wrapped__"):
+        return f"{fn.__module__}.{fn.__qualname__} [torch]"
+    impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
+    if impl is None:
+        return f"{fn.__module__}.{fn.__qualname__} [decorated, target unknown]"
+    kind = "torch" if getattr(impl, "__module__", "") == MODELING else "package"
+    return f"{impl.__module__}.{impl.__qualname__} [{kind}]"
 
 
 def dense_module_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -43,3 +43,16 @@ def test_transformers_check_skips_k3_with_reason() -> None:
     check = REGISTRY.get("oracle.k3_reference_vs_transformers")
     with pytest.raises(SkipCheck, match="no K3 features"):
         check.fn(_ctx("k3-tiny", check.id))
+
+
+@pytest.mark.gpu
+def test_transformers_with_fla_kernels_check_on_cuda() -> None:
+    """On CUDA transformers' KDA routes to fla's Triton kernels; the check passes at fla's bar and its
+    control fails."""
+    check = REGISTRY.get("oracle.k3_reference_vs_transformers_fla")
+    gen = torch.Generator().manual_seed(derive_seed(0, check.id))
+    ctx = CheckContext(get_preset("kl-tiny"), "kl-tiny", None, torch.device("cuda"), 0, gen, "quick", {})
+    result = evaluate_trial(check, check.fn(ctx))
+    assert result.status is Status.PASS, result.reason
+    assert result.control is not None and result.control.status == "fail"
+    assert any("chunk_kda [package]" in n for n in result.notes), result.notes
