@@ -144,7 +144,7 @@ def build_engine(args: argparse.Namespace, target: GatedTarget) -> tuple[Any, An
                          "ship its own tokenizer files") from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
     runner = build_runner(target.cfg, CheckpointReader(target.checkpoint_dir), dtype=torch.bfloat16,
-                          device=torch.device(args.device), max_batch=args.max_batch, **cache_kw)
+                          device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
     return engine, tokenizer

@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 import k3verify
@@ -158,3 +163,59 @@ def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Bad flags fail before anything loads, with exit 2 and the value named."""
     assert message in refusal(capsys, *argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_process(*argv: str) -> subprocess.Popen[str]:
+    code = "from k3verify.cli import main; raise SystemExit(main())"
+    return subprocess.Popen([sys.executable, "-c", code, "serve", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"serve did not become healthy within {timeout} s")
+
+
+def _chat_then_stop(proc: subprocess.Popen[str], url: str) -> None:
+    try:
+        body = {"model": "k3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_serve_starts_behind_a_passing_report(tmp_path: Path, tiny_digest: str) -> None:
+    """`k3verify serve` with a matching passing report loads the checkpoint (its own tokenizer, bf16) and serves."""
+    write_report(tmp_path, digest=tiny_digest)
+    port = _free_port()
+    proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k")
+    _wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
+    _chat_then_stop(proc, f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.slow
+def test_run_gates_writes_a_real_report_then_serves(tmp_path: Path) -> None:
+    """--run-gates runs the real quick parity suite into an empty report dir, finds its report, and serves."""
+    port = _free_port()
+    proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k", "--run-gates")
+    _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
+    assert find_passing_report(tmp_path, serve.resolve_checkpoint(serve_args())[3], k3verify.__version__, "cpu")
+    _chat_then_stop(proc, f"http://127.0.0.1:{port}")
