@@ -1,6 +1,8 @@
 """Guarded calls into flash-linear-attention's KDA references and kernels.
 
-fla is imported lazily (it imports triton at import time and warns on CPU). Before every call the
+fla is imported lazily (it imports triton at import time and warns on CPU); the two naive KDA
+functions are loaded straight from the pinned fla/ops/kda/naive.py without importing the package
+at all (it needs only torch and einops). Before every call the
 target's signature is probed for each parameter we pass: an older fla swallows unknown keywords
 through **kwargs and silently computes something else, so a missing name raises OracleMismatch.
 The one exception is fla 0.6.0's `chunk_kda`, which reads `A_log` / `dt_bias` out of **kwargs by
