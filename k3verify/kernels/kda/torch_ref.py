@@ -11,8 +11,9 @@ Chunked form (derived here, not taken from fla): inside a chunk of c tokens let 
 Then S_t = diag(e^{G_t}) S_0 + sum_{j<=t} diag(e^{G_t - G_j}) k_j d_j^T, so the corrections solve a unit
 lower-triangular system (I + A) d = beta * (v - (e^G * k) S_0) with
 A[t, j] = beta_t sum_i k_t[i] k_j[i] e^{G_t[i] - G_j[i]} for j < t. Outputs and the end state follow in
-closed form. Decay factors are only ever formed as e^{G_t - G_j} with j <= t (<= 1), never as
-e^{G_t} * e^{-G_j}, which would overflow for long chunks with strong decay.
+closed form. The pairwise decays e^{G_t - G_j} enter through fp64 products factorized around the
+chunk's middle token (each factor within fp64's range), so neither overflow nor the cancellation of
+two large fp32 cumsums can spoil them.
 
 Chunks start at each sequence's first token (64-token grid from the sequence start), so a state cut
 at a multiple of 64 and handed over in fp32 reproduces the unsegmented result bit for bit.
@@ -36,6 +37,31 @@ def _compute_dtype(state: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if state is not None and state.dtype == torch.float64 else torch.float32
 
 
+MAX_EXP = 600.0  # fp64 exp overflows past ~709; beyond this spread use the pairwise form
+
+
+def _decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor,
+                      incl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kk[t, j] = sum_i k_t k_j e^{G_t - G_j} and qk[t, j] likewise (j <= t; 0 above), in q's dtype.
+
+    Factorized around the chunk's middle token m as (x e^{G - G_m}) (k e^{G_m - G})^T in fp64, which
+    keeps each factor's relative precision; when the exponents spread beyond fp64's range it falls
+    back to forming every pair's e^{G_t - G_j} (exact but [h, c, c, dk] in memory)."""
+    Gm = G[:, G.shape[1] // 2: G.shape[1] // 2 + 1]
+    spread = (G - Gm).abs().amax()
+    if spread <= MAX_EXP:
+        up, down = (G - Gm).exp(), (Gm - G).exp()
+        kd = (k.double() * down).transpose(1, 2)  # [h, dk, c]
+        kk = (k.double() * up) @ kd
+        qk = (q.double() * up) @ kd
+    else:
+        diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~incl[None, :, :, None], float("-inf"))
+        decay = diff.exp()  # [h, t, j, dk]
+        kk = torch.einsum("hti,htji,hji->htj", k.double(), decay, k.double())
+        qk = torch.einsum("hti,htji,hji->htj", q.double(), decay, k.double())
+    return kk.masked_fill(~incl, 0.0).to(q.dtype), qk.masked_fill(~incl, 0.0).to(q.dtype)
+
+
 def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk for all heads. q,k,g: [h, c, dk] (q already scaled), v: [h, c, dv], beta: [h, c],
@@ -45,18 +71,14 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # fp32 cumsums of that size would lose ~1e-5 of every decay factor that matters.
     G = g.double().cumsum(dim=1)
     incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    # e^{G_t - G_j} for j <= t, exactly 0 above the diagonal; masked before exp so nothing overflows.
-    diff = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~incl[None, :, :, None], float("-inf"))
-    decay = diff.exp().to(q.dtype)  # [h, t, j, dk]
-    kk = torch.einsum("hti,htji,hji->htj", k, decay, k)
-    qk = torch.einsum("hti,htji,hji->htj", q, decay, k)  # includes j == t
+    kk, qk = _decayed_products(q, k, G, incl)
     strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
     A = (beta[:, :, None] * kk).masked_fill(~strict, 0.0)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     eG = G.exp().to(q.dtype)
     rhs = beta[:, :, None] * (v - (eG * k) @ S)
     d = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    o = (eG * q) @ S + qk.masked_fill(~incl, 0.0) @ d
+    o = (eG * q) @ S + qk @ d
     tail = (G[:, -1:, :] - G).exp().to(q.dtype) * k  # e^{G_c - G_j} k_j
     S_end = eG[:, -1, :, None] * S + tail.transpose(1, 2) @ d
     return o, S_end
