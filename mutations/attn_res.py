@@ -36,19 +36,17 @@ MUTANTS = [
     Mutant(
         id="attn_res.output_mix_skipped",
         fault="the model-level output mix (output_attn_res_norm/proj) before the final norm is skipped",
-        target=f"{MODEL}:ServingModel._forward",
-        old="            x = attn_res_mix(x, blocks.view(), self.model.output_attn_res_norm.weight,\n"
-            "                             self.model.output_attn_res_proj.weight, cfg.rms_norm_eps)\n",
-        new="",
+        target=f"{MODEL}:ServingModel.finish",
+        old="        if blocks is not None:\n            x = attn_res_mix(",
+        new="        if False:\n            x = attn_res_mix(",
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
         id="attn_res.output_mix_after_final_norm",
         fault="the output mix runs after the final norm (norm-then-mix) instead of mix-then-norm",
-        target=f"{MODEL}:ServingModel._forward",
+        target=f"{MODEL}:ServingModel.finish",
         old="            x = attn_res_mix(x, blocks.view(),",
-        new="            x = attn_res_mix(self.model.norm(x), blocks.view(),",
-        also=(("        h = self.model.norm(x)\n", "        h = x if cfg.uses_attn_res else self.model.norm(x)\n"),),
+        new="            return attn_res_mix(self.model.norm(x), blocks.view(),",
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
@@ -80,9 +78,9 @@ MUTANTS = [
         id="attn_res.mix_returns_keys",
         fault="the mix weighs the normalized key K of the running sum p instead of its raw value V",
         target=f"{RES}:attn_res_mix",
-        old="    out = alpha[:, n, None] * p.float()\n",
-        new="    p = p.float() * torch.rsqrt(p.float().pow(2).mean(dim=-1, keepdim=True) + eps)\n"
-            "    out = alpha[:, n, None] * p.float()\n",
+        old="    return (out + alpha[:, n, None] * p.float()).to(p.dtype)",
+        new="    k = p.float() * torch.rsqrt(p.float().pow(2).mean(dim=-1, keepdim=True) + eps)\n"
+            "    return (out + alpha[:, n, None] * k).to(p.dtype)",
         killers=["attn_res.*", "model.*"],
     ),
 ]
