@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,7 +27,7 @@ from k3verify.serving.sampler import (
     sample,
     token_logprobs,
 )
-from k3verify.serving.scheduler import ModelRunner, ScheduledSeq, Scheduler
+from k3verify.serving.scheduler import ModelRunner, ScheduledSeq, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -85,37 +85,15 @@ class _TokenText:
         return self.tokenizer.token_bytes(token_id)
 
 
-def find_stop(text: str, start: int, stops: Sequence[str]) -> int | None:
-    """Earliest index >= start where any stop string begins in text."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def partial_stop_len(text: str, start: int, stops: Sequence[str]) -> int:
-    """Length of the longest tail of text[start:] that could still grow into a stop string."""
-    longest = min(len(text) - start, max((len(s) for s in stops), default=1) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0
-
-
 @dataclass(eq=False, kw_only=True)
-class _Request(ScheduledSeq):
-    params: SamplingParams
+class _Request(Sequence):
     sink: Callable[[EngineEvent], None]
-    stop_ids: frozenset[int]
-    generator: torch.Generator
-    decoder: Any
     arrival: float
-    text: str = ""
-    sent: int = 0
     last_token_at: float | None = None
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int], vocab_size: int,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
                  observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05) -> None:
         if not eos_token_ids:
@@ -160,7 +138,7 @@ class Engine:
             return f"engine loop stalled: no progress for {stalled:.1f}s (limit {self.stall_timeout_s}s)"
         return None
 
-    def validate(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+    def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError/ContextLengthError for a request that could never be served."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
@@ -186,7 +164,7 @@ class Engine:
             lo, hi = (mid, hi) if self.runner.can_ever_fit(prompt_len + mid) else (lo, mid - 1)
         return max(lo, 0)
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
         self.validate(prompt_ids, params.max_tokens)
         from k3verify.tokenizer.streaming import IncrementalDecoder
@@ -270,7 +248,7 @@ class Engine:
                 prompt_tokens=len(head.prompt_ids)))
         self.num_steps += 1
 
-    def _process(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor) -> None:
+    def _process(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise RuntimeError(f"runner returned logits {tuple(logits.shape)} for {len(seqs)} sequences")
         reqs = [self._requests[s.seq_id] for s in seqs]
@@ -296,27 +274,9 @@ class Engine:
             else:
                 self.observer.observe_inter_token(now - req.last_token_at)
         req.last_token_at = now
-        req.output_ids.append(token)
-        finish: str | None = None
-        if token in req.stop_ids:
-            finish, final = "stop", True
-        else:
-            req.text += req.decoder.push(token)
-            final = len(req.output_ids) >= req.params.max_tokens
-        if final:
-            req.text += req.decoder.finish()
-        stop_at = find_stop(req.text, req.sent, req.params.stop) if req.params.stop else None
-        if stop_at is not None:
-            end, finish = stop_at, "stop"
-        elif final:
-            end, finish = len(req.text), finish or "length"
-        else:
-            end = len(req.text) - partial_stop_len(req.text, req.sent, req.params.stop) if req.params.stop \
-                else len(req.text)
-        event = EngineEvent(text=req.text[req.sent:end], token_ids=[token], logprobs=[lp] if lp else [],
-                            finish_reason=finish, prompt_tokens=len(req.prompt_ids),
-                            completion_tokens=len(req.output_ids))
-        req.sent = end
+        delta, finish = req.append(token)
+        event = EngineEvent(text=delta, token_ids=[token], logprobs=[lp] if lp else [], finish_reason=finish,
+                            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
         if finish is not None:
             self._finish(req, event)
         else:
