@@ -17,9 +17,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("k3v_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("k3v_prompt_tokens", "Prompt tokens of admitted requests",
+        self.prompt_tokens = Counter("k3v_prompt_tokens", "Prompt tokens of requests accepted by the engine",
                                      registry=self.registry)
-        self.generation_tokens = Counter("k3v_generation_tokens", "Generated tokens", registry=self.registry)
+        self.generation_tokens = Counter("k3v_generation_tokens", "Generated tokens delivered to clients",
+                                         registry=self.registry)
         self.queue_depth = Gauge("k3v_queue_depth", "Requests waiting for admission", registry=self.registry)
         self.running = Gauge("k3v_running_batch_size", "Sequences in the running batch", registry=self.registry)
         self.ttft = Histogram("k3v_time_to_first_token_seconds", "Arrival to first generated token",
@@ -39,10 +40,6 @@ class ServerMetrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
-
-    def count_tokens(self, prompt: int, generated: int) -> None:
-        self.prompt_tokens.inc(prompt)
-        self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -198,7 +198,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
             stop=tuple(req.stop_list), stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
             ignore_eos=req.ignore_eos)
 
-    async def generate(request: Request, prompt_ids: Sequence[int], params: SamplingParams, renderer: Renderer,
+    async def generate(request: Request, prompt_ids: list[int], params: SamplingParams, renderer: Renderer,
                        *, stream: bool, prompt_param: str) -> Response:
         events = _EventStream(engine, asyncio.get_running_loop())
         try:
@@ -209,6 +209,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=prompt_param) from None
+        metrics.prompt_tokens.inc(len(prompt_ids))
         if stream:
             return _AbortOnClose(sse(events, renderer), on_close=lambda: engine.abort(seq_id))
         try:
@@ -217,8 +218,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
                 if event.error is not None:
                     raise engine_error(event)
                 renderer.add(event)
+                metrics.generation_tokens.inc(len(event.token_ids))
                 if event.finished:
-                    metrics.count_tokens(event.prompt_tokens, event.completion_tokens)
                     return JSONResponse(renderer.response())
         except _ClientGone:
             return Response(status_code=499)
@@ -238,10 +239,10 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
             if event.error is not None:
                 yield _sse(engine_error(event).envelope())
                 break
+            metrics.generation_tokens.inc(len(event.token_ids))
             for chunk in renderer.chunks(event):
                 yield _sse(chunk)
             if event.finished:
-                metrics.count_tokens(event.prompt_tokens, event.completion_tokens)
                 break
         yield "data: [DONE]\n\n"
 

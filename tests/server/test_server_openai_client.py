@@ -174,20 +174,27 @@ def test_models_lists_the_served_model(client: openai.OpenAI, tiny_server: Runni
     assert models["data"][0]["max_model_len"] == tiny_server.runner.max_context
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[-1])
+
+
 def test_metrics_count_requests_tokens_and_latency(client: openai.OpenAI, tiny_server: RunningServer) -> None:
-    """/metrics exposes request counts by status, token counters, load gauges and latency histograms."""
-    client.completions.create(model=TINY, prompt="m", max_tokens=3, temperature=0)
+    """/metrics: request counts by status, exact token counters, load gauges, latency histograms."""
+    url = tiny_server.url
+    before = {n: _metric(url, n) for n in ("k3v_prompt_tokens_total", "k3v_generation_tokens_total",
+                                           "k3v_time_to_first_token_seconds_count")}
+    r = client.completions.create(model=TINY, prompt="m", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=TINY, prompt="m", max_tokens=-3)
-    text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text
+    assert _metric(url, "k3v_prompt_tokens_total") - before["k3v_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert _metric(url, "k3v_generation_tokens_total") - before["k3v_generation_tokens_total"] == 3
+    assert _metric(url, "k3v_time_to_first_token_seconds_count") - before["k3v_time_to_first_token_seconds_count"] == 1
+    assert _metric(url, "k3v_inter_token_latency_seconds_count") >= 2
+    assert _metric(url, "k3v_queue_depth") == 0 and _metric(url, "k3v_running_batch_size") == 0
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'k3v_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'k3v_requests_total{endpoint="/v1/completions",status="400"}' in text
-    for name in ("k3v_prompt_tokens_total", "k3v_generation_tokens_total", "k3v_queue_depth",
-                 "k3v_running_batch_size", "k3v_time_to_first_token_seconds_count",
-                 "k3v_inter_token_latency_seconds_count"):
-        line = next(ln for ln in text.splitlines() if ln.startswith(name))
-        if name.endswith(("_total", "_count")):
-            assert float(line.split()[-1]) > 0, line
 
 
 def test_chat_without_max_tokens_fits_the_cache() -> None:
