@@ -62,6 +62,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class _Unsupported(ValueError):
+    """Raised by model validators for a well-typed but unsupported value; carries the field name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -84,19 +92,19 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _check_supported(self) -> _SamplingFields:
         if self.n not in (None, 1):
-            raise _unsupported("n", f"n={self.n} is not supported: this server returns exactly one choice (n=1)")
+            raise _Unsupported("n", f"n={self.n} is not supported: this server returns exactly one choice (n=1)")
         if self.stream_options is not None and not self.stream:
-            raise _unsupported("stream_options", "stream_options is only allowed when stream is true")
+            raise _Unsupported("stream_options", "stream_options is only allowed when stream is true")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
-                raise _unsupported(name, f"{name}={getattr(self, name)} is not supported (only 0)")
+                raise _Unsupported(name, f"{name}={getattr(self, name)} is not supported (only 0)")
         if self.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias is not supported")
+            raise _Unsupported("logit_bias", "logit_bias is not supported")
         stops = self.stop_list
         if len(stops) > MAX_STOP_SEQUENCES:
-            raise _unsupported("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
+            raise _Unsupported("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
         if any(s == "" for s in stops):
-            raise _unsupported("stop", "stop sequences must be non-empty strings")
+            raise _Unsupported("stop", "stop sequences must be non-empty strings")
         return self
 
     @property
@@ -110,16 +118,6 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class _UnsupportedValue(ValueError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _unsupported(param: str, message: str) -> _UnsupportedValue:
-    return _UnsupportedValue(param, message)
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -131,14 +129,14 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.echo:
-            raise _unsupported("echo", "echo=true is not supported")
+            raise _Unsupported("echo", "echo=true is not supported")
         if self.best_of not in (None, 1):
-            raise _unsupported("best_of", f"best_of={self.best_of} is not supported (only 1)")
+            raise _Unsupported("best_of", f"best_of={self.best_of} is not supported (only 1)")
         if self.suffix is not None:
-            raise _unsupported("suffix", "suffix is not supported")
+            raise _Unsupported("suffix", "suffix is not supported")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
             if len(self.prompt) != 1:
-                raise _unsupported("prompt", f"batched prompts are not supported: got {len(self.prompt)} prompts; "
+                raise _Unsupported("prompt", f"batched prompts are not supported: got {len(self.prompt)} prompts; "
                                              "send one request per prompt")
         return self
 
@@ -171,7 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise _unsupported("top_logprobs", "top_logprobs requires logprobs=true")
+            raise _Unsupported("top_logprobs", "top_logprobs requires logprobs=true")
         return self
 
     @property
@@ -186,10 +184,10 @@ def parse_request(model: type[_Strict], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        # A model_validator's _UnsupportedValue arrives wrapped: recover its param and message.
+        # A model_validator's _Unsupported arrives wrapped: recover its param and message.
         for err in exc.errors(include_url=False):
             cause = (err.get("ctx") or {}).get("error")
-            if isinstance(cause, _UnsupportedValue):
+            if isinstance(cause, _Unsupported):
                 raise APIError(400, str(cause), param=cause.param) from None
         raise validation_error_to_api_error(exc) from None
 
@@ -310,6 +308,8 @@ class TokenText(Protocol):
 class Renderer:
     """Turns engine events into one response (add/response) or SSE chunk payloads (start/chunks)."""
 
+    chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
+
     def __init__(self, id: str, created: int, model: str, token_text: TokenText, *, want_logprobs: bool,
                  include_usage: bool) -> None:
         self.id, self.created, self.model, self.token_text = id, created, model, token_text
@@ -354,10 +354,16 @@ class Renderer:
         raise NotImplementedError
 
     def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
-        raise NotImplementedError
+        out = self.chunk_model(id=self.id, created=self.created, model=self.model, choices=choices,
+                               usage=usage).model_dump()
+        if usage is None and not self.include_usage:
+            del out["usage"]
+        return out
 
 
 class CompletionRenderer(Renderer):
+    chunk_model = CompletionResponse
+
     def _logprobs(self, start: int = 0) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
@@ -367,13 +373,6 @@ class CompletionRenderer(Renderer):
             token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in entries],
             top_logprobs=[{self.token(t)[0]: max(v, LOGPROB_FLOOR) for t, v in lp.top} for lp in entries],
             text_offset=self.offsets[start:])
-
-    def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
-        out = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                 usage=usage).model_dump()
-        if usage is None and not self.include_usage:
-            del out["usage"]
-        return out
 
     def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
         choice = CompletionChoice(text=text, finish_reason=self.finish_reason, logprobs=self._logprobs(first_logprob))
@@ -385,6 +384,8 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
+    chunk_model = ChatCompletionChunk
+
     def _logprobs(self, start: int = 0) -> ChatLogprobs | None:
         if not self.want_logprobs:
             return None
@@ -396,13 +397,6 @@ class ChatRenderer(Renderer):
         return ChatLogprobs(content=[
             ChatLogprobEntry(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(t, v)) for t, v in lp.top])
             for lp in self.logprobs[start:]])
-
-    def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
-        out = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage).model_dump()
-        if usage is None and not self.include_usage:
-            del out["usage"]
-        return out
 
     def start(self) -> list[dict[str, Any]]:
         return [self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)]

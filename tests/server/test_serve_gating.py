@@ -219,3 +219,13 @@ def test_run_gates_writes_a_real_report_then_serves(tmp_path: Path) -> None:
     _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
     assert find_passing_report(tmp_path, serve.resolve_checkpoint(serve_args())[3], k3verify.__version__, "cpu")
     _chat_then_stop(proc, f"http://127.0.0.1:{port}")
+
+
+def test_served_engine_stops_at_config_and_generation_eos(tmp_path: Path, tiny_digest: str) -> None:
+    """The engine `serve` builds stops at both [EOS] (config.json) and <|im_end|> (generation_config.json)."""
+    write_report(tmp_path, digest=tiny_digest)
+    args = serve_args("--report-dir", str(tmp_path), "--max-batch", "3")
+    engine, tokenizer = serve.build_engine(args, serve.require_gate(args))
+    assert engine.eos_token_ids == {tokenizer.eos_id, tokenizer.im_end_id} == {4097, 4098}
+    assert engine.runner.state_pool.num_slots == 3
+    assert Path(tokenizer.source).parent == serve.resolve_checkpoint(args)[2]
