@@ -80,7 +80,8 @@ def sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Gener
     """One token from a [V] fp32 logit row."""
     if params.is_greedy:
         return int(torch.argmax(row))
-    scaled = filter_logits(row.float() / params.temperature, params.top_k, params.top_p)
+    # The request's generator lives on the CPU: draw there, so a seed means the same on every device.
+    scaled = filter_logits(row.float().cpu() / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
