@@ -1,0 +1,86 @@
+"""Routing: which implementation of an op ran, and a logged reason whenever a fast path refuses."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from k3verify.kernels import kda as kda_ops
+from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, KernelRegistry
+
+
+def _kda_args(device: str, T: int = 70, h: int = 2, dk: int = 16) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, dk, generator=g) for _ in range(3))
+    gate = -torch.rand(T, h, dk, generator=g)
+    beta = torch.rand(T, h, generator=g)
+    state = torch.zeros(2, h, dk, dk)
+    return tuple(t.to(device) for t in (q, k, v, gate, beta)) + ([0, 30, T], state.to(device), dk**-0.5)
+
+
+def test_cpu_runs_the_torch_kda_paths() -> None:
+    kda_ops.kda_prefill(*_kda_args("cpu"))
+    assert REGISTRY.last_backend[kda_ops.PREFILL] == TORCH
+    q, k, v, g, b, _, state, scale = _kda_args("cpu", T=2)
+    kda_ops.kda_decode(q, k, v, g, b, state, scale)
+    assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH
+
+
+def test_refused_fast_path_logs_the_reason_and_runs_torch(caplog: pytest.LogCaptureFixture) -> None:
+    reg = KernelRegistry()
+    ran: list[str] = []
+    reg.register("op", TORCH, lambda x: ran.append("torch"))
+    reg.register("op", TRITON, lambda x: ran.append("triton"), accepts=lambda x: "head dim 300 exceeds 256",
+                 available=lambda: None)
+    with caplog.at_level(logging.WARNING, logger="k3verify.kernels"):
+        reg.call("op", 1, device=torch.device("cuda"))
+    assert ran == ["torch"] and reg.last_backend["op"] == TORCH
+    assert "head dim 300 exceeds 256" in caplog.text and reg.fallbacks == [("op", "head dim 300 exceeds 256")]
+
+
+def test_unavailable_fast_path_logs_why(caplog: pytest.LogCaptureFixture) -> None:
+    reg = KernelRegistry()
+    reg.register("op", TORCH, lambda: "torch")
+    reg.register("op", TRITON, lambda: "triton", available=lambda: "fla is not installed")
+    with caplog.at_level(logging.WARNING, logger="k3verify.kernels"):
+        assert reg.call("op", device=torch.device("cuda")) == "torch"
+    assert "fla is not installed" in caplog.text
+
+
+def test_accepted_fast_path_runs_on_cuda_device_kind() -> None:
+    reg = KernelRegistry()
+    reg.register("op", TORCH, lambda: "torch")
+    reg.register("op", TRITON, lambda: "triton", accepts=lambda: None, available=lambda: None)
+    assert reg.call("op", device=torch.device("cuda")) == "triton" and reg.counts[("op", TRITON)] == 1
+    assert reg.call("op", device=torch.device("cpu")) == "torch"
+
+
+def test_registry_refuses_unknowns() -> None:
+    reg = KernelRegistry()
+    with pytest.raises(ValueError, match="unknown backend"):
+        reg.register("op", "cuda-magic", lambda: None)
+    with pytest.raises(KeyError, match="not registered"):
+        reg.call("nope", device=torch.device("cpu"))
+    reg.register("op", TORCH, lambda: None)
+    with pytest.raises(ValueError, match="no 'triton'"):
+        reg.force("op", TRITON)
+
+
+@pytest.mark.gpu
+def test_cuda_runs_fla_triton_kda() -> None:
+    """On CUDA with fla installed, prefill and decode go through fla's Triton kernels and agree with torch."""
+    q, k, v, g, b, cu, state, scale = _kda_args("cuda")
+    o, s = kda_ops.kda_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, b, cu, state, scale)
+    assert REGISTRY.last_backend[kda_ops.PREFILL] == TRITON, REGISTRY.fallbacks
+    REGISTRY.force(kda_ops.PREFILL, TORCH)
+    try:
+        o_ref, s_ref = kda_ops.kda_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, b, cu, state, scale)
+    finally:
+        REGISTRY.force(kda_ops.PREFILL, None)
+    assert ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item() < 5e-3
+    assert ((s - s_ref).norm() / s_ref.norm()).item() < 5e-3
+    d = _kda_args("cuda", T=2)
+    kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])
+    assert REGISTRY.last_backend[kda_ops.DECODE] == TRITON, REGISTRY.fallbacks
