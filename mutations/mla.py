@@ -13,7 +13,7 @@ MUTANTS = [
         target=f"{MLA}:key_ranges",
         old="return [(key_cu[i], key_cu[i + 1], batch.start_list[i]) for i in range(batch.num_seqs)]",
         new="return [(0, key_cu[i + 1], key_cu[i] + batch.start_list[i]) for i in range(batch.num_seqs)]",
-        killers=["mla.*"], presets=("k3-tiny", "kl-tiny"),
+        killers=["mla.*", "serving.packed.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
         id="mla.gate.dropped", quick=True,
