@@ -52,6 +52,7 @@ class Mutant:
     new: str | None = None
     patch: Callable[[Any], Any] | None = None
     presets: tuple[str, ...] = ("k3-tiny",)
+    devices: tuple[str, ...] = ("cpu", "cuda")  # ("cuda",): the fault lives in a CUDA-only fast path
     quick: bool = False
     equivalent: str | None = None
     also: tuple[tuple[str, str], ...] = ()  # further (old, new) edits in the same file, for multi-site faults
@@ -59,6 +60,7 @@ class Mutant:
     def __post_init__(self) -> None:
         object.__setattr__(self, "killers", tuple(self.killers))
         object.__setattr__(self, "presets", tuple(self.presets))
+        object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "also", tuple((str(a), str(b)) for a, b in self.also))
         module = self.module
         if not any(module == p or module.startswith(p + ".") for p in MUTABLE_PREFIXES):
@@ -127,13 +129,13 @@ def load_catalog(catalog_dir: Path = DEFAULT_CATALOG) -> list[Mutant]:
 
 
 def select(mutants: Iterable[Mutant], *, only: Sequence[str] = (), suite: str = "full",
-           preset: str | None = None) -> list[tuple[Mutant, str]]:
-    """(mutant, preset) pairs chosen by id globs, the quick flag and a preset filter."""
+           preset: str | None = None, device: str = "cpu") -> list[tuple[Mutant, str]]:
+    """(mutant, preset) pairs chosen by id globs, the quick flag, a preset filter and the device kind."""
     pairs = []
     for m in mutants:
         if only and not any(fnmatch.fnmatchcase(m.id, p) for p in only):
             continue
-        if suite == "quick" and not m.quick:
+        if (suite == "quick" and not m.quick) or device not in m.devices:
             continue
         pairs.extend((m, p) for p in m.presets if preset is None or p == preset)
     return pairs
@@ -221,7 +223,7 @@ class ChildRun:
 
 
 def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, catalog_dir: Path, cache_dir: Path,
-              seed: int, threads: int | None, timeout_s: float) -> ChildRun:
+              seed: int, threads: int | None, timeout_s: float, device: str = "cpu") -> ChildRun:
     """Run `parity --only check_ids` on `preset` in a fresh process against a (mutated) package copy.
 
     `cache_dir` (K3V_CACHE_DIR) is private to one mutate run: the clean run builds each synthetic checkpoint
@@ -232,7 +234,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
     with tempfile.TemporaryDirectory(prefix="k3v-mutant-") as tmp:
         root = make_copy(Path(tmp) / "src", mutant)
         report_dir = Path(tmp) / "report"
-        cli = ["parity", "--preset", preset, "--suite", "full", "--seed", str(seed),
+        cli = ["parity", "--preset", preset, "--suite", "full", "--seed", str(seed), "--device", device,
                "--report-dir", str(report_dir)]
         for check_id in check_ids:
             cli += ["--only", check_id]

@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--report-dir", type=Path, default=Path("reports/mutate"), metavar="DIR")
     p.add_argument("--preset", default=None, metavar="NAME", help="only (mutant, preset) pairs on this preset")
     p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="device the children run parity on; cuda adds the CUDA-only mutants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per child process (default 600)")
     p.set_defaults(func=run)
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         mutants = load_catalog(args.catalog)
     except CatalogError as exc:
         raise UsageError(str(exc)) from exc
-    pairs = select(mutants, only=args.only, suite=args.suite, preset=args.preset)
+    pairs = select(mutants, only=args.only, suite=args.suite, preset=args.preset, device=args.device)
     if not pairs:
         raise UsageError(f"no mutant matches --only {args.only} --suite {args.suite} --preset {args.preset}")
     with tempfile.TemporaryDirectory(prefix="k3v-mutate-cache-") as cache_dir:
@@ -77,7 +79,7 @@ def _run(args: argparse.Namespace, pairs: Sequence[tuple[Mutant, str]], cache_di
 
     def child(mutant: Mutant | None, preset: str, ids: Sequence[str]) -> Any:
         return run_child(mutant, preset, ids, catalog_dir=args.catalog, cache_dir=cache_dir, seed=args.seed,
-                         threads=threads, timeout_s=args.timeout)
+                         threads=threads, timeout_s=args.timeout, device=args.device)
 
     outcomes: list[Outcome] = []
     todo: list[tuple[Mutant, str, list[str]]] = []
@@ -112,7 +114,7 @@ def _run(args: argparse.Namespace, pairs: Sequence[tuple[Mutant, str]], cache_di
             outcomes.append(outcome)
             print(f"[{n}/{len(runnable)}] {outcome.status:9} {m.id} @ {p} ({outcome.duration_s:.1f}s): "
                   f"{outcome.reason}", flush=True)
-    write_reports(outcomes, clean_reports, args.report_dir, seed=args.seed)
+    write_reports(outcomes, clean_reports, args.report_dir, seed=args.seed, device=args.device)
     return summarize(outcomes)
 
 
@@ -141,7 +143,7 @@ def clean_runs(todo: Sequence[tuple[Mutant, str, list[str]]], child: Callable[..
 
 
 def write_reports(outcomes: Sequence[Outcome], clean: dict[str, dict[str, Any]], report_dir: Path, *,
-                  seed: int) -> None:
+                  seed: int, device: str) -> None:
     """One report per preset (report_dir itself when there is one preset, else report_dir/<preset>/): the clean
     run's results plus the kill matrix, validated against the schema and written atomically. A preset on
     which nothing ran (every entry stale or equivalent) gets a report with no results, verdict fail."""
@@ -155,7 +157,7 @@ def write_reports(outcomes: Sequence[Outcome], clean: dict[str, dict[str, Any]],
         rows = [o.record() for o in sorted(outcomes, key=lambda o: o.mutant.id) if o.preset == preset]
         data = dict(clean[preset]) if preset in clean else {
             "schema_version": 1, "results": [],
-            "run": asdict(collect_run_info(device="cpu", seed=seed, suite="full", preset=preset)),
+            "run": asdict(collect_run_info(device=device, seed=seed, suite="full", preset=preset)),
             "summary": {"counts": dict.fromkeys(("pass", "fail", "vacuous", "error", "skipped"), 0), "total": 0,
                         "verdict": "fail"},
         }

@@ -1,0 +1,37 @@
+"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py). They only run with
+`k3verify mutate --device cuda`: on CPU the registry routes to the torch reference and they cannot matter."""
+
+from __future__ import annotations
+
+from k3verify.mutate import Mutant
+
+FLA = "k3verify.kernels.kda.fla_triton"
+
+MUTANTS = [
+    Mutant(
+        id="kernel.fla.prefill_beta_sigmoid_in_kernel", devices=("cuda",),
+        fault="chunk_kda is called with use_beta_sigmoid_in_kernel=True on the already-sigmoided beta (twice)",
+        target=f"{FLA}:kda_prefill_fla",
+        old="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,\n        safe_gate=",
+        new="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=True,\n        safe_gate=",
+        killers=["kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.fla.decode_beta_sigmoid_in_kernel", devices=("cuda",),
+        fault="fused_recurrent_kda is called with use_beta_sigmoid_in_kernel=True on the already-sigmoided beta",
+        target=f"{FLA}:kda_decode_fla",
+        old="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,\n    )\n    return o[:, 0]",
+        new="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=True,\n    )\n    return o[:, 0]",
+        killers=["serving.*", "mla.decode.*"],
+    ),
+    Mutant(
+        id="kernel.fla.prefill_qk_not_normalized", devices=("cuda",),
+        fault="chunk_kda runs with use_qk_l2norm_in_kernel=False although nothing else normalizes q and k",
+        target=f"{FLA}:kda_prefill_fla",
+        old="output_final_state=True, use_qk_l2norm_in_kernel=True,\n        use_gate_in_kernel=False, "
+            "use_beta_sigmoid_in_kernel=False,\n        safe_gate=",
+        new="output_final_state=True, use_qk_l2norm_in_kernel=False,\n        use_gate_in_kernel=False, "
+            "use_beta_sigmoid_in_kernel=False,\n        safe_gate=",
+        killers=["kda.*", "serving.*"],
+    ),
+]
