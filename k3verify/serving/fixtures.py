@@ -82,16 +82,21 @@ def dummy_ids(n: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
-    """Temporarily replace `obj.attr` (a control's deliberate fault); always restored."""
-    old = getattr(obj, attr, _MISSING)
+    """Temporarily replace `obj.attr` (a control's deliberate fault). Restores exactly what `obj` held
+    itself: an attribute it only inherited (a method) is deleted again, never pinned as a bound copy
+    that would shadow later class-level patches."""
+    had_own = attr in (vars(obj) if hasattr(obj, "__dict__") else {})
+    if isinstance(obj, torch.nn.Module):  # parameters, buffers and children live outside __dict__
+        had_own = had_own or any(attr in d for d in (obj._parameters, obj._buffers, obj._modules))
+    old = getattr(obj, attr) if had_own else _MISSING
     setattr(obj, attr, value)
     try:
         yield
     finally:
-        if old is _MISSING:
-            delattr(obj, attr)
-        else:
+        if had_own:
             setattr(obj, attr, old)
+        else:
+            delattr(obj, attr)
 
 
 def layer_inputs(ctx: Any, n_tokens: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
