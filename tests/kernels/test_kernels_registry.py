@@ -82,5 +82,7 @@ def test_cuda_runs_fla_triton_kda() -> None:
     assert ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item() < 5e-3
     assert ((s - s_ref).norm() / s_ref.norm()).item() < 5e-3
     d = _kda_args("cuda", T=2)
-    kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])
+    kda_ops.kda_decode(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], d[6], d[7])
     assert REGISTRY.last_backend[kda_ops.DECODE] == TRITON, REGISTRY.fallbacks
+    kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])  # fp32 activations: torch, with a logged reason
+    assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH and "TF32" in REGISTRY.fallbacks[-1][1]

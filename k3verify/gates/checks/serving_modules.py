@@ -66,8 +66,8 @@ def _beta_twice(layer: torch.nn.Module) -> object:
 
 @register_check(
     id="kda.module.fp32", component="kda", level="module", kind=Kind.RMS, bar=1e-4,
-    bar_reason="chunked (serving) vs token-recurrent (oracle) fp32 KDA: measured rel RMS ~2e-6 per layer; "
-    "1e-4 leaves 50x for op-order noise while a second beta sigmoid sits near 1e-1",
+    bar_reason="chunked (serving) vs token-recurrent (oracle) fp32 KDA: measured rel RMS ~2e-7 per layer; "
+    "1e-4 leaves 500x for op-order noise while a second beta sigmoid sits near 1e-1",
     control="beta squashed by a second sigmoid",
 )
 def check_kda_module_fp32(ctx: CheckContext) -> Trial:
@@ -75,13 +75,14 @@ def check_kda_module_fp32(ctx: CheckContext) -> Trial:
 
 
 @register_check(
-    id="kda.module.bf16", component="kda", level="module", kind=Kind.BF16, suites=("full",),
+    id="kda.module.bf16", component="kda", level="module", kind=Kind.RMS, suites=("full",),
     control="beta squashed by a second sigmoid",
 )
 def check_kda_module_bf16(ctx: CheckContext) -> Trial:
     trial = _attn_trial(ctx, "kda", BF16, _beta_twice, gold=True)
-    trial.notes.append("the recurrences differ (chunked vs token loop) but both keep fp32 state; their bf16 "
-                       "outputs agree to the BF16 gate")
+    trial.notes.append("RMS, not BF16 (DESIGN: KDA chunk vs recurrent is a reduction with cancellation): on CPU "
+                       "the torch chunk core rounds to the same bf16 as the oracle, but fla's bf16 chunk_kda on "
+                       "CUDA sits near fla's own 5e-3 bar")
     return trial
 
 

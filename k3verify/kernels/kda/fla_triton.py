@@ -19,7 +19,7 @@ _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2nor
 _DECODE_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                   "use_beta_sigmoid_in_kernel")
 MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -44,6 +44,9 @@ def available() -> str | None:
 
 
 def _shape_reason(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> str | None:
+    if q.dtype == torch.float32:
+        return ("fp32 activations: fla's Triton KDA forms its products in TF32, so the exact fp32 path is the "
+                "torch reference")
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims dk={q.shape[-1]}, dv={v.shape[-1]} exceed fla's limit {MAX_HEAD_DIM}"
     if q.dtype not in _DTYPES:
