@@ -1,7 +1,8 @@
 """The gate `serve` must pass: a green report.json for exactly this checkpoint, version and device kind.
 
 The newest report for the (digest, version, device) triple decides: a newer failing run shadows an
-older passing one, so a regression cannot be served on the strength of a stale green report.
+older passing one, so a regression cannot be served on the strength of a stale green report. A run
+narrowed with `--only` is not a gate (it could have selected a single self-test) and never counts.
 Unreadable or schema-invalid files (e.g. half-written) are skipped with a warning naming them.
 """
 
@@ -45,20 +46,23 @@ def lookup_report(report_dir: str | Path, digest: str, version: str, device_kind
         return GateLookup(None, None, f"report dir {root} does not exist")
     matches: list[tuple[str, str, Path, dict[str, Any]]] = []
     skipped: list[Path] = []
-    others = 0
+    others = narrowed = 0
     for path in sorted(root.rglob("report.json")):
         data = _load_valid(path)
         if data is None:
             skipped.append(path)
             continue
         run = data["run"]
+        if run.get("only"):
+            narrowed += 1
+            continue
         if (run["checkpoint_digest"], run["k3verify_version"], run["device"]) == (digest, version, device_kind):
             matches.append((run["started_at"], str(path), path, data))
         else:
             others += 1
     if not matches:
         why = f"no report for checkpoint {digest} with k3verify {version} on {device_kind}"
-        detail = f" ({others} report(s) for other checkpoints/versions/devices"
+        detail = f" ({others} report(s) for other checkpoints/versions/devices, {narrowed} narrowed by --only"
         detail += f", {len(skipped)} invalid file(s) ignored)" if skipped else ")"
         return GateLookup(None, None, why + detail, tuple(skipped))
     _, _, newest, data = max(matches, key=lambda m: (m[0], m[1]))

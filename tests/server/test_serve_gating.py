@@ -25,7 +25,8 @@ OTHER_DIGEST = "sha256:" + "0" * 64
 
 
 def write_report(directory: Path, *, digest: str, version: str = k3verify.__version__, device: str = "cpu",
-                 verdict: str = "pass", started_at: str = "2026-01-01T00:00:00+00:00") -> Path:
+                 verdict: str = "pass", started_at: str = "2026-01-01T00:00:00+00:00",
+                 only: list[str] | None = None) -> Path:
     """A minimal schema-valid report.json (validated here, so schema drift fails this helper, not silently)."""
     counts = {"pass": 3, "fail": 0, "vacuous": 0, "error": 0, "skipped": 1}
     if verdict == "fail":
@@ -35,7 +36,7 @@ def write_report(directory: Path, *, digest: str, version: str = k3verify.__vers
         "run": {"k3verify_version": version, "git_sha": "unknown", "git_dirty": None, "python": "3.11",
                 "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
                 "preset": "k3-tiny", "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
-                "only": [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {}},
+                "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {}},
         "results": [],
         "summary": {"counts": counts, "total": sum(counts.values()), "verdict": verdict},
     }
@@ -100,6 +101,16 @@ def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -
     assert target.report == newest and target.digest == tiny_digest and target.name == "k3-tiny"
     assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == newest
     assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cuda") is None
+
+
+def test_run_narrowed_by_only_never_opens_the_gate(tmp_path: Path, tiny_digest: str) -> None:
+    """A green `parity --only gates.selftest` run proves nothing about the model: serve ignores it."""
+    write_report(tmp_path / "narrow", digest=tiny_digest, only=["gates.selftest"])
+    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") is None
+    with pytest.raises(UsageError, match="1 narrowed by --only"):
+        serve.require_gate(serve_args("--report-dir", str(tmp_path)))
+    full = write_report(tmp_path / "full", digest=tiny_digest, started_at="2025-12-01T00:00:00+00:00")
+    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == full
 
 
 def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: str) -> None:
