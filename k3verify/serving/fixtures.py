@@ -6,7 +6,8 @@ Weights come from the oracle's `checkpoint_tensors(ctx)` so both stacks load the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,6 +18,25 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.route_pin import RouteRecord, record_routes
 
 _MISSING = object()
+
+
+def single_thread(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Run a CPU check with one torch thread (restored after). These models are tiny: on a shared 2-core
+    runner two spinning OpenMP threads make every small fp32 GEMM ~20 ms instead of ~10 us. Reference,
+    candidate and control of a check all run under the same setting."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx: Any) -> Any:
+        if ctx.device.type != "cpu":
+            return fn(ctx)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(ctx)
+        finally:
+            torch.set_num_threads(saved)
+
+    return wrapper
 
 
 def checkpoint_tensors(ctx: Any) -> Any:

@@ -57,6 +57,7 @@ def _decode_scenario(ctx: CheckContext, runner: ModelRunner, tokens: dict[int, l
     "measured rel RMS ~1e-6; a decode that never advances the KDA state sits above 1e-2",
     control="decode from stale state: the KDA state is never written back during decode",
 )
+@fx.single_thread
 def check_decode_vs_full(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     total = {sid: first + cont + DECODE_STEPS for sid, (first, cont) in PROMPTS.items()}
@@ -82,6 +83,7 @@ def check_decode_vs_full(ctx: CheckContext) -> Trial:
     "control moves it by >1e-1",
     control="absorbed scores without the (qk_nope + qk_rope)^-0.5 scale",
 )
+@fx.single_thread
 def check_absorbed_decode(ctx: CheckContext) -> Trial:
     if not ctx.cfg.has_mla:
         raise SkipCheck("preset has no MLA layers")
@@ -148,6 +150,7 @@ def _integrity_scenario(runner: ModelRunner, ids: list[int], corrupt_after: int 
     id="serving.cache.integrity", component="serving", level="serving", kind=Kind.BITEXACT,
     control="a page double-allocated after the first decode step must be detected",
 )
+@fx.single_thread
 def check_cache_integrity(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     ids = fx.prompt(ctx, 50, salt=20).tolist()
@@ -172,6 +175,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     id="serving.state.untouched_slots", component="serving", level="serving", kind=Kind.BITEXACT,
     control="every KDA state write also lands in the next slot (slot + 1)",
 )
+@fx.single_thread
 def check_untouched_slots(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     ids = fx.prompt(ctx, 40, salt=21).tolist()

@@ -27,6 +27,7 @@ def _high_nibble_first(packed: torch.Tensor) -> torch.Tensor:
     id="kernel.mxfp4.dequant", component="kernel", level="kernel", kind=Kind.BITEXACT,
     control="codes read high nibble first",
 )
+@fx.single_thread
 def check_mxfp4_dequant(ctx: CheckContext) -> Trial:
     if not ctx.cfg.experts_quantized:
         raise SkipCheck("preset has no MXFP4 experts")
@@ -106,6 +107,7 @@ def _gold(x: dict[str, torch.Tensor], cu: list[int]) -> tuple[torch.Tensor, torc
     "and ragged chunks; beta dropped moves it to ~1",
     control="beta dropped (beta = 1)",
 )
+@fx.single_thread
 def check_kda_prefill_kernel(ctx: CheckContext) -> Trial:
     cu = [0]
     for n in LENS:
@@ -126,6 +128,7 @@ def check_kda_prefill_kernel(ctx: CheckContext) -> Trial:
     bar_reason="one fp32 step each side, same formula in another association: measured rel RMS ~1e-8",
     control="state not decayed before the update (g ignored)",
 )
+@fx.single_thread
 def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
     B = 5
     x = _kda_inputs(ctx, B, B)
@@ -141,6 +144,7 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
     id="kernel.kda.triton_vs_torch", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
     control="beta squashed twice before the Triton kernel",
 )
+@fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
     """fla's chunk_kda / fused_recurrent_kda (through our registry) vs the torch path, bf16 inputs."""
     if REGISTRY.select(kda_ops.PREFILL, ctx.device).backend != TRITON:

@@ -48,6 +48,7 @@ def _serving_logits(model: ServingModel, ids: torch.Tensor, device: torch.device
     "fp64); the wrong-finish controls sit above 1e-1",
     control="final norm applied before the output attn-res mix (norm-then-mix); no attn-res: final norm skipped",
 )
+@fx.single_thread
 def check_model_logits(ctx: CheckContext) -> Trial:
     ids = fx.prompt(ctx, T_MODEL)
     ref, routes = fx.reference_forward(ctx, ids)
@@ -73,6 +74,7 @@ def check_model_logits(ctx: CheckContext) -> Trial:
     bar_reason="fp32; transformers' chunked torch KDA vs ours, same model: measured rel RMS ~1e-6, 100x headroom",
     control="final norm skipped",
 )
+@fx.single_thread
 def check_model_logits_hf(ctx: CheckContext) -> Trial:
     if ctx.cfg.is_k3:
         raise SkipCheck("transformers' KimiLinear has no K3 features (attn-res, LatentMoE, SiTU, MXFP4)")
@@ -108,6 +110,7 @@ def _oracle_greedy(ctx: CheckContext, prompt: list[int], steps: int) -> tuple[li
     id="serving.greedy.vs_oracle", component="serving", level="serving", kind=Kind.BITEXACT, suites=("full",),
     control="decode with the KDA state never written back (decode from stale state)",
 )
+@fx.single_thread
 def check_greedy_vs_oracle(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     prompts = [fx.prompt(ctx, n, salt=7).tolist() for n in (11, 23)]

@@ -70,6 +70,7 @@ def _beta_twice(layer: torch.nn.Module) -> object:
     "1e-4 leaves 500x for op-order noise while a second beta sigmoid sits near 1e-1",
     control="beta squashed by a second sigmoid",
 )
+@fx.single_thread
 def check_kda_module_fp32(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "kda", F32, _beta_twice, gold=True)
 
@@ -78,6 +79,7 @@ def check_kda_module_fp32(ctx: CheckContext) -> Trial:
     id="kda.module.bf16", component="kda", level="module", kind=Kind.RMS, suites=("full",),
     control="beta squashed by a second sigmoid",
 )
+@fx.single_thread
 def check_kda_module_bf16(ctx: CheckContext) -> Trial:
     trial = _attn_trial(ctx, "kda", BF16, _beta_twice, gold=True)
     trial.notes.append("RMS, not BF16 (DESIGN: KDA chunk vs recurrent is a reduction with cancellation): on CPU "
@@ -115,6 +117,7 @@ class _Stack:
     id="mla.module.fp32", component="mla", level="module", kind=Kind.BITEXACT,
     control="MLA LoRA norms at eps 1e-5 instead of 1e-6",
 )
+@fx.single_thread
 def check_mla_module_fp32(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "mla", F32, _lora_eps, gold=False)
 
@@ -123,6 +126,7 @@ def check_mla_module_fp32(ctx: CheckContext) -> Trial:
     id="mla.module.bf16", component="mla", level="module", kind=Kind.BF16, suites=("full",),
     control="MLA LoRA norms at eps 1e-5 instead of 1e-6",
 )
+@fx.single_thread
 def check_mla_module_bf16(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "mla", BF16, _lora_eps, gold=False)
 
@@ -179,6 +183,7 @@ def _moe_fault(ctx: CheckContext, moe: torch.nn.Module) -> object:
     id="mlp.module.fp32", component="mlp", level="module", kind=Kind.BITEXACT,
     control="the other GLU activation (SiLU for SiTU, SiTU for SiLU)",
 )
+@fx.single_thread
 def check_mlp_module_fp32(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "mlp", F32)
 
@@ -187,6 +192,7 @@ def check_mlp_module_fp32(ctx: CheckContext) -> Trial:
     id="mlp.module.bf16", component="mlp", level="module", kind=Kind.BF16, suites=("full",),
     control="the other GLU activation (SiLU for SiTU, SiTU for SiLU)",
 )
+@fx.single_thread
 def check_mlp_module_bf16(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "mlp", BF16)
 
@@ -195,11 +201,13 @@ _MOE_CONTROL = "LatentMoE: routed_expert_norm per expert before the combine; pla
 
 
 @register_check(id="moe.module.fp32", component="moe", level="module", kind=Kind.BITEXACT, control=_MOE_CONTROL)
+@fx.single_thread
 def check_moe_module_fp32(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "moe", F32)
 
 
 @register_check(id="moe.module.bf16", component="moe", level="module", kind=Kind.BF16, suites=("full",),
                 control=_MOE_CONTROL)
+@fx.single_thread
 def check_moe_module_bf16(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "moe", BF16)

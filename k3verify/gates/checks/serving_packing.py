@@ -45,6 +45,14 @@ def _per_sequence(model: ServingModel, ids: torch.Tensor, lens: list[int], devic
     return outs
 
 
+def _depth(ref: ForwardOutput, cand: ForwardOutput) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Captures in depth order (attn_out, ffn_out per layer, final_hidden) for localization."""
+    assert ref.captures is not None and cand.captures is not None
+    names = sorted((k for k in ref.captures if k != "final_hidden"),
+                   key=lambda k: (int(k.split(".")[1]), k.endswith("ffn_out")))
+    return [(k, ref.captures[k], cand.captures[k]) for k in names + ["final_hidden"]]
+
+
 def _cat(outs: list[ForwardOutput], key: str) -> torch.Tensor:
     if key == "logits":
         return torch.cat([o.all_logits for o in outs])  # type: ignore[misc]
@@ -55,6 +63,7 @@ def _cat(outs: list[ForwardOutput], key: str) -> torch.Tensor:
     id="serving.packed.equal_lengths", component="serving", level="serving", kind=Kind.BITEXACT,
     control="plain triangular causal mask over the whole pack (sequence 2 attends to sequence 1)",
 )
+@fx.single_thread
 def check_packed_equal(ctx: CheckContext) -> Trial:
     model, T = fx.serving_model(ctx), sum(EQUAL)
     ids = fx.prompt(ctx, T, salt=1)
@@ -87,6 +96,7 @@ def check_packed_equal(ctx: CheckContext) -> Trial:
     "on the synthetic presets (router near-ties pinned); the plain-triangle control sits at >1e-2, >100x the bar",
     control="plain triangular causal mask over the whole pack (sequence 2 attends to sequence 1)",
 )
+@fx.single_thread
 def check_packed_unequal(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     ids = fx.prompt(ctx, sum(UNEQUAL), salt=2)
@@ -100,7 +110,8 @@ def check_packed_unequal(ctx: CheckContext) -> Trial:
     ref, cand, ctrl = _cat(singles, "logits"), packed.all_logits, wrong.all_logits
     cand_err = compare(Kind.RMS, ref, cand, UNEQUAL_BAR).metric
     ctrl_err = compare(Kind.RMS, ref, ctrl, UNEQUAL_BAR).metric
-    layers = [(k, _cat(singles, k), packed.captures[k]) for k in packed.captures]  # type: ignore[union-attr]
+    names = [name for name, _, _ in _depth(packed, packed)]
+    layers = [(k, _cat(singles, k), packed.captures[k]) for k in names]  # type: ignore[index]
     metrics = {"candidate_rel_rms": cand_err, "control_rel_rms": ctrl_err, "control_over_bar": ctrl_err / UNEQUAL_BAR,
                "control_over_candidate": ctrl_err / cand_err if cand_err > 0 else float("inf"), **stats.as_metrics()}
     return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0, layers=layers, metrics=metrics, notes=[
@@ -134,6 +145,7 @@ def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, torch.Tensor], wh
     id="kda.conv.packed_boundary", component="kda", level="module", kind=Kind.BITEXACT,
     control="conv windows leak across sequences (the pack convolved as one sequence)",
 )
+@fx.single_thread
 def check_conv_boundary(ctx: CheckContext) -> Trial:
     T = sum(EQUAL)
     leak = {"seg_ids": torch.zeros(T, dtype=torch.long, device=ctx.device),
@@ -146,6 +158,7 @@ def check_conv_boundary(ctx: CheckContext) -> Trial:
     id="serving.packed.segment_ids", component="serving", level="serving", kind=Kind.BITEXACT,
     control="segment ids from bucketize(right=False): every first token assigned to the previous sequence",
 )
+@fx.single_thread
 def check_segment_ids(ctx: CheckContext) -> Trial:
     T = sum(EQUAL)
     cu = torch.tensor([0, 64, 128, 192], device=ctx.device)
@@ -163,6 +176,7 @@ def check_segment_ids(ctx: CheckContext) -> Trial:
     id="kda.segmented", component="kda", level="model", kind=Kind.BITEXACT,
     control="a KDA segment cut mid-chunk (32 tokens off the 64 grid) forced past the cut check",
 )
+@fx.single_thread
 def check_segmented(ctx: CheckContext) -> Trial:
     if not ctx.cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
@@ -182,7 +196,8 @@ def check_segmented(ctx: CheckContext) -> Trial:
     pick = {"logits": lambda o: o.all_logits}
     get = {k: pick.get(k, lambda o, k=k: o.captures[k]) for k in keys}
     return Trial(reference={k: get[k](whole) for k in keys}, candidate={k: get[k](seg) for k in keys},
-                 control={k: get[k](wrong) for k in keys}, notes=[
+                 control={k: get[k](wrong) for k in keys}, layers=_depth(whole, seg),
+                 control_layers=_depth(whole, wrong), notes=[
                      f"lengths {lens}, segment_len 64 (fp32 state handed across segments) vs one pass; "
                      f"segmented layer passes: {seg.stats.get('kda_segmented', 0)}"])
 
@@ -191,6 +206,7 @@ def check_segmented(ctx: CheckContext) -> Trial:
     id="mlp.tiled", component="mlp", level="module", kind=Kind.BITEXACT,
     control="a ragged tiling that drops the last 3 rows",
 )
+@fx.single_thread
 def check_tiled_ffn(ctx: CheckContext) -> Trial:
     model, T = fx.serving_model(ctx), 200
     mlps = {}
@@ -217,6 +233,7 @@ def check_tiled_ffn(ctx: CheckContext) -> Trial:
     id="attn_res.prealloc", component="attn_res", level="model", kind=Kind.BITEXACT,
     control="the whole preallocated buffer handed to the mix (unused columns join the softmax)",
 )
+@fx.single_thread
 def check_attn_res_prealloc(ctx: CheckContext) -> Trial:
     if not ctx.cfg.uses_attn_res:
         raise SkipCheck("preset has no Block Attention Residuals")
@@ -233,7 +250,8 @@ def check_attn_res_prealloc(ctx: CheckContext) -> Trial:
     out = {}
     for name, o in (("ref", cat), ("cand", pre), ("ctrl", wrong)):
         out[name] = {"logits": o.all_logits, **o.captures}  # type: ignore[dict-item]
-    return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"],
+    return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"], layers=_depth(cat, pre),
+                 control_layers=_depth(cat, wrong),
                  notes=["reference: block entries restacked by concatenation at every read; candidate: one "
                         f"preallocated [tokens, {num_blocks(model.cfg)}, H] buffer per pass, narrowed to the "
                         "filled entries; engaged in "

@@ -41,12 +41,14 @@ _ROUTER_CONTROL = "experts chosen without the correction bias"
 
 @register_check(id="router.module.fp32", component="router", level="module", kind=Kind.BITEXACT,
                 control=_ROUTER_CONTROL)
+@fx.single_thread
 def check_router_fp32(ctx: CheckContext) -> Trial:
     return _router_trial(ctx, torch.float32)
 
 
 @register_check(id="router.module.bf16", component="router", level="module", kind=Kind.BITEXACT, suites=("full",),
                 control=_ROUTER_CONTROL)
+@fx.single_thread
 def check_router_bf16(ctx: CheckContext) -> Trial:
     return _router_trial(ctx, torch.bfloat16)
 
@@ -55,6 +57,7 @@ def check_router_bf16(ctx: CheckContext) -> Trial:
     id="norm.module", component="norm", level="module", kind=Kind.BITEXACT,
     control="every norm at the other eps (1e-6 for layer norms, the layer eps for the MLA LoRA norms)",
 )
+@fx.single_thread
 def check_norms(ctx: CheckContext) -> Trial:
     """Final RMSNorm, an MLA LoRA norm and a KDA gated o_norm, in fp32 and bf16, on inputs small
     enough (rms ~3e-3) that the eps shows."""
@@ -121,6 +124,7 @@ def _attn_res_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     "control moves it by >1e-1",
     control="scores divided by sqrt(H) (a 1/sqrt(d) the mix must not have)",
 )
+@fx.single_thread
 def check_attn_res_fp32(ctx: CheckContext) -> Trial:
     return _attn_res_trial(ctx, torch.float32)
 
@@ -129,5 +133,6 @@ def check_attn_res_fp32(ctx: CheckContext) -> Trial:
     id="attn_res.module.bf16", component="attn_res", level="module", kind=Kind.RMS, suites=("full",),
     control="scores divided by sqrt(H) (a 1/sqrt(d) the mix must not have)",
 )
+@fx.single_thread
 def check_attn_res_bf16(ctx: CheckContext) -> Trial:
     return _attn_res_trial(ctx, torch.bfloat16)
