@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ class Timing:
 
 
 def cuda_time(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5) -> Timing:
+    """CUDA events around each call; without CUDA (dry runs of the bench logic) a wall clock."""
+    if not torch.cuda.is_available():
+        return _wall_time(fn, warmup, repeats)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -38,3 +42,19 @@ def random_prompt(batch: int, length: int, vocab: int, seed: int, device: torch.
     """Token ids drawn uniformly from the non-special range (never all zeros)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randint(1, min(vocab, 160000) - 1, (batch, length), generator=g).to(device)
+
+
+def _wall_time(fn: Callable[[], object], warmup: int, repeats: int) -> Timing:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return Timing(statistics.median(times), min(times), repeats)
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

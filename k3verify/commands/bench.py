@@ -1,0 +1,82 @@
+"""`k3verify bench`: GPU speed of our serving model against transformers+fla, with parity in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from k3verify.cli import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
+    p.add_argument("--preset", default="kl-48b-8l")
+    p.add_argument("--prefill", default="1024,8192", help="prompt lengths for the prefill measurement")
+    p.add_argument("--batch", default="1,16,64", help="decode batch sizes")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers (no ratios reported)")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
+    p.add_argument("--parity-bar", type=float, default=5e-3)
+    p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{flag} takes comma-separated integers; got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{flag} needs positive integers; got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3verify.presets import PRESETS, get_preset, preset_hf_config
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    prefill_lens, batches = _ints(args.prefill, "--prefill"), _ints(args.batch, "--batch")
+    from k3verify.bench import run as b
+
+    plan = b.BenchPlan(args.preset, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
+                       baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar)
+    result = b.run_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"),
+                         b.measure_bandwidth())
+    _emit(result, args.json)
+    return 0 if result.speeds_reported else 1
+
+
+def _emit(result, path: Path | None) -> None:  # type: ignore[no-untyped-def]
+    data = result.to_dict()
+    print(json.dumps(data, indent=1))
+    lines = [f"bench {result.preset} on {result.device_name} (copy {result.copy_bandwidth_GBps:.0f} GB/s)"]
+    for r in result.parity:
+        lines.append(f"  parity {r['id']}: {r['status']} metric={r['metric']:.3g} control={r['control_metric']:.3g}")
+    for r in result.prefill:
+        lines.append(f"  prefill {r['tokens']:>6}: ours {r['ours_tok_s']:>10.0f} tok/s  baseline "
+                     f"{r.get('baseline_tok_s', float('nan')):>10.0f}  ratio {r.get('ratio', float('nan')):.2f}x")
+    for r in result.decode:
+        lines.append(f"  decode b{r['batch']:>3}: ours {r['ours_tok_s']:>9.1f} tok/s  baseline "
+                     f"{r.get('baseline_tok_s', float('nan')):>8.1f}  ratio {r.get('ratio', float('nan')):.2f}x  "
+                     f"step {r['ours_step_ms']:.3f} ms  floor {r['floor_step_ms']:.3f} ms  "
+                     f"{100 * r['fraction_of_floor']:.1f}% of floor")
+    print("\n".join(lines), file=sys.stderr)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)

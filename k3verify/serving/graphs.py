@@ -1,0 +1,158 @@
+"""CUDA-graph decode: one captured graph per batch-size bucket, replayed over static buffers.
+
+A captured graph bakes tensor addresses AND slice offsets: a cache re-created with the same base
+pointer but fewer pages moves every per-layer slice above layer 0. The capture signature therefore
+records (data_ptr, shape, stride, dtype) of every cache tensor, and a replay whose signature differs
+re-captures (logged) instead of replaying stale slices. Padded rows of a bucket park on the reserved
+scratch slot and scratch page (never -1). The Block Attention Residual stack is built inside the
+captured step (it is per-pass scratch), so K3 models capture whole.
+
+`static_decode` is the same step without a graph: the CPU tests run it to prove it equals
+`ServingModel.decode` bit-exactly and performs no host synchronisation (which capture forbids).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from k3verify.serving.batch import SCRATCH, PackedBatch
+from k3verify.serving.model import ServingModel
+
+log = logging.getLogger("k3verify.graphs")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+Signature = tuple[tuple[str, int, tuple[int, ...], tuple[int, ...], str], ...]
+
+
+def capture_signature(model: ServingModel) -> Signature:
+    """Address, shape and stride of every cache tensor a captured decode step reads or writes."""
+    tensors: dict[str, torch.Tensor] = {}
+    if model.kv_cache is not None:
+        tensors["kv.data"] = model.kv_cache.data
+    if model.state_pool is not None:
+        tensors.update({f"state.{k}": v for k, v in model.state_pool.tensors().items()})
+    return tuple((name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+                 for name, t in sorted(tensors.items()))
+
+
+@dataclass
+class StaticInputs:
+    """Device buffers one bucket's graph reads; rows past the live batch hold scratch values."""
+
+    input_ids: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64
+    page_table: torch.Tensor  # [B, P] int64
+    positions: torch.Tensor  # [B] int64: tokens already cached = position of the new token
+
+    @classmethod
+    def allocate(cls, batch: int, pages_per_seq: int, device: torch.device) -> StaticInputs:
+        def z(*shape: int) -> torch.Tensor:
+            return torch.full(shape, SCRATCH, dtype=torch.long, device=device)
+
+        return cls(z(batch), z(batch), z(batch, pages_per_seq), z(batch))
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], positions: list[int]) -> None:
+        """Copy a live batch into the first rows; the rest park on the scratch slot and page."""
+        n, B, P = len(ids), self.size, self.page_table.shape[1]
+        if n > B:
+            raise ValueError(f"{n} sequences do not fit a bucket of {B}")
+        pad = B - n
+        table = [list(t) + [SCRATCH] * (P - len(t)) for t in tables] + [[SCRATCH] * P] * pad
+        if any(len(t) > P for t in tables):
+            raise ValueError(f"a page table longer than the captured width {P}")
+        host = torch.tensor([*ids, *[0] * pad, *slots, *[SCRATCH] * pad, *positions, *[0] * pad], dtype=torch.long)
+        self.input_ids.copy_(host[:B], non_blocking=True)
+        self.slots.copy_(host[B:2 * B], non_blocking=True)
+        self.positions.copy_(host[2 * B:], non_blocking=True)
+        self.page_table.copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+
+
+def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -> torch.Tensor:
+    """One decode step over static buffers -> [B, V] fp32 logits, with no host synchronisation.
+
+    The host-side lists the layers loop over are fixed by the bucket (B sequences of one token, each
+    seen as possibly max_context long); the real positions stay on the device and mask the attention."""
+    B = inputs.size
+    device = inputs.input_ids.device
+    cu = torch.arange(B + 1, dtype=torch.long, device=device)
+    batch = PackedBatch(
+        input_ids=inputs.input_ids, cu_seqlens=cu, cu_list=list(range(B + 1)), start_pos=inputs.positions,
+        start_list=[max_context - 1] * B, slots=inputs.slots, page_table=inputs.page_table,
+        seg_ids=cu[:B], local_pos=torch.zeros_like(cu[:B]), positions=inputs.positions, is_decode=True,
+    )
+    return model._forward(model._context(batch, None), False, False).logits
+
+
+class GraphDecoder:
+    """Decode through captured CUDA graphs (or, with use_graphs=False, the same static step eagerly)."""
+
+    def __init__(self, model: ServingModel, max_context: int, *, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 use_graphs: bool | None = None) -> None:
+        if model.kv_cache is None or model.state_pool is None:
+            raise RuntimeError("GraphDecoder needs the model's caches allocated first")
+        self.model, self.max_context, self.buckets = model, max_context, tuple(sorted(buckets))
+        self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device}")
+        self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
+        self._inputs: dict[int, StaticInputs] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = {}
+        self.captures = 0  # how many captures happened (re-captures included): tests assert on it
+        self.check_signature = True  # the control of the shrink test turns this off to show what it prevents
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} exceeds the largest captured bucket {self.buckets[-1]}")
+
+    def _static(self, bucket: int) -> StaticInputs:
+        if bucket not in self._inputs:
+            self._inputs[bucket] = StaticInputs.allocate(bucket, self.pages_per_seq, self.model.device)
+        return self._inputs[bucket]
+
+    def _capture(self, bucket: int) -> None:
+        inputs = self._static(bucket)
+        # Warm-up steps execute: run them on scratch rows only, never on a live sequence's state.
+        inputs.fill([], [], [], [])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # warm-up outside capture: Triton autotune, lazy allocations
+                static_decode(self.model, inputs, self.max_context)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            out = static_decode(self.model, inputs, self.max_context)
+        self._graphs[bucket] = (graph, out, capture_signature(self.model))
+        self.captures += 1
+
+    def decode(self, ids: list[int], slots: list[int], tables: list[list[int]], positions: list[int]
+               ) -> torch.Tensor:
+        """[n, V] fp32 logits for n live sequences (rows of the bucket beyond n are scratch)."""
+        n = len(ids)
+        bucket = self.bucket_for(n)
+        inputs = self._static(bucket)
+        inputs.fill(ids, slots, tables, positions)
+        if not self.use_graphs:
+            with torch.no_grad():
+                return static_decode(self.model, inputs, self.max_context)[:n].clone()
+        entry = self._graphs.get(bucket)
+        if entry is not None and self.check_signature and entry[2] != capture_signature(self.model):
+            log.warning("graph for bucket %d was captured over other cache tensors (address/shape/stride "
+                        "changed): re-capturing", bucket)
+            entry = None
+        if entry is None:
+            self._capture(bucket)
+            entry = self._graphs[bucket]
+            inputs.fill(ids, slots, tables, positions)
+        graph, out, _ = entry
+        graph.replay()
+        return out[:n].clone()

@@ -1,0 +1,55 @@
+"""The bench's logic on CPU (kl-tiny, wall clock): parity gating, baseline loading, decode timing rows.
+
+Speeds measured here mean nothing; the point is that the GPU run's code paths are exercised in CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3verify.bench.run import BenchPlan, run_bench
+from k3verify.cli import main
+from k3verify.presets import get_preset, preset_hf_config
+
+
+@pytest.fixture(scope="module")
+def dry_run():  # type: ignore[no-untyped-def]
+    from k3verify.oracle.hf_kimi_linear import torch_kda_paths
+
+    plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64)
+    with torch_kda_paths(torch.device("cpu")):
+        return run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+
+
+def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type: ignore[no-untyped-def]
+    """Parity ran (candidate passed, control failed) before any speed, and every row carries a ratio."""
+    (parity,) = dry_run.parity
+    assert parity["id"] == "bench.prefill_logits_vs_fp32_gold" and parity["status"] == "pass"
+    assert parity["control_metric"] > parity["bar"] > parity["metric"]
+    assert dry_run.speeds_reported
+    assert [r["tokens"] for r in dry_run.prefill] == [64]
+    assert [r["batch"] for r in dry_run.decode] == [1, 3]
+    for row in dry_run.prefill + dry_run.decode:
+        assert row["ours_tok_s"] > 0 and row["baseline_tok_s"] > 0 and row["ratio"] > 0
+    for row in dry_run.decode:
+        assert 0 < row["fraction_of_floor"] and row["floor_bytes"] > 0
+
+
+def test_speeds_are_withheld_when_parity_is_red(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A red parity result means no speed is reported at all."""
+    from k3verify.bench import run as bench_run
+    from k3verify.oracle.hf_kimi_linear import torch_kda_paths
+
+    monkeypatch.setattr(bench_run, "model_parity", lambda *a, **k: {"id": "x", "status": "fail"})
+    plan = BenchPlan("kl-tiny", prefill_lens=(32,), batches=(1,), new_tokens=2, prompt_len=4, parity_len=32)
+    with torch_kda_paths(torch.device("cpu")):
+        result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+    assert not result.speeds_reported and result.prefill == [] and result.decode == []
+    assert any("withheld" in n for n in result.notes)
+
+
+def test_bench_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal path does not apply")
+    assert main(["bench"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
