@@ -189,8 +189,8 @@ def check_untouched_slots(ctx: CheckContext) -> Trial:
         runner.admit(2, 30)
         used = {runner._get(1).slot, runner._get(2).slot}
         pages = set(cache.table(1)) | set(cache.table(2))
-        idle_slots = torch.tensor([s for s in range(pool.num_slots + 1) if s not in used])
-        idle_pages = torch.tensor([p for p in range(cache.num_pages) if p not in pages])
+        idle_slots = torch.tensor([s for s in range(pool.num_slots + 1) if s not in used], device=ctx.device)
+        idle_pages = torch.tensor([p for p in range(cache.num_pages) if p not in pages], device=ctx.device)
         snapshot = {name: _bits(t.index_select(1, idle_slots)) for name, t in pool.tensors().items()}
         snapshot["latent_pages"] = _bits(cache.data.index_select(1, idle_pages))
         store = pool.store_state

@@ -8,6 +8,7 @@ import torch
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.kernels import kda as kda_ops
+from k3verify.kernels.kda import fla_triton
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
@@ -147,8 +148,9 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
     """fla's chunk_kda / fused_recurrent_kda (through our registry) vs the torch path, bf16 inputs."""
-    if REGISTRY.select(kda_ops.PREFILL, ctx.device).backend != TRITON:
-        raise SkipCheck("the Triton KDA path is not available here (see the logged reason)")
+    reason = fla_triton.available()
+    if reason is not None:
+        raise SkipCheck(f"the Triton KDA path is not available here: {reason}")
     cu = [0]
     for n in LENS:
         cu.append(cu[-1] + n)

@@ -76,7 +76,10 @@ def check_kda_module_fp32(ctx: CheckContext) -> Trial:
 
 
 @register_check(
-    id="kda.module.bf16", component="kda", level="module", kind=Kind.RMS, suites=("full",),
+    id="kda.module.bf16", component="kda", level="module", kind=Kind.RMS, suites=("full",), bar=1e-2,
+    bar_reason="bf16: on CPU the torch chunk core rounds to the oracle's bf16 exactly (0); fla's bf16 chunk_kda on "
+    "the H200 measured 5.1e-3..6.1e-3 vs the fp32-state naive recurrence (fla's own CI tolerates < 1e-2); a second "
+    "beta sigmoid sits near 1e-1",
     control="beta squashed by a second sigmoid",
 )
 @fx.single_thread
@@ -84,7 +87,7 @@ def check_kda_module_bf16(ctx: CheckContext) -> Trial:
     trial = _attn_trial(ctx, "kda", BF16, _beta_twice, gold=True)
     trial.notes.append("RMS, not BF16 (DESIGN: KDA chunk vs recurrent is a reduction with cancellation): on CPU "
                        "the torch chunk core rounds to the same bf16 as the oracle, but fla's bf16 chunk_kda on "
-                       "CUDA sits near fla's own 5e-3 bar")
+                       "CUDA sits just past fla's 5e-3 bar")
     return trial
 
 
