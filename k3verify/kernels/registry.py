@@ -20,6 +20,8 @@ log = logging.getLogger("k3verify.kernels")
 
 TORCH = "torch"
 TRITON = "triton"
+CUDA = "cuda"  # a CUDA-only torch path (e.g. torch._grouped_mm), not Triton
+FAST_BACKENDS = (TRITON, CUDA)
 
 # A fast path's gate: None = accepted, else a human-readable refusal reason.
 Acceptor = Callable[..., str | None]
@@ -44,8 +46,10 @@ class KernelRegistry:
 
     def register(self, op: str, backend: str, fn: Callable[..., Any], *, accepts: Acceptor | None = None,
                  available: Callable[[], str | None] | None = None) -> None:
-        if backend not in (TORCH, TRITON):
-            raise ValueError(f"unknown backend {backend!r} for op {op!r}; expected {TORCH!r} or {TRITON!r}")
+        if backend not in (TORCH, *FAST_BACKENDS):
+            raise ValueError(f"unknown backend {backend!r} for op {op!r}; expected one of {(TORCH, *FAST_BACKENDS)}")
+        if backend in FAST_BACKENDS and any(b in self._impls.get(op, {}) for b in FAST_BACKENDS if b != backend):
+            raise ValueError(f"op {op!r} already has a fast path; one fast backend per op keeps routing unambiguous")
         self._impls.setdefault(op, {})[backend] = Impl(op, backend, fn, accepts, available)
 
     def ops(self) -> list[str]:
@@ -70,7 +74,7 @@ class KernelRegistry:
         forced = self._forced.get(op)
         if forced is not None:
             return impls[forced]
-        fast = impls.get(TRITON)
+        fast = next((impls[b] for b in FAST_BACKENDS if b in impls), None)
         if device.type != "cuda" or fast is None:
             return impls[TORCH]
         reason = fast.available() if fast.available is not None else None
@@ -106,6 +110,6 @@ def _ensure_loaded() -> None:
     global _LOADED
     if _LOADED:
         return
-    from k3verify.kernels import conv, kda, mxfp4  # noqa: F401
+    from k3verify.kernels import conv, kda, moe, mxfp4  # noqa: F401
 
     _LOADED = True

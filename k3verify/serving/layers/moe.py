@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3verify.config import ModelConfig
+from k3verify.kernels.moe import moe_combine
 from k3verify.kernels.mxfp4 import dequantize
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.mlp import GatedMLP, glu_activation
@@ -102,11 +103,33 @@ class SparseMoE(nn.Module):
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype)
             self.routed_expert_up_proj = linear(L, H, dtype, device)
+        self.num_experts, self.intermediate_size = cfg.num_experts, cfg.moe_intermediate_size
         self._dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def invalidate(self) -> None:
-        """Drop dequantized weights (call after loading new packed weights)."""
+        """Drop dequantized / stacked weights (call after loading new weights)."""
         self._dense = None
+        self._stacked = None
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts as [E, 2I, D] (w1 rows then w3 rows) and [E, D, I] for the grouped-GEMM path.
+
+        Dense experts are re-pointed at views of the stack (and the dequantized cache likewise), so
+        stacking costs no second copy of the weights."""
+        if self._stacked is None:
+            ws = [self.expert_weights(e) for e in range(self.num_experts)]
+            w13 = torch.stack([torch.cat([w1, w3], dim=0) for w1, w3, _ in ws])
+            w2 = torch.stack([w for _, _, w in ws])
+            del ws
+            I = self.intermediate_size
+            if not self.quantized:
+                for e, ex in enumerate(self.experts):
+                    ex.w1.weight.data, ex.w3.weight.data, ex.w2.weight.data = w13[e, :I], w13[e, I:], w2[e]
+            elif self.mxfp4_mode == "cached":
+                self._dense = [(w13[e, :I], w13[e, I:], w2[e]) for e in range(self.num_experts)]
+            self._stacked = (w13, w2)
+        return self._stacked
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.quantized or self.mxfp4_mode == "per_use":
@@ -137,7 +160,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
         x_in = self.routed_expert_down_proj(x) if self.latent else x
-        y = self.combine(x_in, weights, idx).to(x.dtype)
+        y = moe_combine(self, x_in, weights, idx).to(x.dtype)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)

@@ -1,6 +1,6 @@
 """Routed-expert combine as two grouped GEMMs: static shapes, no host sync, CUDA-graph capturable.
 
-The torch reference (`serving/layers/moe.py: SparseMoE.combine`) loops over experts with host-side
+The torch reference (`kernels/moe/torch_ref.py`) loops over experts with host-side
 counts. This path sorts the T·k (token, expert) pairs by expert on the device, gathers the rows,
 runs `torch._grouped_mm` against experts stacked as [E, 2I, D] (gate|up) and [E, D, I] (down), and
 scatters back with an fp32 accumulation. Same math, other GEMM kernels: compared with the reference
@@ -10,20 +10,21 @@ by an RMS gate, never bit-exactly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-def grouped_available() -> str | None:
+def available() -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no _grouped_mm"
     return None
 
 
-def grouped_accepts(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *args: object) -> str | None:
+def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> str | None:
     if x_in.dtype != torch.bfloat16:
         return f"grouped MoE needs bf16 activations; got {x_in.dtype}"
-    for name, n in (("expert input width", x_in.shape[-1]), ("expert intermediate", w2.shape[-1])):
+    for name, n in (("expert input width", x_in.shape[-1]), ("expert intermediate", moe.intermediate_size)):
         if n % 16:
             return f"{name} {n} is not a multiple of 16 (grouped GEMM alignment)"
     return None
@@ -48,3 +49,9 @@ def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     w_sorted = weights.reshape(-1).index_select(0, order)
     out = torch.zeros(T, x_in.shape[-1], dtype=torch.float32, device=x_in.device)
     return out.index_add_(0, rows, y.float() * w_sorted[:, None])
+
+
+def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`), then two grouped GEMMs."""
+    w13, w2 = moe.stacked_weights()
+    return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)

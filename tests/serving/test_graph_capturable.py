@@ -1,0 +1,68 @@
+"""What CUDA-graph capture needs, proven on CPU: the decode step performs no host synchronisation
+(.item()/.tolist()/bincount-size syncs all fail on the meta device, so a meta-device run is the
+detector), and the grouped-GEMM MoE path that makes it so computes what the reference loop does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.gates import Kind, compare
+from k3verify.kernels.moe import COMBINE
+from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded
+from k3verify.presets import get_preset
+from k3verify.serving.batch import PackedBatch
+from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.model import ServingModel
+
+
+@pytest.fixture
+def grouped_moe() -> Iterator[None]:
+    """Route the MoE combine to its CUDA (grouped GEMM) implementation on CPU, as on the GPU."""
+    _ensure_loaded()
+    REGISTRY.force(COMBINE, CUDA)
+    yield
+    REGISTRY.force(COMBINE, None)
+
+
+def _meta_step(preset: str) -> torch.Tensor:
+    model = ServingModel(get_preset(preset), torch.bfloat16, "meta")
+    model.allocate_caches(32, 16, 4)
+    dec = GraphDecoder(model, 128, buckets=(4,), use_graphs=False)
+    return dec.decode([1, 2, 3], [1, 2, 3], [[1], [2], [3]], [5, 6, 7])
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny", "k3-syn-25"])
+def test_decode_step_has_no_host_sync(preset: str, grouped_moe: None) -> None:
+    out = _meta_step(preset)
+    assert out.device.type == "meta" and out.shape == (3, get_preset(preset).vocab_size)
+
+
+def test_the_meta_detector_bites_on_the_reference_moe_loop() -> None:
+    """Control: the reference combine sizes its loop on the host (bincount().tolist()): it cannot run."""
+    _ensure_loaded()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _meta_step("k3-tiny")
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
+def test_grouped_moe_matches_the_reference_loop(preset: str) -> None:
+    """bf16 logits of a packed prefill: grouped GEMM vs the loop, same weights (RMS; other GEMM order)."""
+    cfg = get_preset(preset)
+    model = ServingModel(cfg, torch.bfloat16, "cpu").load(synthetic_tensors(cfg))
+    ids = torch.randint(0, 4000, (40,), generator=torch.Generator().manual_seed(3))
+    batch = PackedBatch.build(ids, [17, 23])
+    ref = model.prefill(batch, all_logits=True).all_logits
+    _ensure_loaded()
+    REGISTRY.force(COMBINE, CUDA)
+    try:
+        cand = model.prefill(batch, all_logits=True).all_logits
+        assert REGISTRY.last_backend[COMBINE] == CUDA
+    finally:
+        REGISTRY.force(COMBINE, None)
+    assert compare(Kind.RMS, ref, cand, 1e-2).passed
+    wrong = model.prefill(PackedBatch.build(ids.flip(0), [17, 23]), all_logits=True).all_logits
+    assert not compare(Kind.RMS, ref, wrong, 1e-2).passed
