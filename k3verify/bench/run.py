@@ -19,7 +19,7 @@ from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
 from k3verify.serving.batch import PackedBatch
-from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.graphs import GraphDecoder, replay_vs_eager
 from k3verify.serving.runner import ModelRunner
 
 
@@ -86,42 +86,9 @@ def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: tor
 def graph_parity(runner: ModelRunner, graphs: GraphDecoder, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
     """Graph replay vs the same static step run eagerly, token by token from the same caches: bit-exact.
     Control: a replay whose static inputs were not refilled (the previous step's tokens)."""
-    eager = GraphDecoder(runner.model, graphs.max_context, buckets=graphs.buckets, use_graphs=False)
-    B, T = prompts.shape
-    for sid in range(B):
-        runner.admit(sid, T + steps + 1)
-    refs, cands, ctrls = [], [], []
-    try:
-        logits = runner.prefill([(sid, prompts[sid].tolist()) for sid in range(B)])
-        toks = logits.argmax(-1).tolist()
-        state = runner.state_pool.tensors()
-        for _ in range(steps):
-            seqs = [runner._get(sid) for sid in range(B)]
-            args = ([s.slot for s in seqs], [runner.kv_cache.table(sid) for sid in range(B)], [s.cached for s in seqs])
-            snap = ({k: v.clone() for k, v in state.items()}, runner.kv_cache.data.clone())
-            ref = eager.decode(toks, *args)
-            for k, v in snap[0].items():
-                state[k].copy_(v)
-            runner.kv_cache.data.copy_(snap[1])
-            graph, out, _ = graphs._graphs.get(graphs.bucket_for(B), (None, None, None))
-            if graph is not None:  # control: replay over the previous step's static inputs
-                graph.replay()
-                ctrls.append(out[:B].clone())
-                for k, v in snap[0].items():
-                    state[k].copy_(v)
-                runner.kv_cache.data.copy_(snap[1])
-            cand = graphs.decode(toks, *args)
-            for s in seqs:
-                s.cached += 1
-            refs.append(ref)
-            cands.append(cand)
-            toks = cand.argmax(-1).tolist()
-    finally:
-        for sid in range(B):
-            runner.release(sid)
-    ctrl = torch.stack(ctrls) if len(ctrls) == len(refs) - 1 else None
-    trial = Trial(reference=torch.stack(refs[1:]), candidate=torch.stack(cands[1:]),
-                  control=ctrl if ctrl is not None else torch.stack(refs[1:]) + 1.0,
+    B = prompts.shape[0]
+    ref, cand, ctrl = replay_vs_eager(runner, graphs, [p.tolist() for p in prompts], steps)
+    trial = Trial(reference=ref[1:], candidate=cand[1:], control=ctrl if ctrl is not None else ref[1:] + 1.0,
                   notes=[f"{steps} steps at batch {B}; captures={graphs.captures}"])
     return judge(f"bench.graph_replay_vs_eager.b{B}", Kind.BITEXACT, trial)
 

@@ -99,3 +99,19 @@ def test_bucket_selection_and_overflow() -> None:
         dec.bucket_for(5)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         GraphDecoder(runner.model, 128, use_graphs=True)
+
+
+def test_replay_vs_eager_helper_runs_the_same_step_twice() -> None:
+    """Without graphs both sides are the eager static step: equal, caches restored between them, and the
+    sequences released afterwards (the helper the CUDA check and the bench share)."""
+    from k3verify.serving.graphs import replay_vs_eager
+
+    runner, _ = _prefilled("k3-tiny")
+    for i in range(len(PROMPTS)):
+        runner.release(i)
+    dec = GraphDecoder(runner.model, 128, buckets=(4,), use_graphs=False)
+    ref, cand, ctrl = replay_vs_eager(runner, dec, [[3, 4, 5], [9, 8, 7, 6]], steps=4)
+    assert ref.shape == cand.shape == (4, 2, runner.model.cfg.vocab_size)
+    assert torch.equal(ref, cand) and ctrl is None
+    assert runner.active_ids == []
+    runner.check_integrity()
