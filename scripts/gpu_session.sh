@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything the H200 must show, in one device call (the device tool allows ~10 minutes per command):
+#   1. GPU tests (fla Triton routing, reference vs transformers+fla, Triton vs torch KDA);
+#   2. cuda parity on k3-syn-25 (bf16, fla's Triton KDA as an extra reference, CUDA-graph checks);
+#   3. the benchmark against transformers+fla on kl-48b-8l (parity in the same run, then speeds).
+# Usage on the device (wheels carried in .whl):
+#   bash scripts/gpu_session.sh    (writes $OUT/gpu-pytest.log, $OUT/parity/, $OUT/bench.json)
+set -uo pipefail
+OUT=${OUT:-/tmp/k3v-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl || exit 2
+export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
+step() { echo "== $1 ($(date +%T))"; }
+step "gpu tests"
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu-pytest.log"
+step "cuda parity k3-syn-25"
+timeout 180 python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full --report-dir "$OUT/parity" \
+    2>&1 | tail -25
+step "bench kl-48b-8l"
+timeout 330 python3 -m k3verify bench --preset kl-48b-8l --json "$OUT/bench.json" 2>&1 | tail -12
+step "done"
