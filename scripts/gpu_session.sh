@@ -3,7 +3,7 @@
 #   1. GPU tests (fla Triton routing, reference vs transformers+fla, Triton vs torch KDA);
 #   2. cuda parity on k3-syn-25 (bf16, fla's Triton KDA as an extra reference, CUDA-graph checks);
 #   3. the benchmark against transformers+fla on kl-48b-8l (parity in the same run, then speeds).
-# Usage on the device (wheels carried in .whl):
+# Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Usage on the device:
 #   bash scripts/gpu_session.sh    (writes $OUT/gpu-pytest.log, $OUT/parity/, $OUT/bench.json)
 set -uo pipefail
 OUT=${OUT:-/tmp/k3v-gpu}
