@@ -1,9 +1,21 @@
-"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent."""
+"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent, and every
+test runs with one torch thread (the models are tiny: on the shared 2-core runner two spinning
+OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

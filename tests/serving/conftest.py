@@ -1,9 +1,8 @@
-"""Serving tests: one torch thread (tiny GEMMs; two spinning OpenMP threads make each ~20 ms on the
-shared 2-core runner) and session-cached synthetic models."""
+"""Serving tests: session-cached synthetic models (one torch thread comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -13,14 +12,6 @@ from k3verify.checkpoint.init import synthetic_tensors
 from k3verify.config import ModelConfig
 from k3verify.presets import get_preset
 from k3verify.serving.model import ServingModel
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @cache
