@@ -13,7 +13,7 @@ MUTANTS = [
         target=f"{CODEC}:decode_codes",
         old="return torch.stack((low, high), dim=-1)",
         new="return torch.stack((high, low), dim=-1)",
-        killers=["oracle.mxfp4.*", "weights.*"],
+        killers=["oracle.mxfp4.*"],
     ),
     Mutant(
         id="checkpoint.mxfp4.e8m0_bias_128",
@@ -21,7 +21,7 @@ MUTANTS = [
         target=f"{CODEC}:dequantize",
         old="exps = scale.to(torch.int32) - 127",
         new="exps = scale.to(torch.int32) - 128",
-        killers=["oracle.mxfp4.*", "weights.*"],
+        killers=["oracle.mxfp4.*"],
     ),
     Mutant(
         id="checkpoint.loader.skips_unknown_names", quick=True,
@@ -53,6 +53,6 @@ MUTANTS = [
         target="k3verify.config:_parse_text",
         old="eos_ids = eos_ids + tuple(e for e in generation_eos if e not in eos_ids)",
         new="eos_ids = eos_ids",
-        killers=["serving.*", "weights.*", "tokenizer.*"],
+        killers=["serving.*"],
     ),
 ]

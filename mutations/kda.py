@@ -82,7 +82,7 @@ MUTANTS = [
         target=f"{REC}:l2_normalize",
         old="return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)",
         new="return x",
-        killers=["kda.*"],
+        killers=["kda.*", "kernel.kda.*"],
     ),
     Mutant(
         id="kda.q.scale_missing",
@@ -139,7 +139,7 @@ MUTANTS = [
         target=f"{REC}:kda_decode_torch",
         old="S = state.to(cdt) * g.to(cdt).exp()[..., None]",
         new="S = state.to(cdt)",
-        killers=["kda.*", "serving.*"],
+        killers=["kda.*", "serving.*", "kernel.kda.*"],
     ),
     Mutant(
         id="kda.prefill.cut_mid_chunk", kind="patch", patch=cut_mid_chunk,

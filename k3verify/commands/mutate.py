@@ -37,7 +37,8 @@ from k3verify.mutate import (
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("mutate", help="prove every gate bites: run the mutation catalog",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", default=[], metavar="PATTERN", help="mutant id globs")
+    p.add_argument("--only", action="extend", nargs="+", default=[], metavar="PATTERN",
+                   help="mutant id globs (repeatable)")
     p.add_argument("--suite", choices=("quick", "full"), default="full",
                    help="quick: only entries marked quick=True (the CI subset)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="mutants run in parallel (default 1)")
