@@ -42,7 +42,7 @@ MUTANTS = [
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
-        id="attn_res.output_mix_after_final_norm",
+        id="attn_res.output_mix_after_final_norm", quick=True,
         fault="the output mix runs after the final norm (norm-then-mix) instead of mix-then-norm",
         target=f"{MODEL}:ServingModel.finish",
         old="            x = attn_res_mix(x, blocks.view(),",
@@ -50,7 +50,7 @@ MUTANTS = [
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
-        id="attn_res.full_width_block_view",
+        id="attn_res.full_width_block_view", quick=True,
         fault="the preallocated (zeroed) block buffer is passed whole, so its unused zero columns join the softmax",
         target=f"{RES}:BlockBuffer.view",
         old="return self.data[:, : self.n]",

@@ -125,7 +125,7 @@ MUTANTS = [
         killers=["serving.*", "kda.*"],
     ),
     Mutant(
-        id="kda.decode.state_not_stored",
+        id="kda.decode.state_not_stored", quick=True,
         fault="the recurrent state after a decode step is never written back to the state pool",
         target=f"{KDA}:KimiDeltaAttention.forward",
         old="        if pool is not None:\n            assert b.slots is not None\n            pool.store_state(",
@@ -142,13 +142,13 @@ MUTANTS = [
         killers=["kda.*", "serving.*", "kernel.kda.*"],
     ),
     Mutant(
-        id="kda.prefill.cut_mid_chunk", kind="patch", patch=cut_mid_chunk,
+        id="kda.prefill.cut_mid_chunk", quick=True, kind="patch", patch=cut_mid_chunk,
         fault="long prefill is cut into segments off the 64-token chunk grid (and nothing refuses the cut)",
         target=f"{KDA}:segment_pieces",
         killers=["kda.*", "serving.*"],
     ),
     Mutant(
-        id="kda.state.slot_off_by_one",
+        id="kda.state.slot_off_by_one", quick=True,
         fault="the state pool reads the recurrent state of the neighbouring slot (slots - 1)",
         target="k3verify.serving.state_cache:KDAStatePool.read_state",
         old="return self.state[self.layer_index[layer]].index_select(0, slots)",

@@ -65,7 +65,7 @@ MUTANTS = [
         killers=["mla.*", "serving.*"],
     ),
     Mutant(
-        id="mla.decode.rope_part_ignored",
+        id="mla.decode.rope_part_ignored", quick=True,
         fault="absorbed decode scores only the latent (nope) part, dropping the shared k_rot dot product",
         target=f"{MLA}:MultiHeadLatentAttention._decode_absorbed",
         old='(torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, k_rot))',

@@ -17,7 +17,7 @@ MUTANTS = [
         killers=["router.*", "moe.*"],
     ),
     Mutant(
-        id="router.bias_in_weights",
+        id="router.bias_in_weights", quick=True,
         fault="the combine weights are the bias-corrected scores instead of the uncorrected sigmoid scores",
         target=f"{MOE}:Router.forward",
         old="weights = scores.gather(1, idx)",
@@ -57,7 +57,7 @@ MUTANTS = [
         killers=["router.*", "moe.*"], presets=("k3-skew-10",),
     ),
     Mutant(
-        id="moe.combine_in_bf16",
+        id="moe.combine_in_bf16", quick=True,
         fault="the expert outputs are accumulated in the activation dtype (bf16) instead of fp32",
         target=f"{MOE}:SparseMoE.combine",
         old="out.index_add_(0, rows, ye.float() * w_sorted[start:start + count, None])",
@@ -73,7 +73,7 @@ MUTANTS = [
         killers=["moe.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
-        id="moe.latent_norm_per_expert",
+        id="moe.latent_norm_per_expert", quick=True,
         fault="routed_expert_norm is applied to each expert's output before the combine instead of once after it",
         target=f"{MOE}:SparseMoE.combine",
         old="ye = F.linear(self.act(F.linear(xe, w1), F.linear(xe, w3)), w2)",
