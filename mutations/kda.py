@@ -117,6 +117,22 @@ MUTANTS = [
         killers=["kda.*"],
     ),
     Mutant(
+        id="kda.conv.fp32_weight_not_cast",
+        fault="K3's fp32 conv weights are used as shipped instead of cast to the activation dtype at the call site",
+        target=f"{KDA}:KimiDeltaAttention.short_convs",
+        old="weight = conv.weight.to(x.dtype).reshape(conv.weight.shape[0], -1)",
+        new="weight = conv.weight.reshape(conv.weight.shape[0], -1)",
+        killers=["kda.*"],
+    ),
+    Mutant(
+        id="kda.gate.activation_between_f_a_f_b",
+        fault="a SiLU is inserted between f_a_proj and f_b_proj (the forget-gate low-rank pair has no activation)",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        old="raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()",
+        new="raw = self.f_b_proj(F.silu(self.f_a_proj(x))).float() + self.dt_bias.float()",
+        killers=["kda.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
         id="kda.decode.conv_state_not_advanced",
         fault="decode steps read the conv windows but never store the advanced windows back",
         target=f"{KDA}:KimiDeltaAttention.short_convs",

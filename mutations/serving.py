@@ -1,4 +1,4 @@
-"""Packing and engine faults: segment ids of a packed batch, eos handling, the state pool's scratch slot."""
+"""Packing, engine, cache and norm faults: segment ids, eos handling, the state pool, CUDA-graph buffers."""
 
 from __future__ import annotations
 
@@ -36,5 +36,30 @@ MUTANTS = [
         old="        for t in self.tensors().values():\n            t[:, slot].zero_()\n",
         new="",
         killers=["serving.*"],
+    ),
+    Mutant(
+        id="norm.weight_applied_before_cast",
+        fault="RMSNorm multiplies by its weight in fp32 and casts once, instead of casting back first (bf16 only)",
+        target="k3verify.serving.layers.norm:RMSNorm.forward",
+        old="return self.weight * normed.to(x.dtype)",
+        new="return (self.weight.float() * normed).to(x.dtype)",
+        killers=["norm.*", "kda.*", "mla.*", "moe.*", "model.*"],
+    ),
+    Mutant(
+        id="serving.graph.signature_pointer_only", devices=("cuda",),
+        fault="the CUDA-graph capture signature records cache data pointers only, so a shrunk cache at the same "
+              "address replays stale slice offsets",
+        target="k3verify.serving.graphs:capture_signature",
+        old="return tuple((name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))",
+        new="return tuple((name, t.data_ptr(), (), (), str(t.dtype))",
+        killers=["serving.graph.*"],
+    ),
+    Mutant(
+        id="serving.graph.padding_on_minus_one", devices=("cuda",),
+        fault="padded rows of a graph bucket park on state slot -1 (the last real slot) instead of the scratch slot",
+        target="k3verify.serving.graphs:StaticInputs.fill",
+        old="*slots, *[SCRATCH] * pad,",
+        new="*slots, *[-1] * pad,",
+        killers=["serving.graph.*"],
     ),
 ]
