@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="device the children run parity on; cuda adds the CUDA-only mutants")
+    p.add_argument("--wide", action="store_true",
+                   help="every child runs the whole full suite, not only the expected killers (complete kill matrix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per child process (default 600)")
     p.set_defaults(func=run)
@@ -96,22 +98,22 @@ def _run(args: argparse.Namespace, pairs: Sequence[tuple[Mutant, str]], cache_di
         else:
             todo.append((mutant, preset, expected))
 
-    clean_reports = clean_runs(todo, child, args.jobs)
+    clean_reports = clean_runs(todo, child, args.jobs, known if args.wide else ())
     runnable = []
     for mutant, preset, expected in todo:
-        passing = {r["id"] for r in clean_reports[preset]["results"] if r["status"] == "pass"}
+        passing = sorted(r["id"] for r in clean_reports[preset]["results"] if r["status"] == "pass")
         live = [c for c in expected if c in passing]
         if live:
-            runnable.append((mutant, preset, live))
+            runnable.append((mutant, preset, live, passing if args.wide else live))
         else:
             outcomes.append(Outcome(mutant, preset, "error", expected_killers=expected,
                                     reason=f"no expected killer ran on {preset} in the clean run (all skipped)"))
     print(f"running {len(runnable)} mutant(s) with {args.jobs} job(s)", flush=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(child, m, p, ids): (m, p, ids) for m, p, ids in runnable}
+        futures = {pool.submit(child, m, p, run_ids): (m, p, live) for m, p, live, run_ids in runnable}
         for n, fut in enumerate(as_completed(futures), 1):
-            m, p, ids = futures[fut]
-            outcome = classify(m, p, ids, fut.result())
+            m, p, live = futures[fut]
+            outcome = classify(m, p, live, fut.result())
             outcomes.append(outcome)
             print(f"[{n}/{len(runnable)}] {outcome.status:9} {m.id} @ {p} ({outcome.duration_s:.1f}s): "
                   f"{outcome.reason}", flush=True)
@@ -119,12 +121,12 @@ def _run(args: argparse.Namespace, pairs: Sequence[tuple[Mutant, str]], cache_di
     return summarize(outcomes)
 
 
-def clean_runs(todo: Sequence[tuple[Mutant, str, list[str]]], child: Callable[..., Any],
-               jobs: int) -> dict[str, dict[str, Any]]:
-    """Run the union of expected killers once per preset on the unmutated copy; refuse unless green."""
+def clean_runs(todo: Sequence[tuple[Mutant, str, list[str]]], child: Callable[..., Any], jobs: int,
+               extra: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Run the union of expected killers (plus `extra`) once per preset on the unmutated copy; refuse unless green."""
     per_preset: dict[str, set[str]] = defaultdict(set)
     for _, preset, expected in todo:
-        per_preset[preset].update(expected)
+        per_preset[preset].update(expected, extra)
     reports: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(child, None, p, sorted(ids)): p for p, ids in sorted(per_preset.items())}

@@ -115,3 +115,12 @@ def test_red_clean_run_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert rc == 2
     assert "clean (unmutated) run on k3-tiny is not green" in err and "oracle.mxfp4.dequant_vs_hand" in err
     assert not (tmp_path / "report" / "report.json").exists()
+
+
+def test_wide_run_records_unexpected_killers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--wide runs the whole suite per mutant: a layer fault must also turn checks beyond its expected ones red."""
+    rc = main(["mutate", "--only", "mla.gate.dropped", "--wide", "--report-dir", str(tmp_path / "report")])
+    capsys.readouterr()
+    (row,) = load_report(tmp_path / "report")["mutations"]
+    assert rc == 0 and row["status"] == "killed"
+    assert set(row["killers"]) - set(row["expected_killers"]), row
