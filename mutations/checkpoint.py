@@ -29,7 +29,7 @@ MUTANTS = [
         target="k3verify.checkpoint.loader:plan_sources",
         old="if missing or unexpected:",
         new="if missing:",
-        killers=["weights.*"],
+        killers=["weights.loader.strict"],
     ),
     Mutant(
         id="checkpoint.loader.skips_missing",
@@ -37,7 +37,7 @@ MUTANTS = [
         target="k3verify.checkpoint.loader:plan_sources",
         old="if missing or unexpected:",
         new="if unexpected:",
-        killers=["weights.*"],
+        killers=["weights.loader.strict"],
     ),
     Mutant(
         id="checkpoint.reconcile.ignores_shape_mismatch",
@@ -45,7 +45,7 @@ MUTANTS = [
         target="k3verify.checkpoint.reconcile:_check",
         old="bad_shape = got.shape is not None and tuple(got.shape) != tuple(shape)",
         new="bad_shape = False",
-        killers=["weights.*"],
+        killers=["weights.reconcile.buckets"],
     ),
     Mutant(
         id="config.generation_eos_dropped",

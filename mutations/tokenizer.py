@@ -14,7 +14,7 @@ MUTANTS = [
         target=f"{CHAT}:reference_chat_ids",
         old="ids += tokenizer.encode(seg.text)",
         new="ids += tokenizer.encode(seg.text, allow_special=True)",
-        killers=["tokenizer.*"],
+        killers=["tokenizer.chat.user_text_plain"],
     ),
     Mutant(
         id="tokenizer.encode_always_parses_specials",
@@ -22,7 +22,7 @@ MUTANTS = [
         target=f"{TOK}:KimiTokenizer.encode",
         old="        if not allow_special:\n            return self._encode_plain(text)\n",
         new="",
-        killers=["tokenizer.*"],
+        killers=["tokenizer.encode.user_text_plain", "tokenizer.encode.exact_ids", "tokenizer.chat.user_text_plain"],
     ),
     Mutant(
         id="tokenizer.split_run_cap_ignored",
@@ -30,7 +30,7 @@ MUTANTS = [
         target=f"{TOK}:split_for_encoding",
         old="for pos in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):",
         new="for pos in range(run.start() + MAX_RUN_CHARS, run.start(), MAX_RUN_CHARS):",
-        killers=["tokenizer.*"],
+        killers=["tokenizer.encode.long_runs"],
     ),
     Mutant(
         id="tokenizer.pretokenizer_digits_unbounded",
@@ -38,7 +38,7 @@ MUTANTS = [
         target=f"{TOK}:PAT_STR",
         old='r"\\p{N}{1,3}",',
         new='r"\\p{N}+",',
-        killers=["tokenizer.*"],
+        killers=["tokenizer.encode.exact_ids", "tokenizer.encode.long_runs", "tokenizer.chat.render"],
     ),
     Mutant(
         id="tokenizer.chat_role_word_dropped",
@@ -46,7 +46,7 @@ MUTANTS = [
         target=f"{CHAT}:render_chat",
         old="        text(name or role)\n",
         new="",
-        killers=["tokenizer.*"],
+        killers=["tokenizer.chat.render", "tokenizer.chat.user_text_plain"],
     ),
     Mutant(
         id="tokenizer.stream_skip_special_ignored",
@@ -54,6 +54,6 @@ MUTANTS = [
         target="k3verify.tokenizer.streaming:IncrementalDecoder.push",
         old="if self.skip_special and self.tokenizer.is_special(token_id):",
         new="if False:",
-        killers=["tokenizer.*", "serving.*"],
+        killers=["tokenizer.stream.incremental"],
     ),
 ]

@@ -1,0 +1,282 @@
+"""Checkpoint loading and reconciliation: the strict loader and the four reconcile buckets.
+
+`weights.loader.strict` loads the run's checkpoint into a module whose parameters are exactly the text model's
+checkpoint tensors (names.module_specs), compares every loaded byte with the checkpoint read independently
+(safetensors' own loader, shard by shard), and records whether the loader refuses a mapping with a tensor removed
+or an unknown tensor added. `weights.reconcile.buckets` writes an edited, header-only copy of the checkpoint (a
+dropped tensor, half of an MXFP4 pair dropped, a transposed non-square tensor, a re-typed tensor, unknown
+tensors) and records whether each edit lands in its bucket. Outcomes are 0/1 flags; the reference is all ones.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+
+UNKNOWN_IN_PREFIX = "model.layers.0.self_attn.unknown_proj.weight"  # under the text-model prefix, no parameter
+UNKNOWN_OUTSIDE = "audio_tower.proj.weight"  # outside the prefix and not declared ignorable
+DROPPED = "model.norm.weight"
+
+
+class _EditedTensors(Mapping[str, torch.Tensor]):
+    """`base` with some names removed and some added; no tensor data is read until a name is looked up."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], *, drop: Collection[str] = (),
+                 extra: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._base = base
+        self._drop = frozenset(drop)
+        self._extra = dict(extra or {})
+        self._names = [n for n in base if n not in self._drop] + [n for n in self._extra if n not in base]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._extra:
+            return self._extra[name]
+        if name in self._drop:
+            raise KeyError(name)
+        return self._base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+Loader = Callable[[nn.Module, Mapping[str, torch.Tensor]], None]
+
+
+def _independent_read(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint dir through safetensors' own loader (not k3verify's reader)."""
+    from safetensors.torch import load_file
+
+    index = ckpt_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        out.update(load_file(str(ckpt_dir / file)))
+    return out
+
+
+def _flat_bytes(tensors: Mapping[str, torch.Tensor], names: list[str],
+                dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
+    parts = [tensors[n].to(dtypes[n]).contiguous().reshape(-1).view(torch.uint8) for n in names]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+@torch.no_grad()
+def _sentinel_fill(module: nn.Module) -> None:
+    """Fill every parameter with a value no loaded tensor is made of, so a skipped copy cannot pass."""
+    for t in module.state_dict(keep_vars=True).values():
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(0xA5)
+
+
+def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor], must_name: str | None,
+             notes: list[str], label: str) -> int:
+    """1 when the load behaves: no error for a clean mapping (must_name None), else WeightLoadError naming it."""
+    from k3verify.checkpoint.loader import WeightLoadError
+
+    try:
+        load(module, tensors)
+    except WeightLoadError as exc:
+        if must_name is None:
+            notes.append(f"{label}: clean load refused: {exc}")
+            return 0
+        if must_name not in str(exc):
+            notes.append(f"{label}: refused without naming {must_name!r}: {exc}")
+            return 0
+        return 1
+    except Exception as exc:  # a crash instead of the loader's own error is a failure, recorded
+        notes.append(f"{label}: {type(exc).__name__}: {exc}")
+        return 0
+    if must_name is not None:
+        notes.append(f"{label}: accepted")
+        return 0
+    return 1
+
+
+@register_check(
+    id="weights.loader.strict", component="weights", level="module", kind=Kind.BITEXACT,
+    control="a lenient loader that copies whatever names match and skips missing and unknown tensors",
+)
+def check_loader_strict(ctx: CheckContext) -> Trial:
+    from k3verify.checkpoint.loader import load_into
+    from k3verify.checkpoint.names import module_specs, quantized_pair
+    from k3verify.checkpoint.reconcile import build_param_module
+    from k3verify.oracle import fixtures
+
+    cfg = ctx.cfg
+    prefix: str = cfg.checkpoint_prefix
+    specs = module_specs(cfg)
+    tensors = fixtures.checkpoint_tensors(ctx)
+    half = next((n for n in specs if quantized_pair(n) is not None and n.endswith(".weight_scale")), None)
+
+    def strict(module: nn.Module, mapping: Mapping[str, torch.Tensor]) -> None:
+        load_into(module, cfg, mapping)
+
+    @torch.no_grad()
+    def lenient(module: nn.Module, mapping: Mapping[str, torch.Tensor]) -> None:
+        state = module.state_dict(keep_vars=True)
+        for name in mapping:
+            mod = name[len(prefix):] if name.startswith(prefix) else None
+            if mod in state and not state[mod].is_meta:  # a copy onto meta is a no-op: skip the read
+                state[mod].copy_(mapping[name].to(device=state[mod].device, dtype=state[mod].dtype))
+
+    extra_value = torch.zeros(4, 4, dtype=torch.bfloat16)
+    # (label, mapping, the module name the refusal must mention; None = must load)
+    scenarios: list[tuple[str, Mapping[str, torch.Tensor], str | None]] = [
+        ("clean", tensors, None),
+        (f"missing:{DROPPED}", _EditedTensors(tensors, drop=[prefix + DROPPED]), DROPPED),
+    ]
+    if half is not None:
+        scenarios.append((f"missing_half_pair:{half}", _EditedTensors(tensors, drop=[prefix + half]), half))
+    scenarios.append((f"unknown:{prefix + UNKNOWN_IN_PREFIX}",
+                      _EditedTensors(tensors, extra={prefix + UNKNOWN_IN_PREFIX: extra_value}),
+                      prefix + UNKNOWN_IN_PREFIX))
+    if prefix:
+        scenarios.append((f"unknown_outside_prefix:{UNKNOWN_OUTSIDE}",
+                          _EditedTensors(tensors, extra={UNKNOWN_OUTSIDE: extra_value}), UNKNOWN_OUTSIDE))
+
+    host = build_param_module(specs, device="cpu")  # re-filled with sentinels before each clean load
+    meta = build_param_module(specs, device="meta")  # for refusals only the outcome matters, not the values
+
+    def run(load: Loader, notes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        flags: list[int] = []
+        loaded = torch.empty(0, dtype=torch.uint8)
+        for label, mapping, must_name in scenarios:
+            module = meta if must_name is not None else host
+            if must_name is None:
+                _sentinel_fill(module)
+            flags.append(_outcome(load, module, mapping, must_name, notes, label))
+            if must_name is None:
+                state = module.state_dict()
+                loaded = _flat_bytes(state, list(specs), {n: t.dtype for n, t in state.items()})
+        return torch.tensor(flags, dtype=torch.int64), loaded
+
+    cand_notes: list[str] = []
+    ctrl_notes: list[str] = []
+    cand_flags, cand_bytes = run(strict, cand_notes)
+    ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
+    source = _independent_read(ctx.checkpoint_dir) if ctx.checkpoint_dir is not None else dict(tensors)
+    ref_bytes = _flat_bytes({n: source[prefix + n] for n in specs}, list(specs), {n: s.dtype for n, s in specs.items()})
+    return Trial(
+        reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": ref_bytes},
+        candidate={"outcomes": cand_flags, "values": cand_bytes},
+        control={"outcomes": ctrl_flags, "values": ctrl_bytes},
+        metrics={"tensors": float(len(specs)), "bytes": float(ref_bytes.numel())},
+        notes=[f"outcomes: {[label for label, _, _ in scenarios]}; values: every module tensor's bytes in spec "
+               f"order vs the checkpoint read with safetensors.load_file (or the synthetic tensors without a dir)",
+               *cand_notes, *(f"control: {n}" for n in ctrl_notes)],
+    )
+
+
+def _base_checkpoint(ctx: CheckContext) -> Path:
+    if ctx.checkpoint_dir is not None:
+        return Path(ctx.checkpoint_dir)
+    from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
+    from k3verify.presets import SYNTHETIC_PRESETS
+
+    if ctx.preset not in SYNTHETIC_PRESETS:
+        raise SkipCheck("no checkpoint dir and no synthetic preset to write one from")
+    return ensure_preset_checkpoint(str(ctx.preset))
+
+
+@register_check(
+    id="weights.reconcile.buckets", component="weights", level="module", kind=Kind.BITEXACT,
+    control="an index-only reconcile, which reads no headers and so cannot see a transposed or re-typed tensor",
+)
+def check_reconcile_buckets(ctx: CheckContext) -> Trial:
+    from k3verify.checkpoint.names import ignorable_reason
+    from k3verify.checkpoint.reader import CheckpointReader
+    from k3verify.checkpoint.reconcile import ReconcileResult, reconcile_checkpoint
+    from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
+    from k3verify.checkpoint.writer import write_sparse_checkpoint
+
+    cfg = ctx.cfg
+    prefix: str = cfg.checkpoint_prefix
+    base = _base_checkpoint(ctx)
+    entries = CheckpointReader(base).entries
+    specs = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
+    text_names = [n for n in specs if ignorable_reason(n) is None]
+    if prefix + DROPPED not in specs:
+        raise SkipCheck(f"checkpoint has no {prefix + DROPPED}")
+    dropped = prefix + DROPPED
+    half = next((n for n in text_names if n.endswith(".weight_scale")), None)
+    taken = {dropped, half}
+    transposed = next((n for n in text_names if n not in taken and len(specs[n][0]) == 2
+                       and specs[n][0][0] != specs[n][0][1] and specs[n][1] != torch.uint8), None)
+    if transposed is None:
+        raise SkipCheck("checkpoint has no non-square 2-D float tensor to transpose")
+    taken.add(transposed)
+    retyped = next((n for n in text_names if n not in taken and specs[n][1] == torch.bfloat16), None)
+    if retyped is None:
+        raise SkipCheck("checkpoint has no further bf16 tensor to re-type")
+    unknown = [prefix + UNKNOWN_IN_PREFIX] + ([UNKNOWN_OUTSIDE] if prefix else [])
+
+    edited = {n: s for n, s in specs.items() if n not in (dropped, half)}
+    edited[transposed] = (tuple(reversed(specs[transposed][0])), specs[transposed][1])
+    edited[retyped] = (specs[retyped][0], torch.float32)
+    for name in unknown:
+        edited[name] = ((4, 4), torch.bfloat16)
+    n_ignored = len(specs) - len(text_names)
+    mod = len(prefix)
+
+    def header_flags(clean: ReconcileResult, res: ReconcileResult) -> list[int]:
+        mismatched = {(m.checkpoint_name, m.kind) for m in res.mismatched}
+        partial = {(p.present, p.missing) for p in res.partial}
+        expected_partial = set() if half is None else {(half.replace(".weight_scale", ".weight_packed"), half)}
+        n_missing = 1 + (half is not None) + 2  # dropped, the half pair, transposed, retyped
+        return [
+            int(clean.ok and clean.num_matched == clean.num_expected and len(clean.ignored) == n_ignored),
+            int(res.no_source == [dropped[mod:]]),
+            int(partial == expected_partial),
+            int({u.name for u in res.no_destination} == set(unknown) and len(res.no_destination) == len(unknown)),
+            int((transposed, "shape") in mismatched),
+            int((retyped, "dtype") in mismatched),
+            int(len(res.mismatched) == 2),
+            int(res.num_matched == res.num_expected - n_missing),
+        ]
+
+    def index_flags(res: ReconcileResult) -> list[int]:
+        return [int(res.no_source == [dropped[mod:]]),
+                int({u.name for u in res.no_destination} == set(unknown)),
+                int(not res.mismatched)]
+
+    with tempfile.TemporaryDirectory(prefix="k3v-reconcile-") as tmp:
+        copy = Path(tmp) / "edited"
+        cfg_dict = json.loads((base / "config.json").read_text())
+        write_sparse_checkpoint(cfg_dict, edited, copy, shard_max_bytes=SYNTHETIC_SHARD_MAX_BYTES,
+                                generation_config=None)
+        clean = reconcile_checkpoint(base, cfg=cfg)
+        clean_index = reconcile_checkpoint(base, cfg=cfg, index_only=True)
+        headers = reconcile_checkpoint(copy, cfg=cfg)
+        index_only = reconcile_checkpoint(copy, cfg=cfg, index_only=True)
+
+    labels = ["clean_ok", "dropped_no_source", "half_pair_partial", "unknown_no_destination", "transposed_mismatch",
+              "retyped_mismatch", "exactly_two_mismatched", "matched_count"]
+    ones = torch.ones(len(labels), dtype=torch.int64)
+    cand = torch.tensor(header_flags(clean, headers), dtype=torch.int64)
+    ctrl = torch.tensor(header_flags(clean_index, index_only), dtype=torch.int64)
+    idx = torch.tensor(index_flags(index_only), dtype=torch.int64)
+    return Trial(
+        reference={"headers": ones, "index_only": torch.ones(3, dtype=torch.int64)},
+        candidate={"headers": cand, "index_only": idx},
+        control={"headers": ctrl, "index_only": idx},
+        metrics={"tensors": float(len(specs))},
+        notes=[f"headers flags: {labels}; index_only flags: [dropped_no_source, unknown_no_destination, "
+               f"no_mismatch_visible]",
+               f"edits: dropped {dropped}, half pair {half}, transposed {transposed} {specs[transposed][0]}, "
+               f"re-typed {retyped} bf16->f32, unknown {unknown}",
+               f"candidate counts: {headers.to_dict()['counts']}; control (index-only) counts: "
+               f"{index_only.to_dict()['counts']}"],
+    )
