@@ -216,7 +216,9 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
     del tensors
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    graphs = GraphDecoder(model, max_context, buckets=tuple(sorted(set(plan.batches))),
+    # Decode attends over a static context padded to the graph's max_context: size it to the decode
+    # workload (prompt + new tokens), not to the longest prefill, or every step reads dead latents.
+    graphs = GraphDecoder(model, ctx, buckets=tuple(sorted(set(plan.batches))),
                           use_graphs=plan.use_graphs and device.type == "cuda")
 
     if hf is not None and gold is not None:
