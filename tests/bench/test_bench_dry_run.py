@@ -53,3 +53,12 @@ def test_bench_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         pytest.skip("this machine has CUDA: the refusal path does not apply")
     assert main(["bench"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_speeds_are_withheld_without_a_model_level_reference() -> None:
+    """--no-baseline (or a K3 preset) leaves only graph-vs-eager parity: no speed may be reported."""
+    plan = BenchPlan("kl-tiny", prefill_lens=(32,), batches=(1,), new_tokens=2, prompt_len=4, parity_len=32,
+                     baseline=False)
+    result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+    assert not result.speeds_reported and result.prefill == [] and result.decode == []
+    assert any("no model-level parity" in n for n in result.notes)
