@@ -55,6 +55,14 @@ def _mxfp4_quant(group_size: int = 32) -> dict[str, Any]:
     }
 
 
+def _with_overrides(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `over`; a `linear_attn_config` override merges into the base's rather than replacing it."""
+    lin_over = over.pop("linear_attn_config", {})
+    base.update(over)
+    base["linear_attn_config"] = {**base["linear_attn_config"], **lin_over}
+    return base
+
+
 def _k3_text(**over: Any) -> dict[str, Any]:
     text: dict[str, Any] = {
         "model_type": "kimi_linear",
@@ -107,10 +115,7 @@ def _k3_text(**over: Any) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "use_cache": True,
     }
-    lin_over = over.pop("linear_attn_config", {})
-    text.update(over)
-    text["linear_attn_config"] = {**text["linear_attn_config"], **lin_over}
-    return text
+    return _with_overrides(text, over)
 
 
 def _k3(text: dict[str, Any]) -> dict[str, Any]:
@@ -176,10 +181,7 @@ def _kimi_linear(**over: Any) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "use_cache": True,
     }
-    lin_over = over.pop("linear_attn_config", {})
-    cfg.update(over)
-    cfg["linear_attn_config"] = {**cfg["linear_attn_config"], **lin_over}
-    return cfg
+    return _with_overrides(cfg, over)
 
 
 def _syn25() -> dict[str, Any]:
