@@ -13,10 +13,11 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date +%T))"; }
 step "gpu tests"
 # tests/server needs fastapi/openai, which the GPU image lacks: collect only the GPU-bearing folders
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/oracle tests/serving tests/bench 2>&1 | tail -15 | tee "$OUT/gpu-pytest.log"
+timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/oracle tests/serving tests/bench 2>&1 | tail -15 | tee "$OUT/gpu-pytest.log"
 step "cuda parity k3-syn-25"
-timeout 180 python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full --report-dir "$OUT/parity" \
+timeout 130 python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full --report-dir "$OUT/parity" \
     2>&1 | tail -25
 step "bench kl-48b-8l"
-timeout 330 python3 -m k3verify bench --preset kl-48b-8l --json "$OUT/bench.json" 2>&1 | tail -12
+timeout 330 python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --json "$OUT/bench.json" 2>&1 \
+    | grep -v '^[ {}\[\]"]' | tail -60
 step "done"

@@ -8,6 +8,7 @@ withheld and the command exits 1.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from k3verify.bench.floor import decode_floor_bytes, measure_copy_bandwidth
+from k3verify.bench.profile import profile_decode
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
@@ -31,6 +33,7 @@ class BenchResult:
     parity: list[dict[str, Any]] = field(default_factory=list)
     prefill: list[dict[str, Any]] = field(default_factory=list)
     decode: list[dict[str, Any]] = field(default_factory=list)
+    profile: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     speeds_reported: bool = False
 
@@ -172,6 +175,15 @@ class BenchPlan:
     parity_bar: float = 5e-3
     parity_len: int = 256
     graph_parity_steps: int = 8
+    profile_batches: tuple[int, ...] = ()
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """One line per stage on stderr, so a run cut short still shows how far it got."""
+    print(f"[bench +{time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def load_baseline(cfg: ModelConfig, hf_dict: dict[str, Any], tensors: Any, device: torch.device,
@@ -201,9 +213,12 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
     result = BenchResult(plan.preset, name, bandwidth / 1e9)
     max_b, ctx = max(plan.batches), plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8
     max_context = max(ctx, *plan.prefill_lens, plan.parity_len)
+    progress(f"generating {plan.preset} weights on {device}")
     tensors = synthetic_tensors(cfg, plan.seed, device=device)
     parity_ids = random_prompt(1, plan.parity_len, cfg.vocab_size, plan.seed + 7, device)[0]
+    progress("fp32 gold (transformers+fla)" if plan.baseline and not cfg.is_k3 else "no fp32 gold")
     gold = gold_logits(cfg, hf_dict, tensors, parity_ids, device) if plan.baseline and not cfg.is_k3 else None
+    progress("loading our model and the baseline")
     model = ServingModel(cfg, torch.bfloat16, device).load(tensors)
     page = 64
     runner = ModelRunner(model, num_pages=max_b * (-(-ctx // page)) + 8, page_size=page, num_slots=max_b + 1,
@@ -221,6 +236,7 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
     graphs = GraphDecoder(model, ctx, buckets=tuple(sorted(set(plan.batches))),
                           use_graphs=plan.use_graphs and device.type == "cuda")
 
+    progress("parity")
     if hf is not None and gold is not None:
         result.parity.append(model_parity(runner, hf, parity_ids, gold, plan.parity_bar))
     if graphs.use_graphs:
@@ -236,6 +252,7 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
         result.notes.append("parity is not green (or did not run) in this run: speeds withheld")
         return result
     for T in plan.prefill_lens:
+        progress(f"prefill {T}")
         ids = random_prompt(1, T, cfg.vocab_size, plan.seed + T, device)
         pack = PackedBatch.build(ids[0], [T], device=device)
 
@@ -245,9 +262,15 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
         theirs = None if hf is None else (lambda ids=ids: hf(input_ids=ids, use_cache=False))
         result.prefill.append(time_prefill(ours, theirs, T))
     for B in plan.batches:
+        progress(f"decode batch {B}")
         result.decode.append(time_decode(cfg, runner, graphs if graphs.use_graphs else None, hf, B,
                                          plan.prompt_len, plan.new_tokens, bandwidth, plan.seed + 100 + B))
     result.speeds_reported = True
+    for B in plan.profile_batches:
+        progress(f"profile decode batch {B}")
+        prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 200 + B, device)
+        result.profile.append(profile_decode(runner, graphs, prompts))
+    progress("done")
     return result
 
 

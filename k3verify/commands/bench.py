@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (no ratios reported)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
+    p.add_argument("--profile", default="", help="decode batch sizes to profile (kernels, launch gaps, host)")
     p.add_argument("--parity-bar", type=float, default=5e-3)
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
     p.set_defaults(func=run)
@@ -47,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
     prefill_lens, batches = _ints(args.prefill, "--prefill"), _ints(args.batch, "--batch")
+    profile = _ints(args.profile, "--profile") if args.profile else []
+    if set(profile) - set(batches):
+        raise UsageError(f"--profile {profile}: only batch sizes that are also benchmarked ({batches}) can be profiled")
     from k3verify.bench import run as b
 
     plan = b.BenchPlan(args.preset, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
-                       baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar)
+                       baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar,
+                       profile_batches=tuple(profile))
     result = b.run_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"),
                          b.measure_bandwidth())
     _emit(result, args.json)
@@ -71,6 +76,12 @@ def _emit(result, path: Path | None) -> None:  # type: ignore[no-untyped-def]
                      f"{r.get('baseline_tok_s', float('nan')):>8.1f}  ratio {r.get('ratio', float('nan')):.2f}x  "
                      f"step {r['ours_step_ms']:.3f} ms  floor {r['floor_step_ms']:.3f} ms  "
                      f"{100 * r['fraction_of_floor']:.1f}% of floor")
+    for p in result.profile:
+        lines.append(f"  profile b{p['batch']:>3}: host step {p['host_step_ms']:.3f} ms = GPU span "
+                     f"{p['gpu_span_ms']:.3f} (busy {p['gpu_busy_ms']:.3f}, idle gaps {p['idle_inside_step_ms']:.3f}) "
+                     f"+ host {p['host_outside_gpu_ms']:.3f}; {p['kernels_per_step']:.0f} kernels/step")
+        for c in p["by_category"][:8]:
+            lines.append(f"      {c['category']:<26} {c['ms_per_step']:7.3f} ms  {c['kernels_per_step']:6.1f} kernels")
     print("\n".join(lines), file=sys.stderr)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,8 @@ from k3verify.presets import get_preset, preset_hf_config
 def dry_run():  # type: ignore[no-untyped-def]
     from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 
-    plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64)
+    plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64,
+                     profile_batches=(3,))
     with torch_kda_paths(torch.device("cpu")):
         return run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
 
@@ -33,6 +34,8 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         assert row["ours_tok_s"] > 0 and row["baseline_tok_s"] > 0 and row["ratio"] > 0
     for row in dry_run.decode:
         assert 0 < row["fraction_of_floor"] and row["floor_bytes"] > 0
+    (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured
+    assert prof["batch"] == 3 and prof["host_step_ms"] > 0 and prof["kernels_per_step"] == 0
 
 
 def test_speeds_are_withheld_when_parity_is_red(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from k3verify.config import ModelConfig
+from k3verify.kernels.attn import causal_attention
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.linear import linear
@@ -26,17 +27,6 @@ def key_ranges(batch: PackedBatch, key_cu: list[int]) -> list[KeyRange]:
     """Sequence i attends keys [key_cu[i], key_cu[i+1]); its query t sees keys up to offset + t,
     where offset = its cached prefix length. This is the block-diagonal causal mask."""
     return [(key_cu[i], key_cu[i + 1], batch.start_list[i]) for i in range(batch.num_seqs)]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
-    """q [h, Lq, d], k [h, Lk, d], v [h, Lk, dv]; query t sees keys 0..offset+t. Eager order:
-    scores in the activation dtype, softmax in fp32, cast back, then P @ V."""
-    Lq, Lk = q.shape[1], k.shape[1]
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale
-    allowed = torch.arange(Lk, device=q.device)[None, :] <= (torch.arange(Lq, device=q.device)[:, None] + offset)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
 
 
 class MultiHeadLatentAttention(nn.Module):
