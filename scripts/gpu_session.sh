@@ -18,6 +18,6 @@ step "cuda parity k3-syn-25"
 timeout 130 python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full --report-dir "$OUT/parity" \
     2>&1 | tail -25
 step "bench kl-48b-8l"
-timeout 330 python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --json "$OUT/bench.json" 2>&1 \
-    | grep -v '^[ {}\[\]"]' | tail -60
+timeout 330 python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --json "$OUT/bench.json" \
+    2>&1 >/dev/null | tail -60
 step "done"
