@@ -34,6 +34,7 @@ class BenchResult:
     prefill: list[dict[str, Any]] = field(default_factory=list)
     decode: list[dict[str, Any]] = field(default_factory=list)
     profile: list[dict[str, Any]] = field(default_factory=list)
+    kernel_fallbacks: list[str] = field(default_factory=list)  # every (op: reason) a fast path refused
     notes: list[str] = field(default_factory=list)
     speeds_reported: bool = False
 
@@ -250,7 +251,7 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
                             "features): graph-vs-eager alone proves nothing about the model, so speeds are withheld")
     if not green:
         result.notes.append("parity is not green (or did not run) in this run: speeds withheld")
-        return result
+        return _with_fallbacks(result)
     for T in plan.prefill_lens:
         progress(f"prefill {T}")
         ids = random_prompt(1, T, cfg.vocab_size, plan.seed + T, device)
@@ -271,6 +272,13 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
         prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 200 + B, device)
         result.profile.append(profile_decode(runner, graphs, prompts))
     progress("done")
+    return _with_fallbacks(result)
+
+
+def _with_fallbacks(result: BenchResult) -> BenchResult:
+    from k3verify.kernels.registry import REGISTRY
+
+    result.kernel_fallbacks = sorted({f"{op}: {reason}" for op, reason in REGISTRY.fallbacks})
     return result
 
 

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default="", help="decode batch sizes to profile (kernels, launch gaps, host)")
     p.add_argument("--parity-bar", type=float, default=5e-3)
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
+    p.add_argument("--table", type=Path, default=None, metavar="JSON",
+                   help="print the README results table of an earlier run's --json file and exit (no GPU)")
     p.set_defaults(func=run)
 
 
@@ -43,6 +45,15 @@ def run(args: argparse.Namespace) -> int:
 
     from k3verify.presets import PRESETS, get_preset, preset_hf_config
 
+    if args.table is not None:
+        from k3verify.bench.table import markdown_table
+
+        try:
+            data = json.loads(args.table.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--table {args.table}: cannot read a bench JSON: {exc}") from exc
+        print(markdown_table(data))
+        return 0 if data.get("speeds_reported") else 1
     if not torch.cuda.is_available():
         raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
     if args.preset not in PRESETS:
@@ -76,6 +87,8 @@ def _emit(result, path: Path | None) -> None:  # type: ignore[no-untyped-def]
                      f"{r.get('baseline_tok_s', float('nan')):>8.1f}  ratio {r.get('ratio', float('nan')):.2f}x  "
                      f"step {r['ours_step_ms']:.3f} ms  floor {r['floor_step_ms']:.3f} ms  "
                      f"{100 * r['fraction_of_floor']:.1f}% of floor")
+    for f in result.kernel_fallbacks:
+        lines.append(f"  kernel fallback {f}")
     for p in result.profile:
         lines.append(f"  profile b{p['batch']:>3}: host step {p['host_step_ms']:.3f} ms = GPU span "
                      f"{p['gpu_span_ms']:.3f} (busy {p['gpu_busy_ms']:.3f}, idle gaps {p['idle_inside_step_ms']:.3f}) "
@@ -83,6 +96,9 @@ def _emit(result, path: Path | None) -> None:  # type: ignore[no-untyped-def]
         for c in p["by_category"][:8]:
             lines.append(f"      {c['category']:<26} {c['ms_per_step']:7.3f} ms  {c['kernels_per_step']:6.1f} kernels")
     print("\n".join(lines), file=sys.stderr)
+    from k3verify.bench.table import markdown_table
+
+    print(markdown_table(data), file=sys.stderr)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

@@ -2,7 +2,10 @@
 
 Each op has a torch reference (runs anywhere) and optionally a fast path for CUDA (fla / Triton).
 `dispatch` picks the fast path on CUDA when it is available and accepts the call; when it refuses,
-the reason is LOGGED as a warning and the torch reference runs — never silently. Every call records
+the reason is LOGGED as a warning (once per op and reason; every refusal is counted in `fallbacks`)
+and the torch reference runs — never silently. A fast path that raises (a Triton kernel that does
+not compile on this GPU's toolchain, say) is disabled for the process with a logged warning naming
+the exception, except during CUDA-graph capture, where the error propagates. Every call records
 which backend ran (`last_backend`, `counts`), which is what the routing tests assert on.
 """
 
@@ -43,6 +46,8 @@ class KernelRegistry:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.fallbacks: list[tuple[str, str]] = []  # (op, reason), newest last
         self._forced: dict[str, str] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._broken: dict[tuple[str, str], str] = {}  # (op, backend) -> why it was disabled
 
     def register(self, op: str, backend: str, fn: Callable[..., Any], *, accepts: Acceptor | None = None,
                  available: Callable[[], str | None] | None = None) -> None:
@@ -77,20 +82,40 @@ class KernelRegistry:
         fast = next((impls[b] for b in FAST_BACKENDS if b in impls), None)
         if device.type != "cuda" or fast is None:
             return impls[TORCH]
-        reason = fast.available() if fast.available is not None else None
+        reason = self._broken.get((op, fast.backend))
+        if reason is None and fast.available is not None:
+            reason = fast.available()
         if reason is None and fast.accepts is not None:
             reason = fast.accepts(*args, **kwargs)
         if reason is None:
             return fast
-        log.warning("kernel %s: fast path refused, falling back to torch: %s", op, reason)
-        self.fallbacks.append((op, reason))
+        self._refused(op, reason)
         return impls[TORCH]
+
+    def _refused(self, op: str, reason: str) -> None:
+        if (op, reason) not in self._warned:
+            self._warned.add((op, reason))
+            log.warning("kernel %s: fast path refused, falling back to torch: %s", op, reason)
+        self.fallbacks.append((op, reason))
 
     def call(self, op: str, *args: Any, device: torch.device, **kwargs: Any) -> Any:
         impl = self.select(op, device, *args, **kwargs)
         self.last_backend[op] = impl.backend
         self.counts[(op, impl.backend)] += 1
-        return impl.fn(*args, **kwargs)
+        if impl.backend == TORCH:
+            return impl.fn(*args, **kwargs)
+        try:
+            return impl.fn(*args, **kwargs)
+        except Exception as exc:
+            if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            reason = f"{impl.backend} path raised {type(exc).__name__}: {exc}; disabled for this process"
+            self._broken[(op, impl.backend)] = reason
+            self._refused(op, reason)
+            torch_impl = self._impls[op][TORCH]
+            self.last_backend[op] = TORCH
+            self.counts[(op, TORCH)] += 1
+            return torch_impl.fn(*args, **kwargs)
 
 
 REGISTRY = KernelRegistry()

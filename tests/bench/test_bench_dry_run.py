@@ -65,3 +65,19 @@ def test_speeds_are_withheld_without_a_model_level_reference() -> None:
     result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
     assert not result.speeds_reported and result.prefill == [] and result.decode == []
     assert any("no model-level parity" in n for n in result.notes)
+
+
+def test_readme_table_from_the_json(dry_run, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """`bench --table run.json` renders hardware, workload, ours, baseline, ratio, % of floor (no GPU)."""
+    import json
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dry_run.to_dict()))
+    assert main(["bench", "--table", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| hardware | workload | ours | baseline" in out
+    assert "decode batch 3" in out and "prefill 64 tokens" in out and "% (floor" in out
+    withheld = {**dry_run.to_dict(), "speeds_reported": False, "notes": ["parity is not green"]}
+    path.write_text(json.dumps(withheld))
+    assert main(["bench", "--table", str(path)]) == 1
+    assert "No speeds" in capsys.readouterr().out

@@ -49,6 +49,34 @@ def test_unavailable_fast_path_logs_why(caplog: pytest.LogCaptureFixture) -> Non
     assert "fla is not installed" in caplog.text
 
 
+def test_a_refusal_is_logged_once_but_counted_every_time(caplog: pytest.LogCaptureFixture) -> None:
+    reg = KernelRegistry()
+    reg.register("op", TORCH, lambda: "torch")
+    reg.register("op", TRITON, lambda: "triton", accepts=lambda: "fp32 activations", available=lambda: None)
+    with caplog.at_level(logging.WARNING, logger="k3verify.kernels"):
+        for _ in range(3):
+            reg.call("op", device=torch.device("cuda"))
+    assert caplog.text.count("fp32 activations") == 1 and len(reg.fallbacks) == 3
+
+
+def test_a_fast_path_that_raises_is_disabled_with_a_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel that fails to compile on the GPU's toolchain must not take the run down, nor pass silently."""
+    reg = KernelRegistry()
+    calls: list[str] = []
+
+    def broken() -> str:
+        calls.append("triton")
+        raise RuntimeError("PassManager::run failed")
+
+    reg.register("op", TORCH, lambda: "torch")
+    reg.register("op", TRITON, broken, accepts=lambda: None, available=lambda: None)
+    with caplog.at_level(logging.WARNING, logger="k3verify.kernels"):
+        assert reg.call("op", device=torch.device("cuda")) == "torch"
+        assert reg.call("op", device=torch.device("cuda")) == "torch"
+    assert calls == ["triton"] and reg.last_backend["op"] == TORCH  # tried once, then disabled
+    assert "PassManager::run failed" in caplog.text and "disabled" in reg.fallbacks[-1][1]
+
+
 def test_accepted_fast_path_runs_on_cuda_device_kind() -> None:
     reg = KernelRegistry()
     reg.register("op", TORCH, lambda: "torch")

@@ -2,9 +2,9 @@
 
 The torch reference (`kernels/moe/torch_ref.py`) loops over experts with host-side
 counts. This path sorts the T·k (token, expert) pairs by expert on the device, gathers the rows,
-runs `torch._grouped_mm` against experts stacked as [E, 2I, D] (gate|up) and [E, D, I] (down), and
-scatters back with an fp32 accumulation. Same math, other GEMM kernels: compared with the reference
-by an RMS gate, never bit-exactly.
+runs `torch._grouped_mm` against experts stacked as [E, 2I, D] (gate|up) and [E, D, I] (down),
+un-sorts the rows and sums each token's k terms in fp32 without atomics (deterministic). Same math,
+other GEMM kernels: compared with the reference by an RMS gate, never bit-exactly.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     g, u = h.split(two_i // 2, dim=-1)
     y = torch._grouped_mm(act(g, u).contiguous(), w2.transpose(1, 2), offs=offs)  # [T*k, D]
     w_sorted = weights.reshape(-1).index_select(0, order)
-    out = torch.zeros(T, x_in.shape[-1], dtype=torch.float32, device=x_in.device)
-    return out.index_add_(0, rows, y.float() * w_sorted[:, None])
+    # Un-sort with a permutation (unique targets) and reduce over k: deterministic. An index_add_ over
+    # `rows` would add each token's k terms with float atomics in whatever order the GPU runs them,
+    # so a CUDA-graph replay and the same step run eagerly could differ in the last bits.
+    terms = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, y.float() * w_sorted[:, None])
+    return terms.view(T, k, -1).sum(dim=1)
 
 
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
