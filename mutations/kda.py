@@ -143,10 +143,17 @@ MUTANTS = [
     Mutant(
         id="kda.decode.state_not_stored", quick=True,
         fault="the recurrent state after a decode step is never written back to the state pool",
-        target=f"{KDA}:KimiDeltaAttention.forward",
-        old="        if pool is not None:\n            assert b.slots is not None\n            pool.store_state(",
-        new="        if pool is not None and not b.is_decode:\n"
-            "            assert b.slots is not None\n            pool.store_state(",
+        target=f"{REC}:kda_decode_slots_torch",
+        old="pool_state.index_copy_(0, slots, final.to(pool_state.dtype))",
+        new="_ = final",
+        killers=["serving.*", "kda.*"],
+    ),
+    Mutant(
+        id="kda.decode.slot_off_by_one",
+        fault="a decode step reads the recurrent state of the neighbouring slot (slots - 1)",
+        target=f"{REC}:kda_decode_slots_torch",
+        old="kda_decode_torch(q, k, v, g, beta, pool_state.index_select(0, slots), scale)",
+        new="kda_decode_torch(q, k, v, g, beta, pool_state.index_select(0, slots - 1), scale)",
         killers=["serving.*", "kda.*"],
     ),
     Mutant(

@@ -34,4 +34,14 @@ MUTANTS = [
             "use_beta_sigmoid_in_kernel=False,\n        safe_gate=",
         killers=["kda.*", "serving.*"],
     ),
+    Mutant(
+        id="kernel.fla.decode_slots_beta_sigmoid_in_kernel", devices=("cuda",),
+        fault="the in-place (slot-indexed) fused_recurrent_kda squashes the already-sigmoided beta again",
+        target=f"{FLA}:kda_decode_slots_fla",
+        old="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"
+            "        use_beta_sigmoid_in_kernel=False,",
+        new="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"
+            "        use_beta_sigmoid_in_kernel=True,",
+        killers=["kernel.kda.*", "serving.*"],
+    ),
 ]

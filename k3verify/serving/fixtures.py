@@ -123,3 +123,14 @@ def layer_inputs(ctx: Any, n_tokens: int, dtype: torch.dtype, scale: float = 1.0
     """Random hidden states [T, H] from the check's generator, on ctx.device."""
     x = torch.randn(n_tokens, ctx.cfg.hidden_size, generator=ctx.generator) * scale
     return x.to(dtype).to(ctx.device)
+
+
+@contextlib.contextmanager
+def stale_kda_state(pool: Any) -> Iterator[None]:
+    """Control fault: KDA recurrent states are never written back to `pool` (prefill's stores are
+    dropped; decode updates its states in place, so it is handed a throwaway copy instead)."""
+    def throwaway(layer: int) -> torch.Tensor:
+        return pool.state[pool.layer_index[layer]].clone()
+
+    with patched(pool, "store_state", lambda *a, **k: None), patched(pool, "state_view", throwaway):
+        yield

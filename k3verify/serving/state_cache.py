@@ -95,6 +95,10 @@ class KDAStatePool:
         for t, w in ((self.conv_q, q), (self.conv_k, k), (self.conv_v, v)):
             t[i].index_copy_(0, slots, w.float())
 
+    def state_view(self, layer: int) -> torch.Tensor:
+        """One KDA layer's states [slots, heads, dk, dv] (a contiguous view the decode kernel updates in place)."""
+        return self.state[self.layer_index[layer]]
+
     def read_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.state[self.layer_index[layer]].index_select(0, slots)
 

@@ -112,5 +112,13 @@ def test_cuda_runs_fla_triton_kda() -> None:
     d = _kda_args("cuda", T=2)
     kda_ops.kda_decode(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], d[6], d[7])
     assert REGISTRY.last_backend[kda_ops.DECODE] == TRITON, REGISTRY.fallbacks
+    pool = d[6].clone()
+    o_slots = kda_ops.kda_decode_slots(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], pool,
+                                       torch.tensor([1, 0], device="cuda"), d[7])
+    assert REGISTRY.last_backend[kda_ops.DECODE_SLOTS] == TRITON, REGISTRY.fallbacks
+    o_ref, s_ref = kda_ops.kda_decode(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4],
+                                      d[6][[1, 0]], d[7])
+    assert ((o_slots.float() - o_ref.float()).norm() / o_ref.float().norm()).item() < 1e-3
+    assert ((pool[[1, 0]] - s_ref).norm() / s_ref.norm()).item() < 1e-3
     kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])  # fp32 activations: torch, with a logged reason
     assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH and "TF32" in REGISTRY.fallbacks[-1][1]

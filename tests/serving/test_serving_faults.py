@@ -89,7 +89,9 @@ FAULTS: dict[str, tuple[Fault, list[str]]] = {
     "output_mix_after_norm": (lambda mp: mp.setattr(ServingModel, "finish", _norm_then_mix), ["model.logits.fp32"]),
     "kda_state_not_handed_across_segments": (lambda mp: mp.setattr(kda, "run_pieces_unchecked", _no_state_handoff),
                                              ["kda.segmented"]),
-    "kda_state_not_stored": (lambda mp: mp.setattr(KDAStatePool, "store_state", lambda *a, **k: None),
+    "kda_state_not_stored": (lambda mp: (mp.setattr(KDAStatePool, "store_state", lambda *a, **k: None),
+                                         mp.setattr(KDAStatePool, "state_view",
+                                                    lambda self, layer: self.state[self.layer_index[layer]].clone())),
                              ["serving.decode.vs_full"]),
 }
 _situ = mlp.situ_glu

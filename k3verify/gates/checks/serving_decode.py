@@ -71,7 +71,7 @@ def check_decode_vs_full(ctx: CheckContext) -> Trial:
     runner = _runner(model)
     cand = _decode_scenario(ctx, runner, tokens)
     ctrl = _decode_scenario(ctx, runner, tokens,
-                            lambda: fx.patched(runner.state_pool, "store_state", lambda *a, **k: None))
+                            lambda: fx.stale_kda_state(runner.state_pool))
     return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0, notes=[
         f"prompts {PROMPTS} (first prefill, continuation), {DECODE_STEPS} decode steps through ModelRunner vs "
         "one cacheless forward of the whole sequence; integrity checked after the scenario"])

@@ -170,3 +170,36 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
     return Trial(reference={"o": o_r.float(), "state": s_r}, candidate={"o": o_t.float(), "state": s_t},
                  control={"o": o_c.float(), "state": s_c}, notes=["bf16 q/k/v, fp32 gate/beta/state; fla's bar"])
 
+
+
+@register_check(
+    id="kernel.kda.decode_slots_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    control="beta squashed twice before the Triton kernel",
+)
+@fx.single_thread
+def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
+    """The serving decode: fla's fused_recurrent_kda reading/writing states in the pool by slot, in
+    place, vs the torch path (gather, step, scatter). Rows out of slot order; untouched slots must
+    stay as they were (they are part of the compared state)."""
+    reason = fla_triton.available()
+    if reason is not None:
+        raise SkipCheck(f"the Triton KDA path is not available here: {reason}")
+    B, n_slots = 5, 9
+    x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, B, n_slots).items()}
+    slots = torch.tensor([7, 2, 5, 1, 8], device=ctx.device)
+    bf = {k: (v.bfloat16() if k in ("q", "k", "v") else v) for k, v in x.items()}
+
+    def run(backend: str | None, beta: torch.Tensor) -> dict[str, torch.Tensor]:
+        pool = x["s0"].clone()
+        REGISTRY.force(kda_ops.DECODE_SLOTS, backend)
+        try:
+            o = kda_ops.kda_decode_slots(bf["q"], bf["k"], bf["v"], x["g"], beta, pool, slots, DK**-0.5)
+        finally:
+            REGISTRY.force(kda_ops.DECODE_SLOTS, None)
+        return {"o": o.float(), "pool": pool}
+
+    cand = run(None, x["beta"])
+    if REGISTRY.last_backend[kda_ops.DECODE_SLOTS] != TRITON:
+        raise RuntimeError(f"registry did not run the Triton decode: {REGISTRY.fallbacks[-1:]}")
+    return Trial(reference=run(TORCH, x["beta"]), candidate=cand, control=run(None, torch.sigmoid(x["beta"])),
+                 notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v, fp32 state"])

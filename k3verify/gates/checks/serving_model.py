@@ -117,7 +117,7 @@ def check_greedy_vs_oracle(ctx: CheckContext) -> Trial:
     runner = ModelRunner(model, num_pages=64, page_size=8, num_slots=4, max_context=256)
     cand = generate_greedy(runner, prompts, GREEDY_STEPS)
     assert runner.state_pool is not None
-    with fx.patched(runner.state_pool, "store_state", lambda *a, **k: None):
+    with fx.stale_kda_state(runner.state_pool):
         ctrl = generate_greedy(runner, prompts, GREEDY_STEPS)
     metrics: dict[str, float] = {}
     notes = []

@@ -124,3 +124,11 @@ def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     o = torch.einsum("bhk,bhkv->bhv", qn, S)
     return o.to(v.dtype), S.to(state.dtype)
 
+
+
+def kda_decode_slots_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """kda_decode_torch on the rows' states gathered from the pool, written back in place."""
+    o, final = kda_decode_torch(q, k, v, g, beta, pool_state.index_select(0, slots), scale)
+    pool_state.index_copy_(0, slots, final.to(pool_state.dtype))
+    return o

@@ -14,7 +14,7 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.conv import causal_conv
-from k3verify.kernels.kda import CHUNK, kda_decode, kda_prefill
+from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.norm import GatedRMSNorm
@@ -142,23 +142,25 @@ class KimiDeltaAttention(nn.Module):
         keep = (b.start_pos > 0).to(x.dtype)[:, None, None]  # fresh sequences restart from zero windows/state
         q, k, v = (t.view(T, h, dk) for t in self.short_convs(x, ctx, keep, continuing))
         g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5
-        if continuing:
-            assert pool is not None and b.slots is not None
-            state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
-        else:
-            state0 = torch.zeros(b.num_seqs, h, dk, dk, dtype=torch.float32, device=x.device)
         if b.is_decode:
-            if pool is None:
-                raise ValueError("KDA decode needs the state pool")
-            o, state = kda_decode(q, k, v, g, beta, state0, scale)
+            if pool is None or b.slots is None:
+                raise ValueError("KDA decode needs the state pool and batch.slots")
+            # States are read and updated in place, by slot. No `keep` mask: a slot is zeroed when it is
+            # allocated (gated by serving.state.slot_reuse), so a sequence's first step reads zeros.
+            o = kda_decode_slots(q, k, v, g, beta, pool.state_view(self.layer_idx), b.slots, scale)
         else:
+            if continuing:
+                assert pool is not None and b.slots is not None
+                state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
+            else:
+                state0 = torch.zeros(b.num_seqs, h, dk, dk, dtype=torch.float32, device=x.device)
             pieces = segment_pieces(b.seq_lens, ctx.segment_len)
             check_pieces(b.seq_lens, pieces)
             if ctx.segment_len is not None:
                 ctx.bump("kda_segmented")
             o, state = run_pieces_unchecked(q, k, v, g, beta, b.cu_list, pieces, state0, scale, self.lower_bound)
-        if pool is not None:
-            assert b.slots is not None
-            pool.store_state(self.layer_idx, b.slots, state)
+            if pool is not None:
+                assert b.slots is not None
+                pool.store_state(self.layer_idx, b.slots, state)
         o = self.o_norm(o, self.output_gate(x).view(T, h, dk))
         return self.o_proj(o.reshape(T, h * dk))
