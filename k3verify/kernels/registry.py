@@ -110,6 +110,6 @@ def _ensure_loaded() -> None:
     global _LOADED
     if _LOADED:
         return
-    from k3verify.kernels import conv, kda, moe, mxfp4  # noqa: F401
+    from k3verify.kernels import conv, kda, moe, mxfp4, norm  # noqa: F401
 
     _LOADED = True
