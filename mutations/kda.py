@@ -95,9 +95,9 @@ MUTANTS = [
     Mutant(
         id="kda.norm.gate_not_sigmoided",
         fault="the gated o_norm multiplies by the raw output-gate logits instead of sigmoid(gate)",
-        target="k3verify.serving.layers.norm:GatedRMSNorm.forward",
-        old="return (normed * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)",
-        new="return (normed * self.weight.float() * gate.float()).to(x.dtype)",
+        target="k3verify.kernels.norm.torch_ref:gated_rms_norm_torch",
+        old="return (normed * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)",
+        new="return (normed * weight.float() * gate.float()).to(x.dtype)",
         killers=["kda.*"],
     ),
     Mutant(

@@ -1,11 +1,13 @@
-"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py). They only run with
-`k3verify mutate --device cuda`: on CPU the registry routes to the torch reference and they cannot matter."""
+"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
+kernels/norm/triton_kernels.py). They only run with `k3verify mutate --device cuda`: on CPU the registry routes
+to the torch reference and they cannot matter."""
 
 from __future__ import annotations
 
 from k3verify.mutate import Mutant
 
 FLA = "k3verify.kernels.kda.fla_triton"
+NORM = "k3verify.kernels.norm.triton_kernels"
 
 MUTANTS = [
     Mutant(
@@ -43,5 +45,22 @@ MUTANTS = [
         new="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"
             "        use_beta_sigmoid_in_kernel=True,",
         killers=["kernel.kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.norm.triton_weight_before_cast", devices=("cuda",),
+        fault="the Triton RMSNorm multiplies by its weight in fp32 and casts once, instead of casting the "
+              "normalized row back to x's dtype first",
+        target=f"{NORM}:rms_norm_fwd_kernel",
+        old="normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)",
+        new="normed = x * rstd",
+        killers=["kernel.norm.*"],
+    ),
+    Mutant(
+        id="kernel.norm.triton_gate_not_sigmoided", devices=("cuda",),
+        fault="the Triton gated RMSNorm multiplies by the raw gate logits instead of sigmoid(gate)",
+        target=f"{NORM}:gated_rms_norm_fwd_kernel",
+        old="out = x * rstd * w * (1.0 / (1.0 + tl.exp(-g)))",
+        new="out = x * rstd * w * g",
+        killers=["kernel.norm.*"],
     ),
 ]

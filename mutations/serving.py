@@ -40,9 +40,9 @@ MUTANTS = [
     Mutant(
         id="norm.weight_applied_before_cast",
         fault="RMSNorm multiplies by its weight in fp32 and casts once, instead of casting back first (bf16 only)",
-        target="k3verify.serving.layers.norm:RMSNorm.forward",
-        old="return self.weight * normed.to(x.dtype)",
-        new="return (self.weight.float() * normed).to(x.dtype)",
+        target="k3verify.kernels.norm.torch_ref:rms_norm_torch",
+        old="return weight * normed.to(x.dtype)",
+        new="return (weight.float() * normed).to(x.dtype)",
         killers=["norm.*", "kda.*", "mla.*", "moe.*", "model.*"],
     ),
     Mutant(

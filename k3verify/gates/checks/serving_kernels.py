@@ -1,5 +1,6 @@
 """Serving kernels vs independent references: the MXFP4 decode, the torch KDA recurrence (chunked
-prefill and one-token decode) vs fla's naive KDA, and on CUDA fla's Triton KDA vs the torch path."""
+prefill and one-token decode) vs fla's naive KDA, and on CUDA fla's Triton KDA and the fused Triton
+norms vs the torch path."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import torch
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.kernels import kda as kda_ops
+from k3verify.kernels import norm as norm_ops
 from k3verify.kernels.kda import fla_triton
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
+from k3verify.kernels.norm import torch_ref as norm_ref
+from k3verify.kernels.norm import triton_impl as norm_triton
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.oracle import functional as Fn
 from k3verify.serving import fixtures as fx
@@ -171,7 +175,6 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
                  control={"o": o_c.float(), "state": s_c}, notes=["bf16 q/k/v, fp32 gate/beta/state; fla's bar"])
 
 
-
 @register_check(
     id="kernel.kda.decode_slots_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
     control="beta squashed twice before the Triton kernel",
@@ -203,3 +206,43 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
         raise RuntimeError(f"registry did not run the Triton decode: {REGISTRY.fallbacks[-1:]}")
     return Trial(reference=run(TORCH, x["beta"]), candidate=cand, control=run(None, torch.sigmoid(x["beta"])),
                  notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v, fp32 state"])
+
+
+NORM_WIDTHS = (72, 2304, 7168)  # ragged vs the power-of-two block, a K3 KDA width, the K3 hidden size
+NORM_ROWS = 37
+
+
+@register_check(
+    id="kernel.norm.triton_vs_torch", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=1e-3, bar_reason="same roundings, other reduction order and rsqrt: rare one-ulp bf16 flips (CPU "
+    "interpreter: RMSNorm bit-identical, gated <= 1.2e-4); the weight applied before the cast gives ~3e-3, no eps >0.1",
+    control="RMSNorm with its weight applied before the cast to bf16; gated RMSNorm without eps",
+)
+def check_norm_triton(ctx: CheckContext) -> Trial:
+    """The fused Triton RMSNorm / gated RMSNorm (through our registry) vs the torch path, bf16 activations
+    over rows whose scales span 4.5 decades (the smallest below sqrt(eps))."""
+    reason = norm_triton.available()
+    if reason is not None:
+        raise SkipCheck(f"the Triton norm path is not available here: {reason}")
+    ref, cand, ctrl = {}, {}, {}
+    g = ctx.generator
+    for W in NORM_WIDTHS:
+        scale = 10 ** (torch.rand(NORM_ROWS, 1, generator=g) * 4.5 - 3.5)
+        x = (torch.randn(NORM_ROWS, W, generator=g) * scale).bfloat16().to(ctx.device)
+        gate = (torch.randn(NORM_ROWS, W, generator=g) * 4).bfloat16().to(ctx.device)
+        w = torch.randn(W, generator=g).bfloat16().to(ctx.device)
+        gw = torch.randn(W, generator=g).to(ctx.device)
+        cand[f"rms.W{W}"] = norm_ops.rms_norm(x, w, ctx.cfg.rms_norm_eps)
+        cand[f"gated.W{W}"] = norm_ops.gated_rms_norm(x, gate, gw, ctx.cfg.rms_norm_eps)
+        routed = (REGISTRY.last_backend[norm_ops.RMS], REGISTRY.last_backend[norm_ops.GATED_RMS])
+        if routed != (TRITON, TRITON):
+            raise RuntimeError(f"registry ran {routed} for the norms, not Triton; fallbacks {REGISTRY.fallbacks[-2:]}")
+        ctrl[f"rms.W{W}"] = norm_triton.rms_norm_triton(x.float(), w.float(), ctx.cfg.rms_norm_eps).bfloat16()
+        ctrl[f"gated.W{W}"] = norm_triton.gated_rms_norm_triton(x, gate, gw, 0.0)
+        ref[f"rms.W{W}"] = norm_ref.rms_norm_torch(x, w, ctx.cfg.rms_norm_eps)
+        ref[f"gated.W{W}"] = norm_ref.gated_rms_norm_torch(x, gate, gw, ctx.cfg.rms_norm_eps)
+    as_f32 = {k: v.float() for k, v in ref.items()}
+    return Trial(reference=as_f32, candidate={k: v.float() for k, v in cand.items()},
+                 control={k: v.float() for k, v in ctrl.items()},
+                 notes=[f"{NORM_ROWS} rows x widths {NORM_WIDTHS}, bf16 x / gate, bf16 RMSNorm weight, fp32 gated "
+                        f"weight, eps {ctx.cfg.rms_norm_eps}"])

@@ -1,4 +1,4 @@
-"""RMSNorm and gated RMSNorm.
+"""RMSNorm and gated RMSNorm modules; the math lives in kernels/norm (torch reference + fused Triton).
 
 RMSNorm: normalize in fp32, cast back to the input dtype, then multiply by the weight (in the
 weight's dtype, like the reference). Gated RMSNorm (KDA o_norm): fp32 norm x fp32 weight x
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3verify.kernels.norm import gated_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float, dtype: torch.dtype) -> None:
@@ -18,9 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -32,6 +32,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)

@@ -1,0 +1,32 @@
+"""RMSNorm (`rms_norm`) and the KDA output norm (`gated_rms_norm`) over the last dim.
+
+CPU runs the torch reference (torch_ref); CUDA runs one fused Triton kernel per call when it accepts
+the call (bf16/fp16 activations), else the torch reference with a logged reason (kernels/registry.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3verify.kernels.norm import torch_ref, triton_impl
+from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
+
+RMS = "norm.rms"
+GATED_RMS = "norm.gated_rms"
+
+REGISTRY.register(RMS, TORCH, torch_ref.rms_norm_torch)
+REGISTRY.register(RMS, TRITON, triton_impl.rms_norm_triton, accepts=triton_impl.accepts_rms,
+                  available=triton_impl.available)
+REGISTRY.register(GATED_RMS, TORCH, torch_ref.gated_rms_norm_torch)
+REGISTRY.register(GATED_RMS, TRITON, triton_impl.gated_rms_norm_triton, accepts=triton_impl.accepts_gated,
+                  available=triton_impl.available)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., W]; weight [W] -> [..., W] in promote_types(weight.dtype, x.dtype)."""
+    return dispatch(RMS, x, weight, eps, device=x.device)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., W]; weight [W] -> [..., W] in x.dtype."""
+    return dispatch(GATED_RMS, x, gate, weight, eps, device=x.device)
