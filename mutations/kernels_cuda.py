@@ -1,11 +1,13 @@
-"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py). They only run with
-`k3verify mutate --device cuda`: on CPU the registry routes to the torch reference and they cannot matter."""
+"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, our Triton conv decode in
+kernels/conv/decode_kernel.py). They only run with `k3verify mutate --device cuda`: on CPU the registry routes
+to the torch reference and they cannot matter."""
 
 from __future__ import annotations
 
 from k3verify.mutate import Mutant
 
 FLA = "k3verify.kernels.kda.fla_triton"
+CONV = "k3verify.kernels.conv.decode_kernel"
 
 MUTANTS = [
     Mutant(
@@ -33,5 +35,29 @@ MUTANTS = [
         new="output_final_state=True, use_qk_l2norm_in_kernel=False,\n        use_gate_in_kernel=False, "
             "use_beta_sigmoid_in_kernel=False,\n        safe_gate=",
         killers=["kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_window_not_shifted", devices=("cuda",),
+        fault="the Triton decode conv writes each old window tap back in place instead of one position older",
+        target=f"{CONV}:_conv_row",
+        old="tl.store(win + (j - 1) * s_tap, tap, mask=mask)",
+        new="tl.store(win + j * s_tap, tap, mask=mask)",
+        killers=["kernel.conv.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_keep_ignored", devices=("cuda",),
+        fault="the Triton decode conv ignores keep: a fresh sequence convolves the stale window of its slot",
+        target=f"{CONV}:conv_decode_qkv_kernel",
+        old="keep = tl.load(keep_ptr + b).to(tl.float32)",
+        new="keep = tl.load(keep_ptr + b).to(tl.float32) * 0.0 + 1.0",
+        killers=["kernel.conv.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_slot_ignored", devices=("cuda",),
+        fault="the Triton decode conv reads and writes window row b (the batch row) instead of the row's slot",
+        target=f"{CONV}:conv_decode_qkv_kernel",
+        old="slot = tl.load(slots_ptr + b)",
+        new="slot = tl.load(slots_ptr + b) * 0 + b",
+        killers=["kernel.conv.*", "serving.*"],
     ),
 ]
