@@ -1,5 +1,6 @@
 """Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
-kernels/norm/triton_kernels.py). They only run with `k3verify mutate --device cuda`: on CPU the registry routes
+kernels/norm/triton_kernels.py, our Triton conv decode in kernels/conv/decode_kernel.py). They only run with
+`k3verify mutate --device cuda`: on CPU the registry routes
 to the torch reference and they cannot matter."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from k3verify.mutate import Mutant
 
 FLA = "k3verify.kernels.kda.fla_triton"
 NORM = "k3verify.kernels.norm.triton_kernels"
+CONV = "k3verify.kernels.conv.decode_kernel"
 
 MUTANTS = [
     Mutant(
@@ -62,5 +64,29 @@ MUTANTS = [
         old="out = x * rstd * w * (1.0 / (1.0 + tl.exp(-g)))",
         new="out = x * rstd * w * g",
         killers=["kernel.norm.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_window_not_shifted", devices=("cuda",),
+        fault="the Triton decode conv writes each old window tap back in place instead of one position older",
+        target=f"{CONV}:_conv_row",
+        old="tl.store(win + (j - 1) * s_tap, tap, mask=mask)",
+        new="tl.store(win + j * s_tap, tap, mask=mask)",
+        killers=["kernel.conv.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_keep_ignored", devices=("cuda",),
+        fault="the Triton decode conv ignores keep: a fresh sequence convolves the stale window of its slot",
+        target=f"{CONV}:conv_decode_qkv_kernel",
+        old="keep = tl.load(keep_ptr + b).to(tl.float32)",
+        new="keep = tl.load(keep_ptr + b).to(tl.float32) * 0.0 + 1.0",
+        killers=["kernel.conv.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_slot_ignored", devices=("cuda",),
+        fault="the Triton decode conv reads and writes window row b (the batch row) instead of the row's slot",
+        target=f"{CONV}:conv_decode_qkv_kernel",
+        old="slot = tl.load(slots_ptr + b)",
+        new="slot = tl.load(slots_ptr + b) * 0 + b",
+        killers=["kernel.conv.*", "serving.*"],
     ),
 ]

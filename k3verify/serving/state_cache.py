@@ -89,6 +89,11 @@ class KDAStatePool:
         i = self.layer_index[layer]
         return tuple(t[i].index_select(0, slots).to(dtype) for t in (self.conv_q, self.conv_k, self.conv_v))
 
+    def conv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's q/k/v windows [slots, kda_dim, W-1] fp32, as views: the decode conv updates them in place."""
+        i = self.layer_index[layer]
+        return self.conv_q[i], self.conv_k[i], self.conv_v[i]
+
     def store_windows(self, layer: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None:
         i = self.layer_index[layer]

@@ -1,22 +1,35 @@
-"""Packed causal depthwise conv + SiLU with per-sequence windows (KDA's q/k/v short convs).
+"""Causal depthwise conv + SiLU with per-sequence windows (KDA's q/k/v short convs).
 
-Only a torch implementation is registered: the gather form is already one fused pass per tap on
-CUDA, and a fast path gets a routing test when it is added.
+`causal_conv`: packed prefill (any number of tokens per sequence), torch only: the gather form is
+already one fused pass per tap on CUDA. `conv_decode_qkv`: one token per sequence for all three convs
+at once, windows read from and written back to the state pool; Triton on CUDA (one launch), else the
+torch reference, which equals the packed path on a decode pack bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.conv import torch_ref
-from k3verify.kernels.registry import REGISTRY, TORCH, dispatch
+from k3verify.kernels.conv import torch_ref, triton_path
+from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 CAUSAL = "conv.causal"
+CAUSAL_DECODE = "conv.causal_decode"
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 REGISTRY.register(CAUSAL, TORCH, torch_ref.causal_conv_varlen_torch)
+REGISTRY.register(CAUSAL_DECODE, TORCH, torch_ref.causal_conv_decode_torch)
+REGISTRY.register(CAUSAL_DECODE, TRITON, triton_path.conv_decode_qkv_fast, accepts=triton_path.accepts_decode,
+                  available=triton_path.available)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, seg_ids: torch.Tensor, local_pos: torch.Tensor,
                 cu_seqlens: torch.Tensor, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """See torch_ref.causal_conv_varlen_torch."""
     return dispatch(CAUSAL, x, weight, seg_ids, local_pos, cu_seqlens, initial, device=x.device)
+
+
+def conv_decode_qkv(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, keep: torch.Tensor) -> QKV:
+    """xs 3 x [B, D]; weights 3 x [D, W] (activation dtype); windows 3 x [n_slots, D, W-1] fp32 pool views,
+    updated in place; slots [B]; keep [B] 0/1 -> 3 x silu(conv) [B, D]. See torch_ref.causal_conv_decode_torch."""
+    return dispatch(CAUSAL_DECODE, xs, weights, windows, slots, keep, device=xs[0].device)

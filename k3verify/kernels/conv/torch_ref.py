@@ -58,3 +58,32 @@ def causal_conv_varlen_torch(x: torch.Tensor, weight: torch.Tensor, seg_ids: tor
         old = torch.full_like(own, zero_row)
     final = buf[torch.where(rel >= 0, own, old)]  # [N, W-1, D]
     return y, final.permute(0, 2, 1).contiguous()
+
+
+def causal_conv_decode_torch(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                             weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                             windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                             keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per sequence through the q/k/v convs at once, windows read from and written back to the pool.
+
+    xs: 3 x [B, D] activations; weights: 3 x [D, W] in the activation dtype; windows: 3 pool views
+    [n_slots, D, W-1] fp32, UPDATED in place (row slots[b] becomes its last W-1 inputs); slots [B] int64;
+    keep [B] 0/1 (0: a fresh sequence, its window counts as zeros). Returns 3 x silu(conv) [B, D].
+    Same elementwise ops, in the same order and dtype, as causal_conv_varlen_torch on a decode pack, so
+    the two agree bit for bit; the taps of the three convs share each op (2W ops, not 3 x 2W gathers)."""
+    dtype = xs[0].dtype
+    W = weights[0].shape[1]
+    old = torch.stack([win.index_select(0, slots) for win in windows]).to(dtype)  # [3, B, D, W-1]
+    old = old * keep.to(dtype)[None, :, None, None]  # a multiply, as in the packed path: stale NaN stays loud
+    taps = torch.cat([old, torch.stack(xs)[..., None]], dim=-1)  # [3, B, D, W], oldest first
+    weight = torch.stack(weights)[:, None]  # [3, 1, D, W]
+    acc = torch.zeros_like(taps[..., 0])
+    for tap in range(W):
+        acc = acc + taps[..., tap] * weight[..., tap]
+    shifted = taps[..., 1:].float()
+    for win, new in zip(windows, shifted, strict=True):
+        win.index_copy_(0, slots, new)
+    # one silu per conv over its own contiguous [B, D], the tensor the packed path applies it to: fp32 silu on
+    # CPU rounds differently in its vectorized body and its tail, so one silu over [3, B, D] would not match
+    q, k, v = (torch.nn.functional.silu(a) for a in acc)
+    return q, k, v

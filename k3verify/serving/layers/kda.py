@@ -13,17 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.kernels.conv import causal_conv
+from k3verify.kernels.conv import causal_conv, conv_decode_qkv
 from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.norm import GatedRMSNorm
 
 Pieces = list[list[tuple[int, int]]]  # per sequence: (start, end) offsets of its prefill segments
+ConvWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v: [D, W] each
 
 
 class ShortConv(nn.Module):
-    """Holds a depthwise conv weight [D, 1, W]; K3 ships it fp32, the call site casts it."""
+    """Holds a depthwise conv weight [D, 1, W]; K3 ships it fp32, KimiDeltaAttention.conv_weights casts it."""
 
     def __init__(self, channels: int, width: int) -> None:
         super().__init__()
@@ -84,6 +85,7 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.gate_lower_bound
         self.q_proj, self.k_proj, self.v_proj = (linear(H, D, dtype, device) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(D, W) for _ in range(3))
+        self._cast_convs: dict[torch.dtype, tuple[tuple[tuple[int, int], ...], ConvWeights]] = {}
         a_shape = (cfg.a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
         self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32), requires_grad=False)
         self.f_a_proj = linear(H, dk, dtype, device)
@@ -116,16 +118,32 @@ class KimiDeltaAttention(nn.Module):
         """[T, h] fp32: the one and only sigmoid on beta (the kernels get post-sigmoid values)."""
         return torch.sigmoid(self.b_proj(x).float())
 
+    def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
+        """q/k/v conv weights [D, W] in the activation dtype, cast once per dtype and weight version (K3 ships
+        them fp32): keyed by each parameter's (data_ptr, _version), so a load (copy_) or a move recasts."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        stamp = tuple((c.weight.data_ptr(), c.weight._version) for c in convs)
+        hit = self._cast_convs.get(dtype)
+        if hit is None or hit[0] != stamp:
+            q, k, v = (c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs)
+            hit = (stamp, (q, k, v))
+            self._cast_convs[dtype] = hit
+        return hit[1]
+
     def short_convs(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor,
                     continuing: bool) -> list[torch.Tensor]:
-        """q, k, v projections through their causal convs [T, D]; windows come from / go to the pool."""
+        """q, k, v projections through their causal convs [T, D]; windows come from / go to the pool.
+        Decode runs the three convs as one step on the pool's windows; prefill runs the packed gather conv."""
         b, pool = ctx.batch, ctx.state_pool
+        weights = self.conv_weights(x.dtype)
+        xs = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if b.is_decode and pool is not None:
+            assert b.slots is not None
+            return list(conv_decode_qkv(xs, weights, pool.conv_views(self.layer_idx), b.slots, keep.view(-1)))
         windows = pool.windows(self.layer_idx, b.slots, x.dtype) if continuing else (None, None, None)
         outs, finals = [], []
-        for proj, conv, init in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), windows, strict=True):
-            weight = conv.weight.to(x.dtype).reshape(conv.weight.shape[0], -1)  # fp32 in K3 -> activation dtype
-            y, final = causal_conv(proj(x), weight, b.seg_ids, b.local_pos, b.cu_seqlens,
+        for proj, weight, init in zip(xs, weights, windows, strict=True):
+            y, final = causal_conv(proj, weight, b.seg_ids, b.local_pos, b.cu_seqlens,
                                    None if init is None else init * keep)
             outs.append(y)
             finals.append(final)

@@ -1,0 +1,64 @@
+"""Gate of the Triton conv decode (kernels/conv/decode_kernel.py): availability, per-call acceptance and
+a lazy import, so that importing the conv package never imports triton."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+_DTYPES = (torch.bfloat16,)
+MAX_WIDTH = 8  # the kernel unrolls the taps
+
+
+@functools.cache
+def _kernel_module() -> ModuleType | str:
+    try:
+        from k3verify.kernels.conv import decode_kernel
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return f"Triton conv decode kernel unavailable: {type(exc).__name__}: {exc}"
+    return decode_kernel
+
+
+def available() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    mod = _kernel_module()
+    return mod if isinstance(mod, str) else None
+
+
+def accepts_decode(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                   keep: torch.Tensor) -> str | None:
+    dtype, (B, D), W = xs[0].dtype, xs[0].shape, weights[0].shape[-1]
+    if dtype not in _DTYPES:
+        return (f"activation dtype {dtype} is not one of {_DTYPES}: the exact fp32 path is the torch reference "
+                "(the kernel's SiLU exp is a few ulps off torch's)")
+    if any(x.shape != (B, D) or x.dtype != dtype for x in xs):
+        return f"q/k/v inputs differ in shape or dtype: {[(tuple(x.shape), x.dtype) for x in xs]}"
+    if any(w.shape != (D, W) or w.dtype != dtype for w in weights):
+        return f"conv weights must be [{D}, W] in {dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
+    if not 2 <= W <= MAX_WIDTH:
+        return f"conv width {W} is outside the unrolled range [2, {MAX_WIDTH}]"
+    if any(t.dtype != torch.float32 or t.shape[1:] != (D, W - 1) for t in windows):
+        return f"windows must be fp32 [slots, {D}, {W - 1}]; got {[(tuple(t.shape), t.dtype) for t in windows]}"
+    if len({(t.shape, t.stride()) for t in windows}) != 1:
+        return "the three window views differ in shape or stride (the kernel shares one set of strides)"
+    if slots.shape != (B,) or keep.shape != (B,) or slots.dtype != torch.int64:
+        return f"slots / keep must be [{B}] (slots int64); got {tuple(slots.shape)} {slots.dtype}, {tuple(keep.shape)}"
+    if not all(t.is_cuda for t in (*xs, *weights, *windows, slots, keep)):
+        return "tensors are not all on CUDA"
+    return None
+
+
+def conv_decode_qkv_fast(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                         keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mod = _kernel_module()
+    if isinstance(mod, str):
+        raise RuntimeError(mod)
+    return mod.conv_decode_qkv_triton(xs, weights, windows, slots, keep)
+
