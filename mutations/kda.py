@@ -55,7 +55,7 @@ MUTANTS = [
     Mutant(
         id="kda.gate.a_log_last_heads",
         fault="A_log is sliced from the end ([-heads:]) instead of the first `heads` entries of the padded vector",
-        target=f"{KDA}:KimiDeltaAttention.forget_gate",
+        target=f"{KDA}:KimiDeltaAttention.decay_rate",
         old="A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]",
         new="A = self.A_log.float().reshape(-1)[-self.heads :].exp()[:, None]",
         killers=["kda.*"],
@@ -72,7 +72,7 @@ MUTANTS = [
         id="kda.gate.dt_bias_dropped",
         fault="the forget-gate bias dt_bias is never added",
         target=f"{KDA}:KimiDeltaAttention.forget_gate",
-        old="raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()",
+        old="raw = torch.add(self.f_b_proj(self.f_a_proj(x)), self.dt_bias.float())",
         new="raw = self.f_b_proj(self.f_a_proj(x)).float()",
         killers=["kda.*"],
     ),
@@ -128,8 +128,8 @@ MUTANTS = [
         id="kda.gate.activation_between_f_a_f_b",
         fault="a SiLU is inserted between f_a_proj and f_b_proj (the forget-gate low-rank pair has no activation)",
         target=f"{KDA}:KimiDeltaAttention.forget_gate",
-        old="raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()",
-        new="raw = self.f_b_proj(F.silu(self.f_a_proj(x))).float() + self.dt_bias.float()",
+        old="raw = torch.add(self.f_b_proj(self.f_a_proj(x)), self.dt_bias.float())",
+        new="raw = torch.add(self.f_b_proj(F.silu(self.f_a_proj(x))), self.dt_bias.float())",
         killers=["kda.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(

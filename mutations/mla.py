@@ -59,7 +59,7 @@ MUTANTS = [
     Mutant(
         id="mla.decode.sees_one_past_context",
         fault="absorbed decode admits one latent past the context (a stale or scratch row joins the softmax)",
-        target=f"{MLA}:MultiHeadLatentAttention._decode_absorbed",
+        target=f"{MLA}:decode_rows",
         old="valid = pos < lens[:, None]",
         new="valid = pos <= lens[:, None]",
         killers=["mla.*", "serving.*"],

@@ -97,7 +97,47 @@ def graph_parity(runner: ModelRunner, graphs: GraphDecoder, prompts: torch.Tenso
     return judge(f"bench.graph_replay_vs_eager.b{B}", Kind.BITEXACT, trial)
 
 
-def model_parity(runner: ModelRunner, hf_model: torch.nn.Module, ids: torch.Tensor, gold: torch.Tensor,
+def decode_parity(runner: ModelRunner, graphs: GraphDecoder, ids: torch.Tensor, gold: torch.Tensor,
+                  theirs: torch.Tensor, prompt_len: int, steps: int, bar: float) -> dict[str, Any]:
+    """Our bf16 decode path (CUDA graphs, the in-place KDA decode, the Triton conv and norms) at the
+    benchmarked shapes, held to the same fp32 gold: prefill ids[:P], then teacher-force ids[P..P+S-1]
+    one step at a time; logits at positions P-1..P+S-1 vs the gold's. Bar as in model_parity, from
+    the baseline's own (bf16 full forward) distance at those positions. Control: the same decode run
+    eagerly with the KDA states never written back."""
+    from k3verify.serving.fixtures import stale_kda_state
+
+    P, S = prompt_len, steps
+    if P + S > graphs.max_context or P + S > ids.numel():
+        raise ValueError(f"decode parity needs {P + S} tokens within the graphs' context {graphs.max_context}")
+
+    def run(decoder: GraphDecoder) -> torch.Tensor:
+        sid = max(runner.active_ids, default=-1) + 1
+        runner.admit(sid, P + S)
+        try:
+            rows = [runner.prefill([(sid, ids[:P].tolist())])[0]]
+            seq = runner._get(sid)
+            for t in range(P, P + S):
+                rows.append(decoder.decode([int(ids[t])], [seq.slot], [runner.kv_cache.table(sid)], [seq.cached])[0])
+                seq.cached += 1
+            return torch.stack(rows)
+        finally:
+            runner.release(sid)
+
+    cand = run(graphs)
+    with stale_kda_state(runner.state_pool):
+        ctrl = run(GraphDecoder(runner.model, graphs.max_context, buckets=graphs.buckets, use_graphs=False))
+    ref, base_theirs = gold[P - 1:P + S], theirs[P - 1:P + S]
+    base = compare(Kind.RMS, ref, base_theirs, 1.0).metric
+    eff_bar = max(bar, 1.5 * base)
+    trial = Trial(reference=ref, candidate=cand, control=ctrl,
+                  metrics={"baseline_vs_gold_rms": base, "effective_bar": eff_bar,
+                           "argmax_agreement_with_gold": float((cand.argmax(-1) == ref.argmax(-1)).float().mean())},
+                  notes=[f"prefill {P} tokens, then {S} teacher-forced decode steps through the graphs; bar "
+                         f"max({bar}, 1.5 x baseline-vs-fp32 at these positions = {1.5 * base:.3g})"])
+    return judge("bench.decode_logits_vs_fp32_gold", Kind.RMS, trial, eff_bar)
+
+
+def model_parity(runner: ModelRunner, theirs: torch.Tensor, ids: torch.Tensor, gold: torch.Tensor,
                  bar: float) -> dict[str, Any]:
     """Our bf16 prefill logits against an fp32 run of transformers+fla on the same weights (the gold).
 
@@ -106,8 +146,6 @@ def model_parity(runner: ModelRunner, hf_model: torch.nn.Module, ids: torch.Tens
     run today? bar = max(`bar`, 1.5 x baseline's own distance), both measured in this run; the
     control (our logits one position late) must fail it."""
     ours = our_prefill_logits(runner, ids)
-    with torch.no_grad():
-        theirs = hf_model(input_ids=ids[None], use_cache=False).logits[0].float()
     base = compare(Kind.RMS, gold, theirs, 1.0).metric
     eff_bar = max(bar, 1.5 * base)
     trial = Trial(reference=gold[1:], candidate=ours[1:], control=ours[:-1],
@@ -176,6 +214,7 @@ class BenchPlan:
     parity_bar: float = 5e-3
     parity_len: int = 256
     graph_parity_steps: int = 8
+    decode_parity_steps: int = 16
     profile_batches: tuple[int, ...] = ()
 
 
@@ -212,7 +251,8 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
     result = BenchResult(plan.preset, name, bandwidth / 1e9)
-    max_b, ctx = max(plan.batches), plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8
+    max_b = max(plan.batches)
+    ctx = max(plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8, 2 * plan.decode_parity_steps)
     max_context = max(ctx, *plan.prefill_lens, plan.parity_len)
     progress(f"generating {plan.preset} weights on {device}")
     tensors = synthetic_tensors(cfg, plan.seed, device=device)
@@ -238,12 +278,19 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
                           use_graphs=plan.use_graphs and device.type == "cuda")
 
     progress("parity")
+    theirs = None
     if hf is not None and gold is not None:
-        result.parity.append(model_parity(runner, hf, parity_ids, gold, plan.parity_bar))
+        with torch.no_grad():
+            theirs = hf(input_ids=parity_ids[None], use_cache=False).logits[0].float()
+        result.parity.append(model_parity(runner, theirs, parity_ids, gold, plan.parity_bar))
     if graphs.use_graphs:
         for B in sorted(set(plan.batches)):
             prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + B, device)
             result.parity.append(graph_parity(runner, graphs, prompts, steps=plan.graph_parity_steps))
+    if theirs is not None and gold is not None:
+        S = plan.decode_parity_steps
+        P = min(plan.parity_len, graphs.max_context) - S
+        result.parity.append(decode_parity(runner, graphs, parity_ids, gold, theirs, P, S, plan.parity_bar))
     model_level = any(r["id"].startswith("bench.prefill_logits") for r in result.parity)
     green = model_level and all(r["status"] == "pass" for r in result.parity)
     if not model_level:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +22,18 @@ class ForwardContext:
     mla_absorb: bool = True  # decode attends in the latent space (q . W_kb against c)
     kv_rows: torch.Tensor | None = None  # [T] latent-cache rows of the pack's tokens (set by the model)
     stats: dict[str, int] = field(default_factory=dict)  # engagement counters for checks
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """What `make()` returns, computed once per pass: per-batch tensors every layer of a kind shares."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def fresh_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, 1] in `dtype`: 0 for a sequence with nothing cached (it starts from zero conv windows and
+        state), 1 for a continuation. Computed once per pass, shared by every KDA layer."""
+        return self.memo(("fresh", dtype), lambda: (self.batch.start_pos > 0).to(dtype)[:, None, None])
 
     def bump(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1

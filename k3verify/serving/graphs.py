@@ -47,13 +47,16 @@ class StaticInputs:
     slots: torch.Tensor  # [B] int64
     page_table: torch.Tensor  # [B, P] int64
     positions: torch.Tensor  # [B] int64: tokens already cached = position of the new token
+    cu_seqlens: torch.Tensor  # [B+1] int64 0..B: one token per sequence (constant)
+    zeros: torch.Tensor  # [B] int64 zeros: every token's offset in its sequence (constant)
 
     @classmethod
     def allocate(cls, batch: int, pages_per_seq: int, device: torch.device) -> StaticInputs:
         def z(*shape: int) -> torch.Tensor:
             return torch.full(shape, SCRATCH, dtype=torch.long, device=device)
 
-        return cls(z(batch), z(batch), z(batch, pages_per_seq), z(batch))
+        cu = torch.arange(batch + 1, dtype=torch.long, device=device)
+        return cls(z(batch), z(batch), z(batch, pages_per_seq), z(batch), cu, torch.zeros_like(cu[:batch]))
 
     @property
     def size(self) -> int:
@@ -81,12 +84,11 @@ def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -
     The host-side lists the layers loop over are fixed by the bucket (B sequences of one token, each
     seen as possibly max_context long); the real positions stay on the device and mask the attention."""
     B = inputs.size
-    device = inputs.input_ids.device
-    cu = torch.arange(B + 1, dtype=torch.long, device=device)
+    cu = inputs.cu_seqlens
     batch = PackedBatch(
         input_ids=inputs.input_ids, cu_seqlens=cu, cu_list=list(range(B + 1)), start_pos=inputs.positions,
         start_list=[max_context - 1] * B, slots=inputs.slots, page_table=inputs.page_table,
-        seg_ids=cu[:B], local_pos=torch.zeros_like(cu[:B]), positions=inputs.positions, is_decode=True,
+        seg_ids=cu[:B], local_pos=inputs.zeros, positions=inputs.positions, is_decode=True,
     )
     return model._forward(model._context(batch, None), False, False).logits
 

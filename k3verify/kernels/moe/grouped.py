@@ -47,10 +47,11 @@ def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     g, u = h.split(two_i // 2, dim=-1)
     y = torch._grouped_mm(act(g, u).contiguous(), w2.transpose(1, 2), offs=offs)  # [T*k, D]
     w_sorted = weights.reshape(-1).index_select(0, order)
+    # bf16 y times fp32 weights promotes to fp32 in one kernel (the same products as y.float() * w).
     # Un-sort with a permutation (unique targets) and reduce over k: deterministic. An index_add_ over
     # `rows` would add each token's k terms with float atomics in whatever order the GPU runs them,
     # so a CUDA-graph replay and the same step run eagerly could differ in the last bits.
-    terms = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, y.float() * w_sorted[:, None])
+    terms = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, torch.mul(y, w_sorted[:, None]))
     return terms.view(T, k, -1).sum(dim=1)
 
 

@@ -86,6 +86,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (linear(H, D, dtype, device) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(D, W) for _ in range(3))
         self._cast_convs: dict[torch.dtype, tuple[tuple[tuple[int, int], ...], ConvWeights]] = {}
+        self._decay: tuple[tuple[int, int], torch.Tensor] | None = None
         a_shape = (cfg.a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
         self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32), requires_grad=False)
         self.f_a_proj = linear(H, dk, dtype, device)
@@ -102,12 +103,21 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe L sigmoid(exp(A) .)."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        # bf16 + fp32 promotes to fp32 in one kernel: exactly .float() + dt_bias, one launch fewer
+        raw = torch.add(self.f_b_proj(self.f_a_proj(x)), self.dt_bias.float())
         raw = raw.view(-1, self.heads, self.head_dim)
-        A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]  # K3 pads A_log past the heads
+        A = self.decay_rate()
         if self.lower_bound is None:
             return -A * F.softplus(raw)
         return self.lower_bound * torch.sigmoid(A * raw)
+
+    def decay_rate(self) -> torch.Tensor:
+        """exp(A_log) per head [h, 1] fp32, computed once per A_log version (a constant of the weights)."""
+        stamp = (self.A_log.data_ptr(), self.A_log._version)
+        if self._decay is None or self._decay[0] != stamp:
+            A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]  # K3 pads A_log past the heads
+            self._decay = (stamp, A)
+        return self._decay[1]
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):
@@ -157,7 +167,7 @@ class KimiDeltaAttention(nn.Module):
         if pool is not None and b.slots is None:
             raise ValueError("a KDA pass with a state pool needs batch.slots")
         continuing = pool is not None and (b.is_decode or b.has_prefix)
-        keep = (b.start_pos > 0).to(x.dtype)[:, None, None]  # fresh sequences restart from zero windows/state
+        keep = ctx.fresh_mask(x.dtype)  # [B, 1, 1]: 0 for fresh sequences (zero windows/state), else 1
         q, k, v = (t.view(T, h, dk) for t in self.short_convs(x, ctx, keep, continuing))
         g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5
         if b.is_decode:

@@ -16,6 +16,7 @@ from k3verify.config import ModelConfig
 from k3verify.kernels.attn import causal_attention
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
+from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.norm import RMSNorm
 
@@ -27,6 +28,19 @@ def key_ranges(batch: PackedBatch, key_cu: list[int]) -> list[KeyRange]:
     """Sequence i attends keys [key_cu[i], key_cu[i+1]); its query t sees keys up to offset + t,
     where offset = its cached prefix length. This is the block-diagonal causal mask."""
     return [(key_cu[i], key_cu[i + 1], batch.start_list[i]) for i in range(batch.num_seqs)]
+
+
+def decode_rows(b: PackedBatch, cache: PagedLatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one decode step: which of the padded context positions each query sees ([B, L] bool, L the
+    longest context) and the latent-cache rows holding them ([B, L]; masked positions read row 0)."""
+    assert b.page_table is not None
+    device = b.positions.device
+    lens = b.positions + 1  # [B] tokens each query sees, itself included
+    L = int(max(b.start_list)) + 1
+    pos = torch.arange(L, device=device)[None, :].expand(b.num_seqs, -1)
+    valid = pos < lens[:, None]
+    seq = torch.arange(b.num_seqs, device=device)[:, None].expand(-1, L)
+    return valid, cache.rows(b.page_table, seq, torch.where(valid, pos, 0))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -115,12 +129,7 @@ class MultiHeadLatentAttention(nn.Module):
         b, cache = ctx.batch, ctx.kv_cache
         assert cache is not None and b.page_table is not None
         ctx.bump("mla_absorbed_decode")
-        lens = b.positions + 1  # [B] tokens each query sees, itself included
-        L = int(max(b.start_list)) + 1
-        pos = torch.arange(L, device=q.device)[None, :].expand(b.num_seqs, -1)
-        valid = pos < lens[:, None]
-        seq = torch.arange(b.num_seqs, device=q.device)[:, None].expand(-1, L)
-        rows = cache.rows(b.page_table, seq, torch.where(valid, pos, 0))
+        valid, rows = ctx.memo("mla.decode_rows", lambda: decode_rows(b, cache))  # shared by the MLA layers
         lat = cache.layer(self.layer_idx)[rows].to(q.dtype)  # [B, L, width]
         c, k_rot = lat[..., : self.rank], lat[..., self.rank:]
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
