@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU acceptance of issues #4 and #7, in device calls of at most 10 minutes each:
-#   bash scripts/gpu_session.sh parity   cuda parity on k3-syn-25 (bf16, fla's Triton KDA as an extra
-#                                        reference, CUDA-graph checks) + the gpu-marked tests, side by side
+#   bash scripts/gpu_session.sh parity   cuda parity on k3-syn-25 (fla's Triton KDA as an extra reference,
+#                                        CUDA-graph checks; FULL_S=seconds adds the full suite's bf16 checks)
+#                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
@@ -21,8 +22,14 @@ parity)
         tests/serving tests/bench >"$OUT/gpu-pytest.log" 2>&1 &
     start=$(date +%s)
     timeout "${PARITY_S:-300}" python3 -m k3verify parity --device cuda --preset k3-syn-25 \
-        --report-dir "$OUT/parity" 2>&1 | quiet | tail -30
-    echo "parity wall: $(( $(date +%s) - start )) s"
+        --report-dir "$OUT/parity-quick" 2>&1 | quiet | tail -30
+    echo "parity (quick suite) wall: $(( $(date +%s) - start )) s"
+    if [ -n "${FULL_S:-}" ]; then  # then the full suite (adds the bf16 module checks), on a warm Triton cache
+        start=$(date +%s)
+        timeout "$FULL_S" python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full \
+            --report-dir "$OUT/parity-full" 2>&1 | quiet | tail -12
+        echo "parity (full suite) wall: $(( $(date +%s) - start )) s"
+    fi
     wait
     step "gpu tests"
     tail -15 "$OUT/gpu-pytest.log"
