@@ -22,7 +22,10 @@ def router_select_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, TOP_K
     logit = tl.load(logits_ptr + row * E + cols, mask=valid, other=0.0)
     bias = tl.load(bias_ptr + cols, mask=valid, other=0.0)
     s = 1.0 / (1.0 + tl.exp(-logit))
-    choice = tl.where(valid, s + bias, float("-inf"))
+    choice = s + bias
+    # NaN scores (only a garbage row can have them: the scratch slot's padded decode rows) rank as -inf,
+    # so every row still takes TOP_K in-range experts; torch would rank NaN first. Never out of range.
+    choice = tl.where(valid & (choice == choice), choice, float("-inf"))
     taken = tl.zeros([BLOCK_E], dtype=tl.int32)  # 1 = chosen; chosen ids leave the race even at -inf
     for _ in tl.static_range(TOP_K):
         free = valid & (taken == 0)
@@ -35,7 +38,7 @@ def router_select_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, TOP_K
     for j in tl.static_range(TOP_K):
         low = tl.min(tl.where(taken == 1, cols, BLOCK_E), axis=0)
         at = cols == low
-        ids = tl.where(slots == j, low, ids)
+        ids = tl.where(slots == j, tl.minimum(low, E - 1), ids)
         w = tl.where(slots == j, tl.sum(tl.where(at, s, 0.0), axis=0), w)
         taken = tl.where(at, 2, taken)  # 2 = emitted
     if RENORMALIZE:
