@@ -34,8 +34,7 @@ BROKEN = {  # controls: the kernel's own source with one fault, compared the sam
                             "w = tl.where(slots == j, tl.sum(tl.where(at, choice, 0.0), axis=0), w)"),
     "ids_descending": ("low = tl.min(tl.where(taken == 1, cols, BLOCK_E), axis=0)",
                        "low = tl.max(tl.where(taken == 1, cols, -1), axis=0)"),
-    "bias_ignored": ("choice = tl.where(valid, s + bias, float(\"-inf\"))",
-                     "choice = tl.where(valid, s, float(\"-inf\"))"),
+    "bias_ignored": ("    choice = s + bias\n", "    choice = s\n"),
 }
 
 
@@ -112,6 +111,11 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
             for renormalize in ((True, False) if T == 5 else (True,)):
                 report["cases"][f"E{E}-k{k}-T{T}-renorm{int(renormalize)}"] = _compare_kernel(
                     triton_impl.route_triton, T, E, k, renormalize)
+    logits, bias = _logits(torch.Generator().manual_seed(5), 4, 64)
+    logits[1] = float("nan")  # a garbage row (the decode scratch slot): its ids must stay in range
+    logits[2, :7] = float("nan")
+    _, idx = triton_impl.route_triton(logits, bias, 8, 1, 1, True, SCALING)
+    report["nan_rows_ids_in_range"] = float(bool(((idx >= 0) & (idx < 64)).all()))
     source = Path(triton_kernels.__file__).read_text()
     for name, (old, new) in BROKEN.items():
         if source.count(old) != 1:
@@ -166,6 +170,7 @@ def test_interpreter_comparison_catches_broken_kernels(interpreter_report: dict[
     assert broken["weights_from_choice"]["ids_equal"] == 1.0 and broken["weights_from_choice"]["max_rel"] > 1e-3
     assert broken["ids_descending"]["ids_equal"] == 0.0 and broken["ids_descending"]["ascending"] == 0.0
     assert broken["bias_ignored"]["ids_equal"] == 0.0
+    assert interpreter_report["nan_rows_ids_in_range"] == 1.0
 
 
 def test_fast_path_refusals_name_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
