@@ -1,5 +1,6 @@
 """Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
-kernels/norm/triton_kernels.py, our Triton conv decode in kernels/conv/decode_kernel.py). They only run with
+kernels/norm/triton_kernels.py, our Triton conv decode in kernels/conv/decode_kernel.py, the fused Triton router
+selection in kernels/router/triton_kernels.py). They only run with
 `k3verify mutate --device cuda`: on CPU the registry routes
 to the torch reference and they cannot matter."""
 
@@ -10,6 +11,7 @@ from k3verify.mutate import Mutant
 FLA = "k3verify.kernels.kda.fla_triton"
 NORM = "k3verify.kernels.norm.triton_kernels"
 CONV = "k3verify.kernels.conv.decode_kernel"
+ROUTER = "k3verify.kernels.router.triton_kernels"
 
 MUTANTS = [
     Mutant(
@@ -88,5 +90,22 @@ MUTANTS = [
         old="slot = tl.load(slots_ptr + b)",
         new="slot = tl.load(slots_ptr + b) * 0 + b",
         killers=["kernel.conv.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.router.triton_weights_from_choice", devices=("cuda",),
+        fault="the Triton router weights are the bias-corrected choice at the chosen ids, not the uncorrected "
+              "sigmoid scores",
+        target=f"{ROUTER}:router_select_kernel",
+        old="w = tl.where(slots == j, tl.sum(tl.where(at, s, 0.0), axis=0), w)",
+        new="w = tl.where(slots == j, tl.sum(tl.where(at, choice, 0.0), axis=0), w)",
+        killers=["kernel.router.*"],
+    ),
+    Mutant(
+        id="kernel.router.triton_ids_descending", devices=("cuda",),
+        fault="the Triton router emits the chosen ids largest first instead of ascending",
+        target=f"{ROUTER}:router_select_kernel",
+        old="low = tl.min(tl.where(taken == 1, cols, BLOCK_E), axis=0)",
+        new="low = tl.max(tl.where(taken == 1, cols, -1), axis=0)",
+        killers=["kernel.router.*"],
     ),
 ]

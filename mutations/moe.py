@@ -5,21 +5,22 @@ from __future__ import annotations
 from k3verify.mutate import Mutant
 
 MOE = "k3verify.serving.layers.moe"
+ROUTER = "k3verify.kernels.router.torch_ref"  # Router.forward's math after the fp32 linear
 MXFP4_KERNEL = "k3verify.kernels.mxfp4.torch_ref"
 
 MUTANTS = [
     Mutant(
         id="router.correction_bias_ignored", quick=True,
         fault="experts are chosen by top-k of the plain sigmoid scores, without e_score_correction_bias",
-        target=f"{MOE}:Router.forward",
-        old="choice = scores + self.e_score_correction_bias.float()",
+        target=f"{ROUTER}:route_torch",
+        old="choice = scores + bias",
         new="choice = scores",
         killers=["router.*", "moe.*"],
     ),
     Mutant(
         id="router.bias_in_weights", quick=True,
         fault="the combine weights are the bias-corrected scores instead of the uncorrected sigmoid scores",
-        target=f"{MOE}:Router.forward",
+        target=f"{ROUTER}:route_torch",
         old="weights = scores.gather(1, idx)",
         new="weights = choice.gather(1, idx)",
         killers=["router.*", "moe.*"],
@@ -27,32 +28,32 @@ MUTANTS = [
     Mutant(
         id="router.no_renormalize",
         fault="the top-k weights are not renormalized to sum to one",
-        target=f"{MOE}:Router.forward",
-        old="if self.renormalize and self.top_k > 1:",
+        target=f"{ROUTER}:route_torch",
+        old="if renormalize and top_k > 1:",
         new="if False:",
         killers=["router.*", "moe.*"],
     ),
     Mutant(
         id="router.no_scaling_factor",
         fault="routed_scaling_factor is never applied to the routing weights",
-        target=f"{MOE}:Router.forward",
-        old="return weights * self.scaling, idx",
+        target=f"{ROUTER}:route_torch",
+        old="return weights * scaling, idx",
         new="return weights, idx",
         killers=["router.*", "moe.*"],
     ),
     Mutant(
         id="router.softmax_scores",
         fault="router scores use softmax over experts instead of sigmoid",
-        target=f"{MOE}:Router.forward",
-        old="scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))",
-        new="scores = torch.softmax(F.linear(x.float(), self.weight.float()), dim=-1)",
+        target=f"{ROUTER}:route_torch",
+        old="scores = torch.sigmoid(logits)",
+        new="scores = torch.softmax(logits, dim=-1)",
         killers=["router.*", "moe.*"],
     ),
     Mutant(
         id="router.grouped_topk_ignored",
         fault="grouped top-k (num_expert_group > topk_group) is skipped: experts come from every group",
-        target=f"{MOE}:Router.forward",
-        old="if self.groups > self.topk_group:",
+        target=f"{ROUTER}:route_torch",
+        old="if groups > topk_group:",
         new="if False:",
         killers=["router.*", "moe.*"], presets=("k3-skew-10",),
     ),

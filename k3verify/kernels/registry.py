@@ -135,6 +135,6 @@ def _ensure_loaded() -> None:
     global _LOADED
     if _LOADED:
         return
-    from k3verify.kernels import attn, conv, kda, moe, mxfp4, norm  # noqa: F401
+    from k3verify.kernels import attn, conv, kda, moe, mxfp4, norm, router  # noqa: F401
 
     _LOADED = True

@@ -1,6 +1,6 @@
 """Serving kernels vs independent references: the MXFP4 decode, the torch KDA recurrence (chunked
-prefill and one-token decode) vs fla's naive KDA, and on CUDA fla's Triton KDA and the fused Triton
-norms vs the torch path."""
+prefill and one-token decode) vs fla's naive KDA, and on CUDA fla's Triton KDA, the fused Triton
+norms and the fused Triton router vs the torch path."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels import norm as norm_ops
+from k3verify.kernels import router as router_ops
 from k3verify.kernels.kda import fla_triton
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
 from k3verify.kernels.norm import torch_ref as norm_ref
 from k3verify.kernels.norm import triton_impl as norm_triton
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
+from k3verify.kernels.router import torch_ref as router_ref
+from k3verify.kernels.router import triton_impl as router_triton
 from k3verify.oracle import functional as Fn
 from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.moe import PackedWeight, SparseMoE
@@ -246,3 +249,51 @@ def check_norm_triton(ctx: CheckContext) -> Trial:
                  control={k: v.float() for k, v in ctrl.items()},
                  notes=[f"{NORM_ROWS} rows x widths {NORM_WIDTHS}, bf16 x / gate, bf16 RMSNorm weight, fp32 gated "
                         f"weight, eps {ctx.cfg.rms_norm_eps}"])
+
+
+ROUTER_TOKENS = 257
+
+
+def _dense_routing(weights: torch.Tensor, idx: torch.Tensor, E: int) -> torch.Tensor:
+    """(weights [T, k], ids [T, k]) -> [T, E] with each token's weights at its experts, zeros elsewhere: an
+    id that differs moves a whole weight, so the RMS comparison sees it far above the rounding of the weights."""
+    return torch.zeros(weights.shape[0], E, dtype=torch.float32, device=weights.device).scatter_(1, idx, weights)
+
+
+@register_check(
+    id="kernel.router.triton_vs_torch", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=1e-5, bar_reason="same ids, weights to rounding (Triton's exp and division; CPU interpreter <= 3.3e-7 "
+    "relative per weight, 7e-8 RMS); one flipped id among the T x k moves a whole weight (> 1e-2) and shifts "
+    "the ids by > 4e-5 RMS",
+    control="experts chosen without the correction bias (the Triton kernel given a zero bias)",
+)
+def check_router_triton(ctx: CheckContext) -> Trial:
+    """The fused Triton router selection (through our registry) vs the torch path on ungrouped routing, as
+    [T, E] routing matrices plus the [T, k] ids in their order: the preset's (E, top_k, renormalize, scaling)
+    plus K3-sized shapes."""
+    reason = router_triton.available()
+    if reason is not None:
+        raise SkipCheck(f"the Triton router path is not available here: {reason}")
+    cfg, g = ctx.cfg, ctx.generator
+    shapes = {(cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor),
+              (256, 8, True, 2.5), (896, 16, True, 2.5), (64, 16, False, 1.0)}
+    ref, cand, ctrl = {}, {}, {}
+    mismatched_rows = 0
+    for E, k, renormalize, scaling in sorted(shapes):
+        logits = (torch.randn(ROUTER_TOKENS, E, generator=g) * 3).to(ctx.device)
+        bias = (torch.randn(E, generator=g) * 0.5).to(ctx.device)
+        key = f"E{E}.k{k}.renorm{int(renormalize)}"
+        w, idx = router_ops.route(logits, bias, k, 1, 1, renormalize, scaling)
+        if REGISTRY.last_backend[router_ops.SELECT] != TRITON:
+            raise RuntimeError(f"registry ran {REGISTRY.last_backend[router_ops.SELECT]} for the router, not "
+                               f"Triton; fallbacks {REGISTRY.fallbacks[-1:]}")
+        ref_w, ref_idx = router_ref.route_torch(logits, bias, k, 1, 1, renormalize, scaling)
+        mismatched_rows += int((idx != ref_idx).any(dim=-1).sum())
+        ctrl_w, ctrl_idx = router_triton.route_triton(logits, torch.zeros_like(bias), k, 1, 1, renormalize, scaling)
+        cand[key], ref[key], ctrl[key] = (_dense_routing(a, b, E) for a, b in ((w, idx), (ref_w, ref_idx),
+                                                                               (ctrl_w, ctrl_idx)))
+        # the ids themselves, in order: the dense matrix cannot see ids emitted out of ascending order
+        cand[f"{key}.ids"], ref[f"{key}.ids"], ctrl[f"{key}.ids"] = idx.float(), ref_idx.float(), ctrl_idx.float()
+    return Trial(reference=ref, candidate=cand, control=ctrl,
+                 notes=[f"{ROUTER_TOKENS} tokens x (E, top_k, renormalize) {sorted(s[:3] for s in shapes)}, "
+                        f"fp32 logits; {mismatched_rows} token(s) with other expert ids than the torch path"])

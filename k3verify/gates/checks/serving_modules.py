@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.kernels import router as router_ops
 from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.mlp import silu_glu, situ_glu
 
@@ -205,6 +206,7 @@ _MOE_CONTROL = "LatentMoE: routed_expert_norm per expert before the combine; pla
 
 @register_check(id="moe.module.fp32", component="moe", level="module", kind=Kind.BITEXACT, control=_MOE_CONTROL)
 @fx.single_thread
+@fx.torch_path(router_ops.SELECT)  # the Triton router matches torch to rounding (kernel.router.triton_vs_torch)
 def check_moe_module_fp32(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "moe", F32)
 

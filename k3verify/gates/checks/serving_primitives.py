@@ -11,6 +11,7 @@ from torch import nn
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.kernels import norm as norm_ops
+from k3verify.kernels import router as router_ops
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle import functional as Fn
 from k3verify.serving import fixtures as fx
@@ -46,6 +47,7 @@ _ROUTER_CONTROL = "experts chosen without the correction bias"
 @register_check(id="router.module.fp32", component="router", level="module", kind=Kind.BITEXACT,
                 control=_ROUTER_CONTROL)
 @fx.single_thread
+@fx.torch_path(router_ops.SELECT)
 def check_router_fp32(ctx: CheckContext) -> Trial:
     return _router_trial(ctx, torch.float32)
 
@@ -53,6 +55,7 @@ def check_router_fp32(ctx: CheckContext) -> Trial:
 @register_check(id="router.module.bf16", component="router", level="module", kind=Kind.BITEXACT, suites=("full",),
                 control=_ROUTER_CONTROL)
 @fx.single_thread
+@fx.torch_path(router_ops.SELECT)
 def check_router_bf16(ctx: CheckContext) -> Trial:
     return _router_trial(ctx, torch.bfloat16)
 

@@ -16,6 +16,7 @@ from torch import nn
 from k3verify.config import ModelConfig
 from k3verify.kernels.moe import moe_combine
 from k3verify.kernels.mxfp4 import dequantize
+from k3verify.kernels.router import route
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.mlp import GatedMLP, glu_activation
 from k3verify.serving.layers.norm import RMSNorm
@@ -36,20 +37,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64 ascending per token)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        if self.groups > self.topk_group:
-            T, E = choice.shape
-            per_group = choice.view(T, self.groups, E // self.groups)
-            group_score = per_group.topk(min(2, E // self.groups), dim=-1).values.sum(dim=-1)
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-            choice = per_group.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-        idx = choice.topk(self.top_k, dim=-1).indices.sort(dim=-1).values
-        weights = scores.gather(1, idx)
-        if self.renormalize and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, idx
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        return route(logits, self.e_score_correction_bias.float(), self.top_k, self.groups, self.topk_group,
+                     self.renormalize, self.scaling)
 
 
 class PackedWeight(nn.Module):
