@@ -110,3 +110,26 @@ def test_fault_turns_a_check_red(factory: ContextFactory, monkeypatch: pytest.Mo
     outcomes = {cid: _status(factory, cid) for cid in check_ids}
     failed = [cid for cid, (status, _) in outcomes.items() if status is Status.FAIL]
     assert failed, f"fault {fault!r} survived: {outcomes}"
+
+
+def test_bf16_module_check_runs_mla_on_the_torch_kernels(factory: ContextFactory,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """mla.module.bf16 compares the module's math in the oracle's op order: inside it, SDPA and the Triton
+    norms are pinned to torch (the H200 showed 15% of elements off with them routed in). A pin placed
+    above @register_check would never run: this proves it is active while the check executes."""
+    from k3verify.kernels import attn, norm
+    from k3verify.kernels.registry import REGISTRY as KERNELS
+    from k3verify.serving import fixtures
+
+    seen: list[dict[str, str]] = []
+    serving_model = fixtures.serving_model
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(dict(KERNELS._forced))
+        return serving_model(*args, **kwargs)
+
+    monkeypatch.setattr(fixtures, "serving_model", spy)
+    status, why = _status(factory, "mla.module.bf16")
+    assert status is Status.PASS, why
+    assert seen and all(s.get(op) == "torch" for s in seen for op in (attn.CAUSAL, norm.RMS, norm.GATED_RMS))
+    assert attn.CAUSAL not in KERNELS._forced  # released after the check

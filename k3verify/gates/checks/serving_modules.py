@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.kernels import attn as attn_ops
+from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.mlp import silu_glu, situ_glu
@@ -126,11 +128,16 @@ def check_mla_module_fp32(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "mla", F32, _lora_eps, gold=False)
 
 
+# The module's math in the oracle's op order. On CUDA, SDPA (no bf16 rounding of scores / probabilities)
+# and the Triton norms agree with it only to rounding; the H200 showed 15% of elements beyond the bf16
+# tolerance with them routed in. They are held to their own bars by kernel.attn.sdpa_vs_torch /
+# kernel.norm.triton_vs_torch, and run unpinned in the model-level and bench parity.
 @register_check(
     id="mla.module.bf16", component="mla", level="module", kind=Kind.BF16, suites=("full",),
     control="MLA LoRA norms at eps 1e-5 instead of 1e-6",
 )
 @fx.single_thread
+@fx.torch_path(attn_ops.CAUSAL, norm_ops.RMS, norm_ops.GATED_RMS)
 def check_mla_module_bf16(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "mla", BF16, _lora_eps, gold=False)
 
