@@ -3,8 +3,8 @@
 Counted per step at batch B and context C (bf16 weights, fp32 KDA state):
 - every non-expert weight that a token touches (attention, norms, router, shared experts, dense MLP,
   lm_head) once per step; the embedding contributes B rows, not the table;
-- routed experts: the expected number of distinct experts touched, E·(1−(1−k/E)^B) per MoE layer
-  (uniform routing), each read once;
+- routed experts: the distinct experts touched per MoE layer, each read once — as measured in the run
+  (the bench counts them), or E·(1−(1−k/E)^B) under uniform routing;
 - KDA recurrent state read and written (fp32) and conv windows, per sequence and KDA layer;
 - the MLA latent cache read (C tokens × (kv_lora + rope)) per sequence and MLA layer.
 GPU.md's "3.1 GB" for kl-48b-8l counts the whole embedding table too; we do not, so our floor is
@@ -39,7 +39,10 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes: int = 2) -> FloorBytes:
+def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes: int = 2,
+                       distinct_experts: float | None = None) -> FloorBytes:
+    """`distinct_experts`: experts touched per MoE layer and step as measured in the run (routing of real
+    or synthetic weights is rarely uniform); None assumes uniform routing, E·(1−(1−k/E)^B)."""
     specs = module_specs(cfg)
     dense = expert_one = 0
     for name, spec in specs.items():
@@ -55,7 +58,8 @@ def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes:
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     # expert_one summed the three matrices of expert 0 over every MoE layer: per-layer expert bytes
     per_expert = expert_one // max(moe_layers, 1)
-    touched = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch)
+    touched = (expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, batch)
+               if distinct_experts is None else distinct_experts)
     experts = int(per_expert * touched * moe_layers)
     n_kda, n_mla = len(cfg.kda_layers), len(cfg.full_attn_layers)
     state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4 * 2  # fp32 read + write

@@ -185,10 +185,13 @@ def time_decode(cfg: ModelConfig, runner: ModelRunner, graphs: GraphDecoder | No
     steps: list[float] = []
     t = cuda_time(lambda: generate_ours(runner, graphs, prompts, new_tokens, steps), warmup=0, repeats=2)
     step_s = sorted(steps)[len(steps) // 2]
-    floor = decode_floor_bytes(cfg, B, prompt_len + new_tokens)
+    touched = measured_distinct_experts(runner, prompts)
+    floor = decode_floor_bytes(cfg, B, prompt_len + new_tokens, distinct_experts=touched)
+    uniform = decode_floor_bytes(cfg, B, prompt_len + new_tokens)
     row: dict[str, Any] = {"batch": B, "ours_tok_s": B * new_tokens / t.median_s, "ours_step_ms": step_s * 1e3,
                            "floor_step_ms": floor.total / bandwidth * 1e3,
-                           "fraction_of_floor": floor.total / bandwidth / step_s, "floor_bytes": floor.total}
+                           "fraction_of_floor": floor.total / bandwidth / step_s, "floor_bytes": floor.total,
+                           "distinct_experts_per_layer": touched, "floor_bytes_uniform_routing": uniform.total}
     if hf_model is not None:
         mask = torch.ones_like(prompts)
 
@@ -199,6 +202,39 @@ def time_decode(cfg: ModelConfig, runner: ModelRunner, graphs: GraphDecoder | No
         theirs = cuda_time(gen, warmup=1, repeats=2)
         row |= {"baseline_tok_s": B * new_tokens / theirs.median_s, "ratio": theirs.median_s / t.median_s}
     return row
+
+
+def measured_distinct_experts(runner: ModelRunner, prompts: torch.Tensor, steps: int = 4) -> float | None:
+    """Mean number of distinct experts one decode step of this batch touches per MoE layer, counted on
+    eager decode steps of the same prompts (the floor's expert bytes; None for a model without MoE)."""
+    from k3verify.serving.layers.moe import Router
+
+    counts: list[int] = []
+    B = prompts.shape[0]
+
+    def hook(module: torch.nn.Module, args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if out[1].shape[0] == B and decoding:  # decode steps only (prefill rows are the prompt tokens)
+            counts.append(int(out[1].unique().numel()))
+
+    routers = [m for m in runner.model.modules() if isinstance(m, Router)]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    decoding = False
+    try:
+        ids = list(range(B))
+        for sid in ids:
+            runner.admit(sid, prompts.shape[1] + steps + 1)
+        try:
+            toks = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids]).argmax(-1).tolist()
+            decoding = True
+            for _ in range(steps):
+                toks = runner.decode(list(zip(ids, toks, strict=True))).argmax(-1).tolist()
+        finally:
+            for sid in ids:
+                runner.release(sid)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(counts) / len(counts) if counts else None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,13 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         assert row["ours_tok_s"] > 0 and row["baseline_tok_s"] > 0 and row["ratio"] > 0
     for row in dry_run.decode:
         assert 0 < row["fraction_of_floor"] and row["floor_bytes"] > 0
+    cfg = get_preset("kl-tiny")
+    b1, b3 = dry_run.decode
+    # the floor counts the experts the run actually touched: exactly k at batch 1 (= the uniform formula)
+    assert b1["distinct_experts_per_layer"] == cfg.num_experts_per_token
+    assert b1["floor_bytes"] == b1["floor_bytes_uniform_routing"]
+    assert cfg.num_experts_per_token <= b3["distinct_experts_per_layer"] <= min(cfg.num_experts,
+                                                                                 3 * cfg.num_experts_per_token)
     (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured
     assert prof["batch"] == 3 and prof["host_step_ms"] > 0 and prof["kernels_per_step"] == 0
 
