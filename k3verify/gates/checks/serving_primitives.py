@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -12,7 +10,6 @@ from torch import nn
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
-from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle import functional as Fn
 from k3verify.serving import fixtures as fx
 from k3verify.serving.layers import attn_res
@@ -60,18 +57,6 @@ def check_router_bf16(ctx: CheckContext) -> Trial:
     return _router_trial(ctx, torch.bfloat16)
 
 
-@contextmanager
-def _torch_norms() -> Iterator[None]:
-    """Pin both norm ops to their torch path. On CUDA the bf16 Triton kernels match it only to rounding
-    (kernel.norm.triton_vs_torch holds them to that); norm.module is the modules' math, bit for bit."""
-    ops = (norm_ops.RMS, norm_ops.GATED_RMS)
-    for op in ops:
-        REGISTRY.force(op, TORCH)
-    try:
-        yield
-    finally:
-        for op in ops:
-            REGISTRY.force(op, None)
 
 
 @register_check(
@@ -79,7 +64,7 @@ def _torch_norms() -> Iterator[None]:
     control="every norm at the other eps (1e-6 for layer norms, the layer eps for the MLA LoRA norms)",
 )
 @fx.single_thread
-@_torch_norms()
+@fx.torch_path(norm_ops.RMS, norm_ops.GATED_RMS)
 def check_norms(ctx: CheckContext) -> Trial:
     """Final RMSNorm, an MLA LoRA norm and a KDA gated o_norm, in fp32 and bf16, on inputs small
     enough (rms ~3e-3) that the eps shows; the torch norm path on every device."""

@@ -3,29 +3,19 @@ a lazy import, so that importing the conv package never imports triton."""
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
+
+from k3verify.kernels.lazy import cuda_reason, lazy_module
 
 _DTYPES = (torch.bfloat16,)
 MAX_WIDTH = 8  # the kernel unrolls the taps
 
 
-@functools.cache
-def _kernel_module() -> ModuleType | str:
-    try:
-        from k3verify.kernels.conv import decode_kernel
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"Triton conv decode kernel unavailable: {type(exc).__name__}: {exc}"
-    return decode_kernel
+_kernel_module = lazy_module("k3verify.kernels.conv.decode_kernel", "Triton conv decode kernel")
 
 
 def available() -> str | None:
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    mod = _kernel_module()
-    return mod if isinstance(mod, str) else None
+    return cuda_reason(_kernel_module)
 
 
 def accepts_decode(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

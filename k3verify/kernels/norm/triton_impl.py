@@ -9,30 +9,19 @@ op-for-op the oracle's.
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
+
+from k3verify.kernels.lazy import cuda_reason, lazy_module
 
 MAX_BLOCK = 8192  # wider rows loop over BLOCK-wide chunks (K3 hidden 7168 fits one)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUTED_DTYPES = (torch.bfloat16, torch.float16)
 
-
-@functools.cache
-def _kernels() -> ModuleType | str:
-    try:
-        from k3verify.kernels.norm import triton_kernels
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"triton norm kernels unavailable: {type(exc).__name__}: {exc}"
-    return triton_kernels
+_kernels = lazy_module("k3verify.kernels.norm.triton_kernels", "triton norm kernels")
 
 
 def available() -> str | None:
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    kernels = _kernels()
-    return kernels if isinstance(kernels, str) else None
+    return cuda_reason(_kernels)
 
 
 def _row_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -10,29 +10,19 @@ its own order. Gates that compare the router bit-exactly pin the torch path (gat
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
+
+from k3verify.kernels.lazy import cuda_reason, lazy_module
 
 MAX_EXPERTS = 4096  # one row of experts in one block
 MAX_TOP_K = 32  # the selection and the ascending emit are each unrolled top_k times
 
 
-@functools.cache
-def _kernels() -> ModuleType | str:
-    try:
-        from k3verify.kernels.router import triton_kernels
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"triton router kernel unavailable: {type(exc).__name__}: {exc}"
-    return triton_kernels
+_kernels = lazy_module("k3verify.kernels.router.triton_kernels", "triton router kernel")
 
 
 def available() -> str | None:
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    kernels = _kernels()
-    return kernels if isinstance(kernels, str) else None
+    return cuda_reason(_kernels)
 
 
 def accepts(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, topk_group: int,
