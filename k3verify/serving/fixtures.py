@@ -120,6 +120,21 @@ def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
             delattr(obj, attr)
 
 
+def require_fast_path(what: str, reason: str | None) -> None:
+    """Skip (with the reason printed) a CUDA check whose fast path cannot run here."""
+    if reason is not None:
+        from k3verify.gates.gate import SkipCheck
+
+        raise SkipCheck(f"the {what} is not available here: {reason}")
+
+
+def assert_routed(*ops: str, backend: str) -> None:
+    """A fast-path check compares nothing unless the registry really ran that path: refuse otherwise."""
+    ran = {op: REGISTRY.last_backend.get(op) for op in ops}
+    if any(b != backend for b in ran.values()):
+        raise RuntimeError(f"registry ran {ran}, not {backend}; last fallbacks {REGISTRY.fallbacks[-len(ops):]}")
+
+
 @contextlib.contextmanager
 def torch_path(*ops: str) -> Iterator[None]:
     """Pin `ops` to their torch reference (usable as a decorator): module checks compare the modules' math

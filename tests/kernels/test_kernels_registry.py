@@ -122,3 +122,18 @@ def test_cuda_runs_fla_triton_kda() -> None:
     assert ((pool[[1, 0]] - s_ref).norm() / s_ref.norm()).item() < 1e-3
     kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])  # fp32 activations: torch, with a logged reason
     assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH and "TF32" in REGISTRY.fallbacks[-1][1]
+
+
+def test_fast_path_check_helpers_skip_with_reason_and_refuse_an_unrouted_run() -> None:
+    """The CUDA kernel checks use these two: no fast path -> a skip that prints why; a run the registry
+    did not route to the fast path -> an error (comparing torch with torch would pass vacuously)."""
+    from k3verify.gates import SkipCheck
+    from k3verify.serving import fixtures as fx
+
+    with pytest.raises(SkipCheck, match="the Triton KDA path is not available here: CUDA is not available"):
+        fx.require_fast_path("Triton KDA path", "CUDA is not available")
+    fx.require_fast_path("Triton KDA path", None)
+    kda_ops.kda_prefill(*_kda_args("cpu"))  # CPU: the torch reference ran
+    fx.assert_routed(kda_ops.PREFILL, backend=TORCH)
+    with pytest.raises(RuntimeError, match="not triton"):
+        fx.assert_routed(kda_ops.PREFILL, backend=TRITON)

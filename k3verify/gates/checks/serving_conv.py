@@ -107,15 +107,12 @@ def check_conv_decode(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_conv_decode_triton(ctx: CheckContext) -> Trial:
     """The registry's CUDA decode conv (Triton, one launch) vs the torch reference, bf16 activations."""
-    reason = triton_path.available()
-    if reason is not None:
-        raise SkipCheck(f"the Triton conv decode is not available here: {reason}")
+    fx.require_fast_path("Triton conv decode", triton_path.available())
     slots = torch.tensor(SLOTS, device=ctx.device)
     keep = torch.tensor(KEEP, device=ctx.device).bfloat16()
     case = _case(ctx, torch.bfloat16)
     cand = _decoded(conv_ops.conv_decode_qkv, case, slots, keep)
-    if REGISTRY.last_backend[conv_ops.CAUSAL_DECODE] != TRITON:
-        raise RuntimeError(f"registry did not run the Triton conv decode: {REGISTRY.fallbacks[-1:]}")
+    fx.assert_routed(conv_ops.CAUSAL_DECODE, backend=TRITON)
     ctrl = _decoded(conv_ops.conv_decode_qkv, case, slots, torch.ones_like(keep))
     REGISTRY.force(conv_ops.CAUSAL_DECODE, TORCH)
     try:

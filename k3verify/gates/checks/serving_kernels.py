@@ -158,9 +158,7 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
     """fla's chunk_kda / fused_recurrent_kda (through our registry) vs the torch path, bf16 inputs."""
-    reason = fla_triton.available()
-    if reason is not None:
-        raise SkipCheck(f"the Triton KDA path is not available here: {reason}")
+    fx.require_fast_path("Triton KDA path", fla_triton.available())
     cu = [0]
     for n in LENS:
         cu.append(cu[-1] + n)
@@ -168,8 +166,7 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
     bf = {k: (v.bfloat16() if k in ("q", "k", "v") else v) for k, v in x.items()}
     args = (bf["q"], bf["k"], bf["v"], x["g"], x["beta"], cu, x["s0"], DK**-0.5)
     o_t, s_t = kda_ops.kda_prefill(*args, lower_bound=-5.0)
-    if REGISTRY.last_backend[kda_ops.PREFILL] != TRITON:
-        raise RuntimeError("registry did not run the Triton prefill")
+    fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
     REGISTRY.force(kda_ops.PREFILL, TORCH)
     try:
         o_r, s_r = kda_ops.kda_prefill(*args, lower_bound=-5.0)
@@ -190,9 +187,7 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
     """The serving decode: fla's fused_recurrent_kda reading/writing states in the pool by slot, in
     place, vs the torch path (gather, step, scatter). Rows out of slot order; untouched slots must
     stay as they were (they are part of the compared state)."""
-    reason = fla_triton.available()
-    if reason is not None:
-        raise SkipCheck(f"the Triton KDA path is not available here: {reason}")
+    fx.require_fast_path("Triton KDA path", fla_triton.available())
     B, n_slots = 5, 9
     x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, B, n_slots).items()}
     slots = torch.tensor([7, 2, 5, 1, 8], device=ctx.device)
@@ -208,8 +203,7 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
         return {"o": o.float(), "pool": pool}
 
     cand = run(None, x["beta"])
-    if REGISTRY.last_backend[kda_ops.DECODE_SLOTS] != TRITON:
-        raise RuntimeError(f"registry did not run the Triton decode: {REGISTRY.fallbacks[-1:]}")
+    fx.assert_routed(kda_ops.DECODE_SLOTS, backend=TRITON)
     return Trial(reference=run(TORCH, x["beta"]), candidate=cand, control=run(None, torch.sigmoid(x["beta"])),
                  notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v, fp32 state"])
 
@@ -227,9 +221,7 @@ NORM_ROWS = 37
 def check_norm_triton(ctx: CheckContext) -> Trial:
     """The fused Triton RMSNorm / gated RMSNorm (through our registry) vs the torch path, bf16 activations
     over rows whose scales span 4.5 decades (the smallest below sqrt(eps))."""
-    reason = norm_triton.available()
-    if reason is not None:
-        raise SkipCheck(f"the Triton norm path is not available here: {reason}")
+    fx.require_fast_path("Triton norm path", norm_triton.available())
     ref, cand, ctrl = {}, {}, {}
     g = ctx.generator
     for W in NORM_WIDTHS:
@@ -240,9 +232,7 @@ def check_norm_triton(ctx: CheckContext) -> Trial:
         gw = torch.randn(W, generator=g).to(ctx.device)
         cand[f"rms.W{W}"] = norm_ops.rms_norm(x, w, ctx.cfg.rms_norm_eps)
         cand[f"gated.W{W}"] = norm_ops.gated_rms_norm(x, gate, gw, ctx.cfg.rms_norm_eps)
-        routed = (REGISTRY.last_backend[norm_ops.RMS], REGISTRY.last_backend[norm_ops.GATED_RMS])
-        if routed != (TRITON, TRITON):
-            raise RuntimeError(f"registry ran {routed} for the norms, not Triton; fallbacks {REGISTRY.fallbacks[-2:]}")
+        fx.assert_routed(norm_ops.RMS, norm_ops.GATED_RMS, backend=TRITON)
         ctrl[f"rms.W{W}"] = norm_triton.rms_norm_triton(x.float(), w.float(), ctx.cfg.rms_norm_eps).bfloat16()
         ctrl[f"gated.W{W}"] = norm_triton.gated_rms_norm_triton(x, gate, gw, 0.0)
         ref[f"rms.W{W}"] = norm_ref.rms_norm_torch(x, w, ctx.cfg.rms_norm_eps)
@@ -274,9 +264,7 @@ def check_router_triton(ctx: CheckContext) -> Trial:
     """The fused Triton router selection (through our registry) vs the torch path on ungrouped routing, as
     [T, E] routing matrices plus the [T, k] ids in their order: the preset's (E, top_k, renormalize, scaling)
     plus K3-sized shapes."""
-    reason = router_triton.available()
-    if reason is not None:
-        raise SkipCheck(f"the Triton router path is not available here: {reason}")
+    fx.require_fast_path("Triton router path", router_triton.available())
     cfg, g = ctx.cfg, ctx.generator
     shapes = {(cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor),
               (256, 8, True, 2.5), (896, 16, True, 2.5), (64, 16, False, 1.0)}
@@ -287,9 +275,7 @@ def check_router_triton(ctx: CheckContext) -> Trial:
         bias = (torch.randn(E, generator=g) * 0.5).to(ctx.device)
         key = f"E{E}.k{k}.renorm{int(renormalize)}"
         w, idx = router_ops.route(logits, bias, k, 1, 1, renormalize, scaling)
-        if REGISTRY.last_backend[router_ops.SELECT] != TRITON:
-            raise RuntimeError(f"registry ran {REGISTRY.last_backend[router_ops.SELECT]} for the router, not "
-                               f"Triton; fallbacks {REGISTRY.fallbacks[-1:]}")
+        fx.assert_routed(router_ops.SELECT, backend=TRITON)
         ref_w, ref_idx = router_ref.route_torch(logits, bias, k, 1, 1, renormalize, scaling)
         mismatched_rows += int((idx != ref_idx).any(dim=-1).sum())
         ctrl_w, ctrl_idx = router_triton.route_triton(logits, torch.zeros_like(bias), k, 1, 1, renormalize, scaling)
@@ -322,9 +308,7 @@ def check_attn_sdpa(ctx: CheckContext) -> Trial:
         bf = [t.bfloat16().to(ctx.device) for t in (q, k, v)]
         key = f"Lq{Lq}.offset{offset}"
         cand[key] = attn_ops.causal_attention(*bf, offset, scale).float().cpu()
-        if REGISTRY.last_backend[attn_ops.CAUSAL] != CUDA:
-            raise RuntimeError(f"registry ran {REGISTRY.last_backend[attn_ops.CAUSAL]} for attention, not SDPA; "
-                               f"fallbacks {REGISTRY.fallbacks[-1:]}")
+        fx.assert_routed(attn_ops.CAUSAL, backend=CUDA)
         ref[key] = attn_ref.causal_attention(q.double(), k.double(), v.double(), offset, scale).float()
         late = offset + 1 if Lq > 1 else offset  # one query sees every key anyway: the control needs Lq > 1
         ctrl[key] = attn_sdpa.causal_attention_sdpa(*bf, late, scale).float().cpu()
