@@ -120,8 +120,8 @@ MUTANTS = [
         id="kda.conv.fp32_weight_not_cast",
         fault="K3's fp32 conv weights are used as shipped instead of cast to the activation dtype before the conv",
         target=f"{KDA}:KimiDeltaAttention.conv_weights",
-        old="q, k, v = (c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs)",
-        new="q, k, v = (c.weight.reshape(c.weight.shape[0], -1) for c in convs)",
+        old="lambda: tuple(c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs)",
+        new="lambda: tuple(c.weight.reshape(c.weight.shape[0], -1) for c in convs)",
         killers=["kda.*"],
     ),
     Mutant(

@@ -8,6 +8,9 @@ D = heads * dk; the KDA value head dim equals dk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,8 +88,7 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.gate_lower_bound
         self.q_proj, self.k_proj, self.v_proj = (linear(H, D, dtype, device) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(D, W) for _ in range(3))
-        self._cast_convs: dict[torch.dtype, tuple[tuple[tuple[int, int], ...], ConvWeights]] = {}
-        self._decay: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._derived: dict[Any, tuple[tuple[tuple[int, int], ...], Any]] = {}
         a_shape = (cfg.a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
         self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32), requires_grad=False)
         self.f_a_proj = linear(H, dk, dtype, device)
@@ -111,13 +113,23 @@ class KimiDeltaAttention(nn.Module):
             return -A * F.softplus(raw)
         return self.lower_bound * torch.sigmoid(A * raw)
 
+    def _from_weights(self, key: Any, params: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
+        """A value derived from parameters, made once and remade when any of them is reloaded (copy_
+        bumps _version) or moved (new data_ptr)."""
+        stamp = tuple((p.data_ptr(), p._version) for p in params)
+        hit = self._derived.get(key)
+        if hit is None or hit[0] != stamp:
+            hit = (stamp, make())
+            self._derived[key] = hit
+        return hit[1]
+
     def decay_rate(self) -> torch.Tensor:
-        """exp(A_log) per head [h, 1] fp32, computed once per A_log version (a constant of the weights)."""
-        stamp = (self.A_log.data_ptr(), self.A_log._version)
-        if self._decay is None or self._decay[0] != stamp:
+        """exp(A_log) per head [h, 1] fp32 (a constant of the weights)."""
+        def make() -> torch.Tensor:
             A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]  # K3 pads A_log past the heads
-            self._decay = (stamp, A)
-        return self._decay[1]
+            return A
+
+        return self._from_weights("decay", (self.A_log,), make)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):
@@ -129,16 +141,10 @@ class KimiDeltaAttention(nn.Module):
         return torch.sigmoid(self.b_proj(x).float())
 
     def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
-        """q/k/v conv weights [D, W] in the activation dtype, cast once per dtype and weight version (K3 ships
-        them fp32): keyed by each parameter's (data_ptr, _version), so a load (copy_) or a move recasts."""
+        """q/k/v conv weights [D, W] in the activation dtype (K3 ships them fp32), cast once per dtype."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        stamp = tuple((c.weight.data_ptr(), c.weight._version) for c in convs)
-        hit = self._cast_convs.get(dtype)
-        if hit is None or hit[0] != stamp:
-            q, k, v = (c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs)
-            hit = (stamp, (q, k, v))
-            self._cast_convs[dtype] = hit
-        return hit[1]
+        return self._from_weights(("conv", dtype), tuple(c.weight for c in convs),
+                                  lambda: tuple(c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs))
 
     def short_convs(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor,
                     continuing: bool) -> list[torch.Tensor]:
