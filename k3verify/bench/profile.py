@@ -127,15 +127,11 @@ def profile_decode(runner: Any, graphs: Any, prompts: torch.Tensor, steps: int =
 
         def step(record: bool) -> None:
             nonlocal toks
-            seqs = [runner._get(sid) for sid in ids]
             t0 = time.perf_counter()
-            logits = graphs.decode(toks, [s.slot for s in seqs], [runner.kv_cache.table(s) for s in ids],
-                                   [s.cached for s in seqs])
+            logits = runner.decode(list(zip(ids, toks, strict=True)), graphs)
             toks = logits.argmax(-1).tolist()  # the engine needs the tokens on the host: part of a step
             if record:
                 host.append(time.perf_counter() - t0)
-            for s in seqs:
-                s.cached += 1
 
         for _ in range(steps):
             step(False)  # warm-up: capture, allocator, autotune

@@ -69,14 +69,7 @@ def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: tor
         for _ in range(new_tokens - 1):
             toks = out[-1].tolist()
             t0 = time.perf_counter() if step_times is not None else 0.0
-            if graphs is None:
-                logits = runner.decode(list(zip(ids, toks, strict=True)))
-            else:
-                seqs = [runner._get(sid) for sid in ids]
-                logits = graphs.decode(toks, [s.slot for s in seqs], [runner.kv_cache.table(s) for s in ids],
-                                       [s.cached for s in seqs])
-                for s in seqs:
-                    s.cached += 1
+            logits = runner.decode(list(zip(ids, toks, strict=True)), graphs)
             out.append(logits.argmax(-1))
             if step_times is not None:
                 synchronize()
@@ -115,10 +108,7 @@ def decode_parity(runner: ModelRunner, graphs: GraphDecoder, ids: torch.Tensor, 
         runner.admit(sid, P + S)
         try:
             rows = [runner.prefill([(sid, ids[:P].tolist())])[0]]
-            seq = runner._get(sid)
-            for t in range(P, P + S):
-                rows.append(decoder.decode([int(ids[t])], [seq.slot], [runner.kv_cache.table(sid)], [seq.cached])[0])
-                seq.cached += 1
+            rows += [runner.decode([(sid, int(ids[t]))], decoder)[0] for t in range(P, P + S)]
             return torch.stack(rows)
         finally:
             runner.release(sid)
@@ -209,28 +199,16 @@ def measured_distinct_experts(runner: ModelRunner, prompts: torch.Tensor, steps:
     eager decode steps of the same prompts (the floor's expert bytes; None for a model without MoE)."""
     from k3verify.serving.layers.moe import Router
 
+    B, T = prompts.shape
     counts: list[int] = []
-    B = prompts.shape[0]
 
     def hook(module: torch.nn.Module, args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if out[1].shape[0] == B and decoding:  # decode steps only (prefill rows are the prompt tokens)
+        if T == 1 or out[1].shape[0] == B:  # decode steps (a prefill routes B*T rows)
             counts.append(int(out[1].unique().numel()))
 
-    routers = [m for m in runner.model.modules() if isinstance(m, Router)]
-    handles = [r.register_forward_hook(hook) for r in routers]
-    decoding = False
+    handles = [m.register_forward_hook(hook) for m in runner.model.modules() if isinstance(m, Router)]
     try:
-        ids = list(range(B))
-        for sid in ids:
-            runner.admit(sid, prompts.shape[1] + steps + 1)
-        try:
-            toks = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids]).argmax(-1).tolist()
-            decoding = True
-            for _ in range(steps):
-                toks = runner.decode(list(zip(ids, toks, strict=True))).argmax(-1).tolist()
-        finally:
-            for sid in ids:
-                runner.release(sid)
+        generate_ours(runner, None, prompts, steps + 1)
     finally:
         for h in handles:
             h.remove()

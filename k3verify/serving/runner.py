@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from k3verify.config import ModelConfig
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.model import ServingModel
+
+if TYPE_CHECKING:
+    from k3verify.serving.graphs import GraphDecoder
 
 
 @dataclass
@@ -96,8 +100,9 @@ class ModelRunner:
             st.cached += len(tokens)
         return logits
 
-    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
-        """One token per sequence (seq_id, last token) -> [n, V] fp32 logits."""
+    def decode(self, seqs: list[tuple[int, int]], graphs: GraphDecoder | None = None) -> torch.Tensor:
+        """One token per sequence (seq_id, last token) -> [n, V] fp32 logits; through `graphs` (captured
+        CUDA graphs over the same model and caches) when given, else eagerly."""
         if not seqs:
             raise ValueError("decode needs at least one sequence")
         states = [self._get(sid) for sid, _ in seqs]
@@ -106,9 +111,12 @@ class ModelRunner:
         for (sid, _), st in zip(seqs, states, strict=True):
             if st.cached + 1 > st.budget:
                 raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
-        ids = torch.tensor([tok for _, tok in seqs], dtype=torch.long, device=self.model.device)
-        logits = self.model.decode(ids, [s.slot for s in states], [self.kv_cache.table(sid) for sid, _ in seqs],
-                                   [s.cached for s in states])
+        args = ([s.slot for s in states], [self.kv_cache.table(sid) for sid, _ in seqs], [s.cached for s in states])
+        if graphs is not None:
+            logits = graphs.decode([tok for _, tok in seqs], *args)
+        else:
+            ids = torch.tensor([tok for _, tok in seqs], dtype=torch.long, device=self.model.device)
+            logits = self.model.decode(ids, *args)
         for st in states:
             st.cached += 1
         return logits
