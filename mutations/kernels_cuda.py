@@ -23,14 +23,6 @@ MUTANTS = [
         killers=["kda.*", "serving.*"],
     ),
     Mutant(
-        id="kernel.fla.decode_beta_sigmoid_in_kernel", devices=("cuda",),
-        fault="fused_recurrent_kda is called with use_beta_sigmoid_in_kernel=True on the already-sigmoided beta",
-        target=f"{FLA}:kda_decode_fla",
-        old="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,\n    )\n    return o[:, 0]",
-        new="use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=True,\n    )\n    return o[:, 0]",
-        killers=["serving.*", "mla.decode.*"],
-    ),
-    Mutant(
         id="kernel.fla.prefill_qk_not_normalized", devices=("cuda",),
         fault="chunk_kda runs with use_qk_l2norm_in_kernel=False although nothing else normalizes q and k",
         target=f"{FLA}:kda_prefill_fla",
@@ -41,7 +33,7 @@ MUTANTS = [
         killers=["kda.*", "serving.*"],
     ),
     Mutant(
-        id="kernel.fla.decode_slots_beta_sigmoid_in_kernel", devices=("cuda",),
+        id="kernel.fla.decode_beta_sigmoid_in_kernel", devices=("cuda",),
         fault="the in-place (slot-indexed) fused_recurrent_kda squashes the already-sigmoided beta again",
         target=f"{FLA}:kda_decode_slots_fla",
         old="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"

@@ -24,8 +24,8 @@ def test_cpu_runs_the_torch_kda_paths() -> None:
     kda_ops.kda_prefill(*_kda_args("cpu"))
     assert REGISTRY.last_backend[kda_ops.PREFILL] == TORCH
     q, k, v, g, b, _, state, scale = _kda_args("cpu", T=2)
-    kda_ops.kda_decode(q, k, v, g, b, state, scale)
-    assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH
+    kda_ops.kda_decode_slots(q, k, v, g, b, state, torch.tensor([1, 0]), scale)
+    assert REGISTRY.last_backend[kda_ops.DECODE_SLOTS] == TORCH
 
 
 def test_refused_fast_path_logs_the_reason_and_runs_torch(caplog: pytest.LogCaptureFixture) -> None:
@@ -110,18 +110,22 @@ def test_cuda_runs_fla_triton_kda() -> None:
     assert ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item() < 5e-3
     assert ((s - s_ref).norm() / s_ref.norm()).item() < 5e-3
     d = _kda_args("cuda", T=2)
-    kda_ops.kda_decode(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], d[6], d[7])
-    assert REGISTRY.last_backend[kda_ops.DECODE] == TRITON, REGISTRY.fallbacks
-    pool = d[6].clone()
-    o_slots = kda_ops.kda_decode_slots(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], pool,
-                                       torch.tensor([1, 0], device="cuda"), d[7])
+    d = (*d[:6], torch.randn_like(d[6]), d[7])  # random initial states
+    slots = torch.tensor([1, 0], device="cuda")
+    pool, ref_pool = d[6].clone(), d[6].clone()
+    o_slots = kda_ops.kda_decode_slots(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], pool, slots,
+                                       d[7])
     assert REGISTRY.last_backend[kda_ops.DECODE_SLOTS] == TRITON, REGISTRY.fallbacks
-    o_ref, s_ref = kda_ops.kda_decode(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4],
-                                      d[6][[1, 0]], d[7])
+    REGISTRY.force(kda_ops.DECODE_SLOTS, TORCH)
+    try:
+        o_ref = kda_ops.kda_decode_slots(d[0].bfloat16(), d[1].bfloat16(), d[2].bfloat16(), d[3], d[4], ref_pool,
+                                         slots, d[7])
+    finally:
+        REGISTRY.force(kda_ops.DECODE_SLOTS, None)
     assert ((o_slots.float() - o_ref.float()).norm() / o_ref.float().norm()).item() < 1e-3
-    assert ((pool[[1, 0]] - s_ref).norm() / s_ref.norm()).item() < 1e-3
-    kda_ops.kda_decode(d[0], d[1], d[2], d[3], d[4], d[6], d[7])  # fp32 activations: torch, with a logged reason
-    assert REGISTRY.last_backend[kda_ops.DECODE] == TORCH and "TF32" in REGISTRY.fallbacks[-1][1]
+    assert ((pool - ref_pool).norm() / ref_pool.norm()).item() < 1e-3
+    kda_ops.kda_decode_slots(d[0], d[1], d[2], d[3], d[4], d[6].clone(), slots, d[7])  # fp32: torch, logged reason
+    assert REGISTRY.last_backend[kda_ops.DECODE_SLOTS] == TORCH and "TF32" in REGISTRY.fallbacks[-1][1]
 
 
 def test_fast_path_check_helpers_skip_with_reason_and_refuse_an_unrouted_run() -> None:

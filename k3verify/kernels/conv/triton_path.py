@@ -51,4 +51,3 @@ def conv_decode_qkv_fast(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     if isinstance(mod, str):
         raise RuntimeError(mod)
     return mod.conv_decode_qkv_triton(xs, weights, windows, slots, keep)
-

@@ -1,4 +1,5 @@
-"""KDA recurrence: `kda_prefill` (packed varlen, chunked) and `kda_decode` (one token per sequence).
+"""KDA recurrence: `kda_prefill` (packed varlen, chunked) and `kda_decode_slots` (one token per
+sequence, states read and written in place in the state pool).
 
 CPU runs the torch reference (torch_ref); CUDA runs fla's Triton kernels when they accept the call,
 else the torch reference with a logged reason (see kernels/registry.py).
@@ -12,15 +13,11 @@ from k3verify.kernels.kda import fla_triton, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 PREFILL = "kda.prefill"
-DECODE = "kda.decode"
 DECODE_SLOTS = "kda.decode_slots"
 CHUNK = torch_ref.CHUNK
 
 REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
 REGISTRY.register(PREFILL, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
-                  available=fla_triton.available)
-REGISTRY.register(DECODE, TORCH, torch_ref.kda_decode_torch)
-REGISTRY.register(DECODE, TRITON, fla_triton.kda_decode_fla, accepts=fla_triton.accepts_decode,
                   available=fla_triton.available)
 REGISTRY.register(DECODE_SLOTS, TORCH, torch_ref.kda_decode_slots_torch)
 REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts=fla_triton.accepts_decode_slots,
@@ -36,14 +33,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                     device=q.device)
 
 
-def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence: q,k,g [B,h,dk]; v [B,h,dv]; beta [B,h]; state [B,h,dk,dv] fp32."""
-    return dispatch(DECODE, q, k, v, g, beta, state, scale, device=q.device)
-
-
 def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """kda_decode over states that live in the pool: pool_state [n_slots, h, dk, dv] fp32 (one layer's
+    """torch_ref.kda_decode_torch over states that live in the pool: pool_state [n_slots, h, dk, dv] fp32 (one layer's
     view), slots [B]; row b reads and then overwrites pool_state[slots[b]] -> o [B, h, dv]."""
     return dispatch(DECODE_SLOTS, q, k, v, g, beta, pool_state, slots, scale, device=q.device)

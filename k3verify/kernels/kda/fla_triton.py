@@ -16,8 +16,6 @@ import torch
 
 _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                    "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens")
-_DECODE_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                  "use_beta_sigmoid_in_kernel")
 MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -27,19 +25,18 @@ _SLOTS_PARAMS = ("scale", "initial_state", "inplace_final_state", "ssm_state_ind
 
 
 @functools.cache
-def _fla_ops() -> tuple[Any, Any, Any] | str:
+def _fla_ops() -> tuple[Any, Any] | str:
     try:
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except Exception as exc:  # ImportError, or triton failing to initialise
         return f"fla KDA kernels unavailable: {type(exc).__name__}: {exc}"
-    for fn, needed in ((chunk_kda, _PREFILL_PARAMS), (fused_recurrent_kda, _DECODE_PARAMS),
-                       (fused_recurrent_kda_fwd, _SLOTS_PARAMS)):
+    for fn, needed in ((chunk_kda, _PREFILL_PARAMS), (fused_recurrent_kda_fwd, _SLOTS_PARAMS)):
         params = inspect.signature(fn).parameters
         missing = [p for p in needed if p not in params]
         if missing:
             return f"fla {fn.__name__} lacks parameters {missing} (signature probe); refusing to call it"
-    return chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd
+    return chunk_kda, fused_recurrent_kda_fwd
 
 
 def available() -> str | None:
@@ -72,15 +69,11 @@ def accepts_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return _shape_reason(q, v, initial_state)
 
 
-def accepts_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor, scale: float) -> str | None:
-    return _shape_reason(q, v, state)
-
 
 def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
                     lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    chunk_kda, _, _ = _fla_ops()  # type: ignore[misc]
+    chunk_kda, _ = _fla_ops()  # type: ignore[misc]
     cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
     dt = q.dtype
     o, final = chunk_kda(
@@ -91,17 +84,6 @@ def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     )
     return o[0].to(v.dtype), final
 
-
-def kda_decode_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, fused_recurrent_kda, _ = _fla_ops()  # type: ignore[misc]
-    dt = q.dtype
-    o, final = fused_recurrent_kda(
-        q=q[:, None], k=k[:, None].to(dt), v=v[:, None].to(dt), g=g[:, None].float(), beta=beta[:, None].float(),
-        scale=scale, initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-    )
-    return o[:, 0].to(v.dtype), final
 
 
 def accepts_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -115,7 +97,7 @@ def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """fused_recurrent_kda's continuous-batching form: each row reads and writes its state in the pool
     by slot index, in place (no gather, no scatter, no copy of the state)."""
-    _, _, fwd = _fla_ops()  # type: ignore[misc]
+    _, fwd = _fla_ops()  # type: ignore[misc]
     dt = q.dtype
     o, _ = fwd(
         q=q[:, None], k=k[:, None].to(dt), v=v[:, None].to(dt), g=g[:, None].float(), beta=beta[:, None].float(),

@@ -125,7 +125,6 @@ def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o.to(v.dtype), S.to(state.dtype)
 
 
-
 def kda_decode_slots_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """kda_decode_torch on the rows' states gathered from the pool, written back in place."""
