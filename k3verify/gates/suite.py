@@ -19,12 +19,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import k3verify
 from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
+
+if TYPE_CHECKING:
+    from k3verify.target import Target
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
 ENV_PREFIX = "K3V_"
@@ -131,15 +134,13 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-def make_context_factory(
-    cfg: Any, *, preset: str | None, checkpoint_dir: Path | None, device: str | torch.device, seed: int, suite: str
-) -> ContextFactory:
+def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
     cache: dict[str, Any] = {}
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(cfg, preset, checkpoint_dir, dev, seed, generator, suite, cache)
+        return CheckContext(target, dev, seed, generator, suite, cache)
 
     return factory
 

@@ -49,6 +49,10 @@ class ModelRunner:
     def num_cached(self, seq_id: int) -> int:
         return self._get(seq_id).cached
 
+    def slot_of(self, seq_id: int) -> int:
+        """The KDA state slot an admitted sequence holds."""
+        return self._get(seq_id).slot
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return (0 < num_tokens <= self.max_context
                 and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_usable_pages)
@@ -111,7 +115,7 @@ class ModelRunner:
         for (sid, _), st in zip(seqs, states, strict=True):
             if st.cached + 1 > st.budget:
                 raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
-        args = ([s.slot for s in states], [self.kv_cache.table(sid) for sid, _ in seqs], [s.cached for s in states])
+        args = self.decode_args([sid for sid, _ in seqs])
         if graphs is not None:
             logits = graphs.decode([tok for _, tok in seqs], *args)
         else:
@@ -120,6 +124,11 @@ class ModelRunner:
         for st in states:
             st.cached += 1
         return logits
+
+    def decode_args(self, seq_ids: list[int]) -> tuple[list[int], list[list[int]], list[int]]:
+        """(state slots, page tables, positions) of the next decode step of `seq_ids`, in order."""
+        states = [self._get(sid) for sid in seq_ids]
+        return [s.slot for s in states], [self.kv_cache.table(sid) for sid in seq_ids], [s.cached for s in states]
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.oracle import fixtures
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
 from k3verify.oracle import functional as Fn
 
 KDA_CASES = {  # name -> (batch, T, heads, dk, dv, gate): T off the 64-token chunk grid, odd widths

@@ -17,7 +17,7 @@ import torch
 
 from k3verify.config import ModelConfig
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.state_cache import KDAStatePool
 
@@ -56,13 +56,13 @@ def _mixed_pass(ctx: CheckContext, poison: bool) -> torch.Tensor:
     runner.admit(0, 40)
     runner.admit(1, 40)
     runner.prefill([(0, a), (1, b)])
-    released = runner._get(1).slot
+    released = runner.slot_of(1)
     runner.release(1)
     if poison:
         for t in runner.state_pool.tensors().values():
             t[:, released] = float("nan")
     runner.admit(2, 40)
-    if runner._get(2).slot != released:
+    if runner.slot_of(2) != released:
         raise RuntimeError("the pool did not hand the released slot back: the check would test nothing")
     out = runner.prefill([(0, a[:3]), (2, b)])
     runner.release(0)

@@ -8,6 +8,7 @@ import torch
 
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, compare, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import attn as attn_ops
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels import norm as norm_ops
@@ -23,7 +24,6 @@ from k3verify.kernels.registry import CUDA, REGISTRY, TORCH, TRITON
 from k3verify.kernels.router import torch_ref as router_ref
 from k3verify.kernels.router import triton_impl as router_triton
 from k3verify.oracle import functional as Fn
-from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.moe import PackedWeight, SparseMoE
 
 LENS = [63, 130, 1]  # off the 64 grid, a ragged multi-chunk sequence and a single token

@@ -113,7 +113,7 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     from k3verify.checkpoint.loader import load_into
     from k3verify.checkpoint.names import module_specs, quantized_pair
     from k3verify.checkpoint.reconcile import build_param_module
-    from k3verify.oracle import fixtures
+    from k3verify.gates import fixtures
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
@@ -167,7 +167,7 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     ctrl_notes: list[str] = []
     cand_flags, cand_bytes = run(strict, cand_notes)
     ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
-    source = _independent_read(ctx.checkpoint_dir) if ctx.checkpoint_dir is not None else dict(tensors)
+    source = _independent_read(ctx.checkpoint_dir)
     ref_bytes = _flat_bytes({n: source[prefix + n] for n in specs}, list(specs), {n: s.dtype for n, s in specs.items()})
     return Trial(
         reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": ref_bytes},
@@ -178,17 +178,6 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
                f"order vs the checkpoint read with safetensors.load_file (or the synthetic tensors without a dir)",
                *cand_notes, *(f"control: {n}" for n in ctrl_notes)],
     )
-
-
-def _base_checkpoint(ctx: CheckContext) -> Path:
-    if ctx.checkpoint_dir is not None:
-        return Path(ctx.checkpoint_dir)
-    from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-    from k3verify.presets import SYNTHETIC_PRESETS
-
-    if ctx.preset not in SYNTHETIC_PRESETS:
-        raise SkipCheck("no checkpoint dir and no synthetic preset to write one from")
-    return ensure_preset_checkpoint(str(ctx.preset))
 
 
 @register_check(
@@ -204,7 +193,7 @@ def check_reconcile_buckets(ctx: CheckContext) -> Trial:
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
-    base = _base_checkpoint(ctx)
+    base = ctx.checkpoint_dir
     entries = CheckpointReader(base).entries
     specs = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
     text_names = [n for n in specs if ignorable_reason(n) is None]
