@@ -16,9 +16,12 @@ import torch
 
 import k3verify
 from k3verify.cli import UsageError
+from k3verify.commands import parity
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.serving.engine import Engine
+from k3verify.serving.metrics import ServerMetrics
 from k3verify.serving.runner import build_runner
+from k3verify.serving.server import create_app
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -70,7 +73,6 @@ def parity_command(args: argparse.Namespace) -> str:
 
 def run_gates(args: argparse.Namespace) -> int:
     """The quick parity suite, through the parity command's own parser and function."""
-    from k3verify.commands import parity
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
@@ -132,8 +134,6 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3verify.serving.metrics import ServerMetrics
-    from k3verify.serving.server import create_app
 
     gated = require_gate(args)
     target = gated.target

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Sequence:
+class SequenceCache:
+    """What the runner holds for one admitted sequence: its KDA state slot and cached-token counts."""
+
     slot: int
     budget: int  # tokens reserved (prompt + max new)
     cached: int = 0  # tokens already run through the model
@@ -40,7 +42,7 @@ class ModelRunner:
         model.allocate_caches(num_pages, page_size, num_slots)
         assert model.kv_cache is not None and model.state_pool is not None
         self.kv_cache, self.state_pool = model.kv_cache, model.state_pool
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceCache] = {}
 
     @property
     def active_ids(self) -> list[int]:
@@ -73,7 +75,7 @@ class ModelRunner:
                              f"({self.kv_cache.num_free_pages} free pages, {self.state_pool.num_free} free slots)")
         slot = self.state_pool.allocate()
         self.kv_cache.reserve(seq_id, num_tokens)
-        self._seqs[seq_id] = _Sequence(slot, num_tokens)
+        self._seqs[seq_id] = SequenceCache(slot, num_tokens)
 
     def release(self, seq_id: int) -> None:
         seq = self._get(seq_id)
@@ -149,7 +151,7 @@ class ModelRunner:
         if owners != set(self._seqs):
             raise CacheError(f"page owners {sorted(owners)} != running sequences {sorted(self._seqs)}")
 
-    def _get(self, seq_id: int) -> _Sequence:
+    def _get(self, seq_id: int) -> SequenceCache:
         if seq_id not in self._seqs:
             raise KeyError(f"sequence {seq_id} is not admitted")
         return self._seqs[seq_id]

@@ -18,8 +18,10 @@ import torch
 from k3verify.config import ModelConfig
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
+from k3verify.serving.engine import Engine
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.state_cache import KDAStatePool
+from k3verify.tokenizer import KimiTokenizer
 
 
 def _json_eos(path: Path) -> list[int]:
@@ -32,8 +34,6 @@ def _json_eos(path: Path) -> list[int]:
 @register_check(id="serving.engine.eos_ids", component="serving", level="serving", kind=Kind.BITEXACT,
                 control="only config.json's eos id honoured (generation_config.json's <|im_end|> dropped)")
 def check_engine_eos_ids(ctx: CheckContext) -> Trial:
-    from k3verify.serving.engine import Engine
-    from k3verify.tokenizer import KimiTokenizer
 
     ckpt = ctx.checkpoint_dir
     if ckpt is None or not (Path(ckpt) / "generation_config.json").is_file():

@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.checkpoint.loader import WeightLoadError, load_into
+from k3verify.checkpoint.names import ignorable_reason, module_specs, quantized_pair
+from k3verify.checkpoint.reader import CheckpointReader
+from k3verify.checkpoint.reconcile import ReconcileResult, build_param_module, reconcile_checkpoint
+from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
+from k3verify.checkpoint.writer import write_sparse_checkpoint
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
 
 UNKNOWN_IN_PREFIX = "model.layers.0.self_attn.unknown_proj.weight"  # under the text-model prefix, no parameter
 UNKNOWN_OUTSIDE = "audio_tower.proj.weight"  # outside the prefix and not declared ignorable
@@ -84,7 +90,6 @@ def _sentinel_fill(module: nn.Module) -> None:
 def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor], must_name: str | None,
              notes: list[str], label: str) -> int:
     """1 when the load behaves: no error for a clean mapping (must_name None), else WeightLoadError naming it."""
-    from k3verify.checkpoint.loader import WeightLoadError
 
     try:
         load(module, tensors)
@@ -110,10 +115,6 @@ def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor
     control="a lenient loader that copies whatever names match and skips missing and unknown tensors",
 )
 def check_loader_strict(ctx: CheckContext) -> Trial:
-    from k3verify.checkpoint.loader import load_into
-    from k3verify.checkpoint.names import module_specs, quantized_pair
-    from k3verify.checkpoint.reconcile import build_param_module
-    from k3verify.gates import fixtures
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
@@ -185,11 +186,6 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     control="an index-only reconcile, which reads no headers and so cannot see a transposed or re-typed tensor",
 )
 def check_reconcile_buckets(ctx: CheckContext) -> Trial:
-    from k3verify.checkpoint.names import ignorable_reason
-    from k3verify.checkpoint.reader import CheckpointReader
-    from k3verify.checkpoint.reconcile import ReconcileResult, reconcile_checkpoint
-    from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
-    from k3verify.checkpoint.writer import write_sparse_checkpoint
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
