@@ -25,7 +25,10 @@ import torch
 
 import k3verify
 from k3verify.cli import UsageError
-from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
+from k3verify.gates.evaluate import evaluate_trial
+from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
+from k3verify.gates.noise import NoiseLookup
+from k3verify.gates.noise import lookup as noise_lookup
 
 if TYPE_CHECKING:
     from k3verify.target import Target
@@ -134,13 +137,19 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str) -> ContextFactory:
-    """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
+def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
+                         measure_noise: bool = False) -> ContextFactory:
+    """The hook `parity` uses: one shared cache per run, a fresh generator per check, and each noise-barred
+    check's recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py regenerates it)."""
     cache: dict[str, Any] = {}
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, cache)
+        found = None
+        if check.noise is not None:
+            found = (NoiseLookup(None, None, "noise measured on request (--measure-noise)") if measure_noise
+                     else noise_lookup(target, dev.type, seed, check.id))
+        return CheckContext(target, dev, seed, generator, suite, cache, found)
 
     return factory
 
@@ -155,7 +164,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         # Global RNG too: code under test (module init, dropout) may draw from it despite ctx.generator.
         torch.manual_seed(check_seed)
         generator = torch.Generator().manual_seed(check_seed)
-        result = evaluate_trial(check, check.fn(ctx_factory(check, generator)))
+        ctx = ctx_factory(check, generator)
+        result = evaluate_trial(check, check.fn(ctx), ctx.noise)
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
     except Exception as exc:
@@ -168,7 +178,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
 
 def bare_result(check: Check, status: Status, reason: str) -> Result:
     return Result(id=check.id, component=check.component, level=check.level, kind=check.kind.value,
-                  bar=check.bar, bar_reason=check.bar_reason, status=status, reason=reason)
+                  bar=check.bar, bar_reason=check.bar_reason, status=status, reason=reason,
+                  bar_source=check.bar_source)
 
 
 def import_error_results(import_errors: Mapping[str, str]) -> list[Result]:
