@@ -11,15 +11,18 @@ import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
+from k3verify.oracle import functional as Fn
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
+from k3verify.serving.layers import mla as mla_mod
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 
 DECODE_STEPS = 6
 # (first prefill, continuation prefill or 0): one sequence arrives in two prefill chunks
 PROMPTS = {0: (20, 0), 1: (33, 0), 2: (10, 15)}
+DECODE_LENS = [9, 30, 17]  # cached contexts of the MLA decode checks
 
 
 def _positions(sid: int) -> list[int]:
@@ -85,6 +88,25 @@ def check_decode_vs_full(ctx: CheckContext) -> Trial:
         "one cacheless forward of the whole sequence; integrity checked after the scenario"])
 
 
+class LatentDecode:
+    """Prefix latents of DECODE_LENS sequences in a fresh paged cache, and the decode batch after them."""
+
+    def __init__(self, ctx: CheckContext, dtype: torch.dtype) -> None:
+        self.cache = PagedLatentCache(ctx.cfg, num_pages=24, page_size=8, dtype=dtype, device=ctx.device)
+        for sid, n in enumerate(DECODE_LENS):
+            self.cache.reserve(sid, n + 1)
+        tables = [self.cache.table(sid) for sid in range(len(DECODE_LENS))]
+        self.prefill = PackedBatch.build(fx.dummy_ids(sum(DECODE_LENS)), DECODE_LENS, page_tables=tables,
+                                         page_size=8, device=ctx.device)
+        self.decode = PackedBatch.build(fx.dummy_ids(len(DECODE_LENS)), [1] * len(DECODE_LENS), start_pos=DECODE_LENS,
+                                        page_tables=tables, page_size=8, is_decode=True, device=ctx.device)
+
+    def context(self, batch: PackedBatch) -> ForwardContext:
+        assert batch.page_table is not None
+        return ForwardContext(batch, kv_cache=self.cache,
+                              kv_rows=self.cache.rows(batch.page_table, batch.seg_ids, batch.positions))
+
+
 @register_check(
     id="mla.decode.absorbed", component="mla", level="module", kind=Kind.RMS,
     noise="the oracle's MLA layers in fp32 vs fp64 on each whole sequence (prefix + decode token), last row",
@@ -94,39 +116,71 @@ def check_decode_vs_full(ctx: CheckContext) -> Trial:
 def check_absorbed_decode(ctx: CheckContext) -> Trial:
     if not ctx.cfg.has_mla:
         raise SkipCheck("preset has no MLA layers")
-    model = fx.serving_model(ctx)
-    cache = PagedLatentCache(ctx.cfg, num_pages=24, page_size=8, dtype=torch.float32, device=ctx.device)
-    lens = [9, 30, 17]
-    for sid, n in enumerate(lens):
-        cache.reserve(sid, n + 1)
-    tables = [cache.table(sid) for sid in range(len(lens))]
-
-    def cached(batch: PackedBatch) -> ForwardContext:
-        assert batch.page_table is not None
-        return ForwardContext(batch, kv_cache=cache, kv_rows=cache.rows(batch.page_table, batch.seg_ids,
-                                                                      batch.positions))
-    pre = PackedBatch.build(fx.dummy_ids(sum(lens)), lens, page_tables=tables, page_size=8, device=ctx.device)
-    dec = PackedBatch.build(fx.dummy_ids(len(lens)), [1] * len(lens), start_pos=lens, page_tables=tables,
-                            page_size=8, is_decode=True, device=ctx.device)
+    model, setup = fx.serving_model(ctx), LatentDecode(ctx, torch.float32)
     ref, cand, ctrl, low, high = {}, {}, {}, {}, {}
     for i in ctx.cfg.full_attn_layers:
         attn = model.model.layers[i].self_attn
-        x_pre = fx.layer_inputs(ctx, sum(lens), torch.float32)
-        attn(x_pre, cached(pre))
-        x = fx.layer_inputs(ctx, len(lens), torch.float32)
+        x_pre = fx.layer_inputs(ctx, sum(DECODE_LENS), torch.float32)
+        attn(x_pre, setup.context(setup.prefill))
+        x = fx.layer_inputs(ctx, len(DECODE_LENS), torch.float32)
         if ctx.needs_noise:
-            low[f"layers.{i}"], high[f"layers.{i}"] = _oracle_last_rows(ctx, i, x_pre, x, lens)
+            low[f"layers.{i}"], high[f"layers.{i}"] = _oracle_last_rows(ctx, i, x_pre, x, DECODE_LENS)
         key = f"layers.{i}"
-        plain, absorbed = cached(dec), cached(dec)
+        plain, absorbed = setup.context(setup.decode), setup.context(setup.decode)
         plain.mla_absorb = False
         ref[key] = attn(x, plain)
         cand[key] = attn(x, absorbed)
         if absorbed.stats.get("mla_absorbed_decode", 0) == 0:
             raise RuntimeError("the absorbed decode path was not engaged")
         with fx.patched(attn, "scale", 1.0):
-            ctrl[key] = attn(x, cached(dec))
+            ctrl[key] = attn(x, setup.context(setup.decode))
     return Trial(reference=ref, candidate=cand, control=ctrl, noise=(low, high) if low else None,
-                 notes=[f"contexts {lens}: decode in the latent space vs keys/values expanded through kv_b_proj"])
+                 notes=[f"contexts {DECODE_LENS}: decode in the latent space vs keys/values expanded by kv_b_proj"])
+
+
+def _oracle_softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle's attention softmax (functional.causal_attention): fp32, cast back once."""
+    return torch.softmax(Fn.hi(scores), dim=-1).to(dtype)
+
+
+def _bf16_softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fault: exp, sum and division in the activation dtype."""
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    return (e / e.sum(dim=-1, keepdim=True)).to(dtype)
+
+
+@register_check(
+    id="mla.decode.bf16", component="mla", level="module", kind=Kind.BITEXACT, suites=("full",),
+    control="the decode softmax computed in bf16 (exp, sum and division in the activation dtype)",
+)
+@fx.single_thread
+def check_decode_softmax_bf16(ctx: CheckContext) -> Trial:
+    """The bf16 absorbed decode against itself with the oracle's softmax swapped in, bit for bit. Its scores are
+    bf16 by design (as the oracle's are), and the absorbed and expanded products round them differently by more
+    than a bf16 softmax's extra roundings: no comparison with the oracle's MLA could see the softmax's precision,
+    so it is pinned on the serving path itself."""
+    if not ctx.cfg.has_mla:
+        raise SkipCheck("preset has no MLA layers")
+    model, setup = fx.serving_model(ctx, torch.bfloat16), LatentDecode(ctx, torch.bfloat16)
+    calls = []
+
+    def oracle_probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        calls.append(scores.shape)
+        return _oracle_softmax(scores, dtype)
+    out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
+    for i in ctx.cfg.full_attn_layers:
+        attn = model.model.layers[i].self_attn
+        attn(fx.layer_inputs(ctx, sum(DECODE_LENS), torch.bfloat16), setup.context(setup.prefill))
+        x, key = fx.layer_inputs(ctx, len(DECODE_LENS), torch.bfloat16), f"layers.{i}"
+        out["cand"][key] = attn(x, setup.context(setup.decode))
+        for name, probs in (("ref", oracle_probs), ("ctrl", _bf16_softmax)):
+            with fx.patched(mla_mod, "attention_probs", probs):
+                out[name][key] = attn(x, setup.context(setup.decode))
+    if len(calls) != len(ctx.cfg.full_attn_layers):
+        raise RuntimeError(f"the absorbed decode called mla.attention_probs {len(calls)} times for "
+                           f"{len(ctx.cfg.full_attn_layers)} MLA layers: its softmax no longer goes through it")
+    return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"],
+                 notes=[f"contexts {DECODE_LENS}, bf16; reference: the same decode with the oracle's softmax"])
 
 
 def _oracle_last_rows(ctx: CheckContext, layer: int, x_pre: torch.Tensor, x: torch.Tensor,
