@@ -153,8 +153,8 @@ def build_engine(args: argparse.Namespace, target: GatedTarget) -> tuple[Any, An
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3verify.serving.metrics import ServerMetrics
-    from k3verify.serving.server import create_app
+    from k3verify.server.app import create_app
+    from k3verify.server.metrics import ServerMetrics
 
     target = require_gate(args)
     print(f"k3verify serve: gate report {target.report} vouches for {target.name} ({target.digest})", flush=True)

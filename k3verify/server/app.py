@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
-from k3verify.serving.metrics import ServerMetrics
-from k3verify.serving.protocol import (
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatRenderer,
@@ -35,6 +34,7 @@ from k3verify.serving.protocol import (
     now,
     parse_request,
 )
+from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
