@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -20,26 +19,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from k3verify.server.errors import APIError, error_response
 from k3verify.server.metrics import ServerMetrics
-from k3verify.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
+from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, parse_request
+from k3verify.server.render import (
     ChatRenderer,
     CompletionRenderer,
-    CompletionRequest,
     ModelCard,
     ModelList,
     Renderer,
     make_id,
-    now,
-    parse_request,
+    sse_event,
+    unix_time,
 )
 from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
 DEFAULT_COMPLETION_TOKENS = 16
 POLL_S = 0.25
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -118,21 +115,6 @@ class _CountRequests:
             raise
 
 
-def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
-
-
-def _parse_json(raw: bytes) -> Any:
-    def reject_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
-
-
 def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
                metrics: ServerMetrics | None = None, default_max_tokens: int = 1024,
                encode_chat: Callable[[list[dict[str, Any]]], list[int]] | None = None) -> FastAPI:
@@ -180,10 +162,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
                            type="invalid_request_error", code="invalid_api_key")
 
     async def read_body(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-        return _parse_json(raw)
+        return parse_body(await request.body())
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -233,15 +212,15 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
 
     async def sse(events: _EventStream, renderer: Renderer) -> AsyncIterator[str]:
         for chunk in renderer.start():
-            yield _sse(chunk)
+            yield sse_event(chunk)
         while True:
             event = await events.next(None)
             if event.error is not None:
-                yield _sse(engine_error(event).envelope())
+                yield sse_event(engine_error(event).envelope())
                 break
             metrics.generation_tokens.inc(len(event.token_ids))
             for chunk in renderer.chunks(event):
-                yield _sse(chunk)
+                yield sse_event(chunk)
             if event.finished:
                 break
         yield "data: [DONE]\n\n"
@@ -252,7 +231,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         check_model(req.model)
         prompt = req.single_prompt
         ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        renderer = CompletionRenderer(make_id("cmpl"), now(), model_name, engine.token_text,
+        renderer = CompletionRenderer(make_id("cmpl"), unix_time(), model_name, engine.token_text,
                                       want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
         params = sampling(req, DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens, req.logprobs)
         return await generate(request, ids, params, renderer, stream=req.stream, prompt_param="prompt")
@@ -267,14 +246,14 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         except ValueError as exc:
             raise APIError(400, f"messages could not be rendered: {exc}", param="messages") from None
         max_tokens = req.max_new_tokens or max(1, min(default_max_tokens, engine.max_new_tokens_for(len(ids))))
-        renderer = ChatRenderer(make_id("chatcmpl"), now(), model_name, engine.token_text,
+        renderer = ChatRenderer(make_id("chatcmpl"), unix_time(), model_name, engine.token_text,
                                 want_logprobs=req.logprobs, include_usage=req.include_usage)
         params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         return await generate(request, ids, params, renderer, stream=req.stream, prompt_param="messages")
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models() -> JSONResponse:
-        card = ModelCard(id=model_name, created=now(), max_model_len=engine.runner.max_context)
+        card = ModelCard(id=model_name, created=unix_time(), max_model_len=engine.runner.max_context)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
@@ -290,10 +269,6 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
 
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class ServerThread:

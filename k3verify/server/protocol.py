@@ -1,4 +1,4 @@
-"""OpenAI wire format: strict request models, response/chunk models, renderers, the error envelope.
+"""OpenAI request bodies: JSON parsing and strict request models, each error a 400 naming the field.
 
 Requests are strict (no type coercion, no NaN/Inf, unknown fields rejected) so a client's mistake
 is a 400 naming the field, never a silently reinterpreted value or a 500.
@@ -6,31 +6,33 @@ is a 400 naming the field, never a silently reinterpreted value or a 500.
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+import json
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-if TYPE_CHECKING:
-    from k3verify.serving.engine import EngineEvent
-    from k3verify.serving.sampler import TokenLogprob
+from k3verify.server.errors import APIError
+from k3verify.serving.sampler import SamplingParams
 
+MAX_BODY_BYTES = 8 << 20
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
-class APIError(Exception):
-    """An error rendered as the OpenAI envelope `{"error": {message, type, param, code}}`."""
+def parse_body(raw: bytes) -> Any:
+    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 when it is not JSON (NaN and Infinity
+    included, which Python's json would otherwise accept)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
 
-    def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    try:
+        return json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
 
 
 def _is_union_tag(part: object) -> bool:
@@ -117,6 +119,14 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+            ignore_eos=self.ignore_eos)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -144,8 +154,9 @@ class CompletionRequest(_SamplingFields):
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return p[0]
+        # Not a batch: _check_completion leaves a string or a flat list of token ids.
+        return cast(str | list[int], p)
 
 
 class TextPart(_Strict):
@@ -177,7 +188,10 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse_request(model: type[_Strict], data: Any) -> Any:
+RequestModel = TypeVar("RequestModel", bound=_Strict)
+
+
+def parse_request(model: type[RequestModel], data: Any) -> RequestModel:
     """Validate `data` (parsed JSON) into `model`, raising APIError(400) naming the field on failure."""
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object; got {type(data).__name__}")
@@ -190,226 +204,3 @@ def parse_request(model: type[_Strict], data: Any) -> Any:
             if isinstance(cause, _Unsupported):
                 raise APIError(400, str(cause), param=cause.param) from None
         raise validation_error_to_api_error(exc) from None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatLogprobEntry(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprobEntry] | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "k3verify"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def make_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf
-
-
-class TokenText(Protocol):
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-class Renderer:
-    """Turns engine events into one response (add/response) or SSE chunk payloads (start/chunks)."""
-
-    chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
-
-    def __init__(self, id: str, created: int, model: str, token_text: TokenText, *, want_logprobs: bool,
-                 include_usage: bool) -> None:
-        self.id, self.created, self.model, self.token_text = id, created, model, token_text
-        self.want_logprobs, self.include_usage = want_logprobs, include_usage
-        self.text = ""
-        self.logprobs: list[TokenLogprob] = []
-        self.offsets: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-
-    def token(self, token_id: int) -> tuple[str, bytes]:
-        raw = self.token_text.token_bytes(token_id)
-        return raw.decode("utf-8", errors="replace"), raw
-
-    def add(self, event: EngineEvent) -> None:
-        for lp in event.logprobs:
-            self.logprobs.append(lp)
-            self.offsets.append(len(self.text))
-        self.text += event.text
-        if event.finished:
-            self.finish_reason = event.finish_reason
-            self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                               total_tokens=event.prompt_tokens + event.completion_tokens)
-
-    def start(self) -> list[dict[str, Any]]:
-        return []
-
-    def chunks(self, event: EngineEvent) -> list[dict[str, Any]]:
-        start = len(self.logprobs)
-        self.add(event)
-        out = []
-        if event.text or event.logprobs or event.finished:
-            out.append(self._chunk(event.text, start))
-        if event.finished and self.include_usage:
-            out.append(self._envelope([], self.usage))
-        return out
-
-    def response(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
-        out = self.chunk_model(id=self.id, created=self.created, model=self.model, choices=choices,
-                               usage=usage).model_dump()
-        if usage is None and not self.include_usage:
-            del out["usage"]
-        return out
-
-
-class CompletionRenderer(Renderer):
-    chunk_model = CompletionResponse
-
-    def _logprobs(self, start: int = 0) -> CompletionLogprobs | None:
-        if not self.want_logprobs:
-            return None
-        entries = self.logprobs[start:]
-        return CompletionLogprobs(
-            tokens=[self.token(lp.token_id)[0] for lp in entries],
-            token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in entries],
-            top_logprobs=[{self.token(t)[0]: max(v, LOGPROB_FLOOR) for t, v in lp.top} for lp in entries],
-            text_offset=self.offsets[start:])
-
-    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=self.finish_reason, logprobs=self._logprobs(first_logprob))
-        return self._envelope([choice], None)
-
-    def response(self) -> dict[str, Any]:
-        choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason, logprobs=self._logprobs())
-        return self._envelope([choice], self.usage)
-
-
-class ChatRenderer(Renderer):
-    chunk_model = ChatCompletionChunk
-
-    def _logprobs(self, start: int = 0) -> ChatLogprobs | None:
-        if not self.want_logprobs:
-            return None
-
-        def top(token_id: int, logprob: float) -> dict[str, Any]:
-            text, raw = self.token(token_id)
-            return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(raw)}
-
-        return ChatLogprobs(content=[
-            ChatLogprobEntry(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(t, v)) for t, v in lp.top])
-            for lp in self.logprobs[start:]])
-
-    def start(self) -> list[dict[str, Any]]:
-        return [self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)]
-
-    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
-        delta = ChatDelta(content=text) if text else ChatDelta()
-        return self._envelope([ChatChunkChoice(delta=delta, finish_reason=self.finish_reason,
-                                               logprobs=self._logprobs(first_logprob))], None)
-
-    def response(self) -> dict[str, Any]:
-        if self.usage is None:
-            raise RuntimeError("ChatRenderer.response() called before the final event")
-        choice = ChatChoice(message=AssistantMessage(content=self.text), finish_reason=self.finish_reason,
-                            logprobs=self._logprobs())
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=self.usage).model_dump()
