@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from k3verify.server.app import ServerThread, create_app
+from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
+from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
 
 TINY = "k3-tiny"
