@@ -96,6 +96,11 @@ def hf_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> nn.Module
     return _cached(ctx, f"oracle.hf.{_dtype_name(dtype)}", build)
 
 
+def layers(model: ServingModel | K3Reference) -> list[Any]:
+    """The decoder layers of either stack, untyped: which sub-modules a layer has depends on its kind."""
+    return list(model.model.layers)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -138,10 +138,11 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
 
 
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
-                         measure_noise: bool = False) -> ContextFactory:
-    """The hook `parity` uses: one shared cache per run, a fresh generator per check, and each noise-barred
-    check's recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py regenerates it)."""
-    cache: dict[str, Any] = {}
+                         measure_noise: bool = False, cache: dict[str, Any] | None = None) -> ContextFactory:
+    """The hook `parity` uses: one shared cache per run (`cache`, else a fresh one), a fresh generator per check,
+    and each noise-barred check's recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py
+    regenerates it)."""
+    cache = {} if cache is None else cache
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:

@@ -214,8 +214,10 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
     T = x.shape[0]
     if q_proj is not None:
         q = linear(x, q_proj)
-    else:
+    elif q_a_proj is not None and q_a_norm is not None and q_b_proj is not None:
         q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, lora_eps), q_b_proj)
+    else:
+        raise ValueError("mla needs q_proj, or q_a_proj, q_a_norm and q_b_proj")
     q = q.view(T, heads, qk_nope + qk_rope).transpose(0, 1)  # [h, T, dq]
     c, k_rot = linear(x, kv_a_proj).split([kv_lora_rank, qk_rope], dim=-1)
     kv = linear(rms_norm(c, kv_a_norm, lora_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)

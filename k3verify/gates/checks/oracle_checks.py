@@ -135,7 +135,8 @@ def check_oracle_pins(ctx: CheckContext) -> Trial:
             pinned[f"{name}:{path}"], actual[f"{name}:{path}"] = f["pinned_sha256"], f["sha256"]
     altered = dict(actual)
     key = next(k for k, v in altered.items() if v and not k.endswith(":version"))
-    altered[key] = ("0" if altered[key][0] != "0" else "1") + altered[key][1:]
+    sha = str(altered[key])
+    altered[key] = ("0" if sha[0] != "0" else "1") + sha[1:]
     return Trial(reference=_pin_bytes(pinned), candidate=_pin_bytes(actual), control=_pin_bytes(altered),
                  notes=mismatches(prov) or ["every oracle version and source hash matches pins.json"])
 

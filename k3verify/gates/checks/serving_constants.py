@@ -12,13 +12,14 @@ oracle router, both dtypes) and the depth mixer by attn_res.module.*.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
@@ -34,7 +35,7 @@ class NormSite:
     swaps in (the other family's)."""
 
     name: str
-    serving: nn.Module
+    serving: Any  # an RMSNorm module (its .eps is what the control swaps)
     oracle: Callable[[torch.Tensor], torch.Tensor]
     eps: float
     wrong_eps: float
@@ -52,7 +53,7 @@ def _norm_sites(ctx: CheckContext, dtype: torch.dtype) -> list[NormSite]:
     cfg, model, ref = ctx.cfg, fx.serving_model(ctx, dtype), fx.reference_model(ctx, dtype)
     layer_eps, lora_eps = cfg.rms_norm_eps, Fn.MLA_LORA_EPS
     sites = [NormSite("norm", model.model.norm, ref.model.norm, ref.model.norm.eps, lora_eps)]
-    for i, (layer, ref_layer) in enumerate(zip(model.model.layers, ref.model.layers, strict=True)):
+    for i, (layer, ref_layer) in enumerate(zip(fx.layers(model), fx.layers(ref), strict=True)):
         for name in ("input_layernorm", "post_attention_layernorm"):
             oracle = getattr(ref_layer, name)
             sites.append(NormSite(f"layers.{i}.{name}", getattr(layer, name), oracle, oracle.eps, lora_eps))
@@ -60,7 +61,7 @@ def _norm_sites(ctx: CheckContext, dtype: torch.dtype) -> list[NormSite]:
             if hasattr(layer.self_attn, name):
                 w = getattr(ref_layer.self_attn, name).weight
                 sites.append(NormSite(f"layers.{i}.self_attn.{name}", getattr(layer.self_attn, name),
-                                      lambda x, w=w: Fn.rms_norm(x, w, lora_eps), lora_eps, layer_eps))
+                                      functools.partial(Fn.rms_norm, weight=w, eps=lora_eps), lora_eps, layer_eps))
         if hasattr(getattr(layer, "block_sparse_moe", None), "routed_expert_norm"):
             oracle = ref_layer.block_sparse_moe.routed_expert_norm
             sites.append(NormSite(f"layers.{i}.block_sparse_moe.routed_expert_norm",
@@ -78,7 +79,7 @@ def _norm_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     cfg, model, oracle_model = ctx.cfg, fx.serving_model(ctx, dtype), fx.reference_model(ctx, dtype)
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     for i in cfg.kda_layers:  # the gated o_norm, per head
-        o_norm, ref_attn = model.model.layers[i].self_attn.o_norm, oracle_model.model.layers[i].self_attn
+        o_norm, ref_attn = fx.layers(model)[i].self_attn.o_norm, fx.layers(oracle_model)[i].self_attn
         x = _scaled_rows(ctx, dk, ref_attn.eps, dtype, (h,))
         gate = (torch.randn(x.shape, generator=ctx.generator) * 2).to(dtype).to(ctx.device)
         key = f"layers.{i}.self_attn.o_norm"
@@ -112,11 +113,11 @@ def check_norm_sites_bf16(ctx: CheckContext) -> Trial:
     return trial
 
 
-def _act_sites(ctx: CheckContext, dtype: torch.dtype) -> list[tuple[str, nn.Module, nn.Module]]:
+def _act_sites(ctx: CheckContext, dtype: torch.dtype) -> list[tuple[str, Any, Any]]:
     """(name, serving module holding `.act`, oracle GLU with the config's activation constants)."""
     model, ref = fx.serving_model(ctx, dtype), fx.reference_model(ctx, dtype)
     sites = []
-    for i, (layer, ref_layer) in enumerate(zip(model.model.layers, ref.model.layers, strict=True)):
+    for i, (layer, ref_layer) in enumerate(zip(fx.layers(model), fx.layers(ref), strict=True)):
         if not layer.is_moe:
             sites.append((f"layers.{i}.mlp", layer.mlp, ref_layer.mlp))
             continue
@@ -126,7 +127,7 @@ def _act_sites(ctx: CheckContext, dtype: torch.dtype) -> list[tuple[str, nn.Modu
     return sites
 
 
-def _oracle_act(glu: nn.Module, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _oracle_act(glu: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if glu.act == "situ":
         return Fn.situ(g, u, glu.beta, glu.linear_beta)
     return F.silu(g) * u
@@ -182,7 +183,7 @@ def _gate_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     wrong = -5.0 if cfg.gate_lower_bound is None else 0.8 * cfg.gate_lower_bound
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
     for i in cfg.kda_layers:
-        attn, ref_attn = model.model.layers[i].self_attn, ref.model.layers[i].self_attn
+        attn, ref_attn = fx.layers(model)[i].self_attn, fx.layers(ref)[i].self_attn
         x = fx.layer_inputs(ctx, 2 * ROWS, dtype)
         x[ROWS:] *= 4  # pushes exp(A) (f_b f_a x + dt_bias) across the whole sigmoid (or softplus) range
         T, h, dk = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim

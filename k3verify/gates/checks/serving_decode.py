@@ -48,7 +48,7 @@ def _decode_scenario(ctx: CheckContext, runner: ModelRunner, tokens: dict[int, l
     conts = [(sid, tokens[sid][first:first + cont]) for sid, (first, cont) in PROMPTS.items() if cont]
     for row, (sid, _) in zip(runner.prefill(conts), conts, strict=True):
         rows[sid].append(row)
-    with during_decode() if during_decode is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+    with during_decode() if during_decode is not None else contextlib.nullcontext():
         for _ in range(DECODE_STEPS):
             step = [(sid, tokens[sid][runner.num_cached(sid)]) for sid in PROMPTS]
             for row, (sid, _) in zip(runner.decode(step), step, strict=True):
@@ -73,6 +73,7 @@ def check_decode_vs_full(ctx: CheckContext) -> Trial:
     for sid in PROMPTS:
         full = model.prefill(PackedBatch.build(torch.tensor(tokens[sid]), [total[sid]], device=ctx.device),
                              all_logits=True).all_logits
+        assert full is not None  # asked for with all_logits=True
         ref[f"seq{sid}"] = full[_positions(sid)]
     noise = None
     if ctx.needs_noise:
@@ -119,7 +120,7 @@ def check_absorbed_decode(ctx: CheckContext) -> Trial:
     model, setup = fx.serving_model(ctx), LatentDecode(ctx, torch.float32)
     ref, cand, ctrl, low, high = {}, {}, {}, {}, {}
     for i in ctx.cfg.full_attn_layers:
-        attn = model.model.layers[i].self_attn
+        attn = fx.layers(model)[i].self_attn
         x_pre = fx.layer_inputs(ctx, sum(DECODE_LENS), torch.float32)
         attn(x_pre, setup.context(setup.prefill))
         x = fx.layer_inputs(ctx, len(DECODE_LENS), torch.float32)
@@ -169,7 +170,7 @@ def check_decode_softmax_bf16(ctx: CheckContext) -> Trial:
         return _oracle_softmax(scores, dtype)
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
     for i in ctx.cfg.full_attn_layers:
-        attn = model.model.layers[i].self_attn
+        attn = fx.layers(model)[i].self_attn
         attn(fx.layer_inputs(ctx, sum(DECODE_LENS), torch.bfloat16), setup.context(setup.prefill))
         x, key = fx.layer_inputs(ctx, len(DECODE_LENS), torch.bfloat16), f"layers.{i}"
         out["cand"][key] = attn(x, setup.context(setup.decode))
@@ -192,15 +193,23 @@ def _oracle_last_rows(ctx: CheckContext, layer: int, x_pre: torch.Tensor, x: tor
     for j, n in enumerate(lens):
         seq = torch.cat([x_pre[start:start + n], x[j:j + 1]])
         for dtype in rows:
-            rows[dtype].append(fx.reference_model(ctx, dtype).model.layers[layer].self_attn(seq.to(dtype))[-1])
+            rows[dtype].append(fx.layers(fx.reference_model(ctx, dtype))[layer].self_attn(seq.to(dtype))[-1])
         start += n
     return torch.stack(rows[torch.float32]), torch.stack(rows[torch.float64])
 
 
 def _integrity_scenario(runner: ModelRunner, ids: list[int], corrupt_after: int | None) -> torch.Tensor:
     """Run a scheduler-like sequence of steps; 1 for every step after which integrity fails."""
+    def admit_three() -> None:
+        for sid in (1, 2, 3):
+            runner.admit(sid, 40)
+
+    def release_rest() -> None:
+        for sid in (1, 3, 4):
+            runner.release(sid)
+
     steps: list[Callable[[], object]] = [
-        lambda: [runner.admit(s, 40) for s in (1, 2, 3)],
+        admit_three,
         lambda: runner.prefill([(1, ids[:9]), (2, ids[9:30]), (3, ids[30:33])]),
         lambda: runner.decode([(1, 5), (2, 6), (3, 7)]),
         lambda: runner.prefill([(3, ids[33:50])]),
@@ -209,7 +218,7 @@ def _integrity_scenario(runner: ModelRunner, ids: list[int], corrupt_after: int 
         lambda: runner.admit(4, 24),
         lambda: runner.prefill([(4, ids[:20])]),
         lambda: runner.decode([(1, 1), (3, 2), (4, 3)]),
-        lambda: [runner.release(s) for s in (1, 3, 4)],
+        release_rest,
     ]
     outcome = []
     for n, step in enumerate(steps):

@@ -4,6 +4,8 @@ norms and the fused Triton router vs the torch path."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
@@ -53,7 +55,8 @@ def check_mxfp4_dequant(ctx: CheckContext) -> Trial:
         for name in ("w1", "w2", "w3"):
             w: PackedWeight = getattr(expert, name)
             key = f"expert{e}.{name}"
-            ref[key] = ckpt_mxfp4.dequantize(w.weight_packed, w.weight_scale, torch.float32, group)
+            packed, scales = cast(torch.Tensor, w.weight_packed), cast(torch.Tensor, w.weight_scale)
+            ref[key] = ckpt_mxfp4.dequantize(packed, scales, torch.float32, group)
             cand[key] = w.dense(torch.float32)
             with fx.patched(mxfp4_ref, "codes_low_first", _high_nibble_first):
                 ctrl[key] = w.dense(torch.float32)
@@ -93,6 +96,8 @@ def _naive(x: dict[str, torch.Tensor], cu: list[int], beta: torch.Tensor | None 
         o, S = fla_ref.naive_recurrent(q[None, s:e], k[None, s:e], x["v"][None, s:e], x["g"][None, s:e],
                                        b[None, s:e], scale=DK**-0.5, initial_state=x["s0"][n:n + 1],
                                        output_final_state=True)
+        if S is None:
+            raise RuntimeError("fla's naive_recurrent returned no final state despite output_final_state=True")
         outs.append(o[0])
         finals.append(S[0])
     return torch.cat(outs), torch.stack(finals)
@@ -314,14 +319,14 @@ def check_attn_sdpa(ctx: CheckContext) -> Trial:
         h, d, dv = 5, 18, 10
         q, k, v = (torch.randn(h, n, w, generator=g) for n, w in ((Lq, d), (offset + Lq, d), (offset + Lq, dv)))
         scale = d**-0.5
-        bf = [t.bfloat16().to(ctx.device) for t in (q, k, v)]
+        bq, bk, bv = (t.bfloat16().to(ctx.device) for t in (q, k, v))
         key = f"Lq{Lq}.offset{offset}"
-        cand[key] = attn_ops.causal_attention(*bf, offset, scale).float().cpu()
+        cand[key] = attn_ops.causal_attention(bq, bk, bv, offset, scale).float().cpu()
         fx.assert_routed(attn_ops.CAUSAL, backend=CUDA)
         ref[key] = attn_ref.causal_attention(q.double(), k.double(), v.double(), offset, scale).float()
         late = offset + 1 if Lq > 1 else offset  # one query sees every key anyway: the control needs Lq > 1
-        ctrl[key] = attn_sdpa.causal_attention_sdpa(*bf, late, scale).float().cpu()
-        eager[key] = compare(Kind.RMS, ref[key], attn_ref.causal_attention(*bf, offset, scale).float().cpu(),
+        ctrl[key] = attn_sdpa.causal_attention_sdpa(bq, bk, bv, late, scale).float().cpu()
+        eager[key] = compare(Kind.RMS, ref[key], attn_ref.causal_attention(bq, bk, bv, offset, scale).float().cpu(),
                              1.0).metric
     return Trial(reference=ref, candidate=cand, control=ctrl, metrics={f"eager_bf16_rms.{k}": m for k, m in
                                                                       eager.items()},

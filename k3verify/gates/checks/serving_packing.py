@@ -14,6 +14,7 @@ are compared with a measured bar.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -57,6 +58,13 @@ def _depth(ref: ForwardOutput, cand: ForwardOutput) -> list[tuple[str, torch.Ten
     return [(k, ref.captures[k], cand.captures[k]) for k in names + ["final_hidden"]]
 
 
+def _output(out: ForwardOutput, key: str) -> torch.Tensor | None:
+    """A pass's logits ("logits") or one of its captures."""
+    if key == "logits":
+        return out.all_logits
+    return None if out.captures is None else out.captures[key]
+
+
 def _cat(outs: list[ForwardOutput], key: str) -> torch.Tensor:
     if key == "logits":
         return torch.cat([o.all_logits for o in outs])  # type: ignore[misc]
@@ -81,7 +89,7 @@ def check_packed_equal(ctx: CheckContext) -> Trial:
     ctrl = {k: wrong.captures[k] for k in keys}  # type: ignore[index]
     x = fx.layer_inputs(ctx, T, torch.float32)
     for i in ctx.cfg.full_attn_layers:
-        attn = model.model.layers[i].self_attn
+        attn = fx.layers(model)[i].self_attn
         key = f"mla.layers.{i}"
         ref[key] = torch.cat([attn(x[a:a + n], fx.single_pass(fx.dummy_ids(n), ctx.device))
                               for a, n in zip(range(0, T, EQUAL[0]), EQUAL, strict=True)])
@@ -127,7 +135,7 @@ def check_packed_unequal(ctx: CheckContext) -> Trial:
         f"router: {stats.pinned} of {stats.flips} flipped token choices pinned as drift-explained near-ties"])
 
 
-def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, torch.Tensor], what: str) -> Trial:
+def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, Any], what: str) -> Trial:
     if not ctx.cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
     model, T = fx.serving_model(ctx), sum(EQUAL)
@@ -137,7 +145,7 @@ def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, torch.Tensor], wh
     bad.batch = dataclasses.replace(bad.batch, **wrong_meta)
     ref, cand, ctrl = {}, {}, {}
     for i in ctx.cfg.kda_layers:
-        attn = model.model.layers[i].self_attn
+        attn = fx.layers(model)[i].self_attn
         key = f"layers.{i}"
         ref[key] = torch.cat([attn(x[a:a + n], fx.single_pass(fx.dummy_ids(n), ctx.device))
                               for a, n in zip(range(0, T, EQUAL[0]), EQUAL, strict=True)])
@@ -200,10 +208,8 @@ def check_segmented(ctx: CheckContext) -> Trial:
     with fx.patched(kda_mod, "segment_pieces", mid_chunk), fx.patched(kda_mod, "check_pieces", lambda *a: None):
         wrong = model.prefill(batch, all_logits=True, capture=True, segment_len=64)
     keys = ["logits"] + [k for k in whole.captures if ".attn_out" in k]  # type: ignore[union-attr]
-    pick = {"logits": lambda o: o.all_logits}
-    get = {k: pick.get(k, lambda o, k=k: o.captures[k]) for k in keys}
-    return Trial(reference={k: get[k](whole) for k in keys}, candidate={k: get[k](seg) for k in keys},
-                 control={k: get[k](wrong) for k in keys}, layers=_depth(whole, seg),
+    return Trial(reference={k: _output(whole, k) for k in keys}, candidate={k: _output(seg, k) for k in keys},
+                 control={k: _output(wrong, k) for k in keys}, layers=_depth(whole, seg),
                  control_layers=_depth(whole, wrong), notes=[
                      f"lengths {lens}, segment_len 64 (fp32 state handed across segments) vs one pass; "
                      f"segmented layer passes: {seg.stats.get('kda_segmented', 0)}"])
@@ -220,7 +226,7 @@ def check_tiled_ffn(ctx: CheckContext) -> Trial:
     # tiling that drops its last row cannot hide behind the merge.
     model = fx.serving_model(ctx)
     mlps = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(fx.layers(model)):
         mlps[f"layers.{i}." + ("shared_experts" if layer.is_moe else "mlp")] = (
             layer.block_sparse_moe.shared_experts if layer.is_moe else layer.mlp)
     tiles = mlp_mod.even_tiles

@@ -27,10 +27,10 @@ def _router_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     ref, model = fx.reference_model(ctx, dtype), fx.serving_model(ctx, dtype)
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
     for i in layers:
-        x = ref.model.layers[i].post_attention_layernorm(
+        x = fx.layers(ref)[i].post_attention_layernorm(
             torch.randn(T_ROUTER, ctx.cfg.hidden_size, generator=ctx.generator).to(dtype).to(ctx.device))
-        serving = model.model.layers[i].block_sparse_moe.gate
-        for name, res in (("ref", ref.model.layers[i].block_sparse_moe.gate(x)), ("cand", serving(x))):
+        serving = fx.layers(model)[i].block_sparse_moe.gate
+        for name, res in (("ref", fx.layers(ref)[i].block_sparse_moe.gate(x)), ("cand", serving(x))):
             out[name][f"layers.{i}.weights"], out[name][f"layers.{i}.idx"] = res
         zeros = nn.Parameter(torch.zeros_like(serving.e_score_correction_bias), requires_grad=False)
         with fx.patched(serving, "e_score_correction_bias", zeros):
@@ -82,11 +82,10 @@ MixFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p [T, H], block
 def _serving_mixes(model: Any) -> list[tuple[str, MixFn, torch.Tensor]]:
     """(site, the serving mix through its module, the site's score weight) for every mix site."""
     sites: list[tuple[str, MixFn, torch.Tensor]] = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(fx.layers(model)):
         for pair in ("self_attention_res", "mlp_res"):
             w = getattr(layer, f"{pair}_norm").weight.float() * getattr(layer, f"{pair}_proj").weight.float()
-            sites.append((f"layers.{i}.{pair}", lambda p, b, layer=layer, pair=pair: layer.mix(p, _blocks(b), pair),
-                          w.reshape(-1)))
+            sites.append((f"layers.{i}.{pair}", _layer_mix(layer, pair), w.reshape(-1)))
     out_w = model.model.output_attn_res_norm.weight.float() * model.model.output_attn_res_proj.weight.float()
     sites.append(("output", lambda p, b: model.finish(p, _blocks(b)), out_w.reshape(-1)))
     return sites
@@ -95,11 +94,25 @@ def _serving_mixes(model: Any) -> list[tuple[str, MixFn, torch.Tensor]]:
 def _oracle_mixes(ref: Any) -> list[MixFn]:
     """The oracle's mix at the same sites, in _serving_mixes' order, with the oracle's own eps."""
     out: list[MixFn] = []
-    for layer in ref.model.layers:
+    for layer in fx.layers(ref):
         for pair in ("self_attention_res", "mlp_res"):
-            out.append(lambda p, b, layer=layer, pair=pair: layer.mix(pair, p, list(b)))
+            out.append(_oracle_layer_mix(layer, pair))
     out.append(lambda p, b: _oracle_finish(ref, p, list(b)))
     return out
+
+
+def _layer_mix(layer: Any, pair: str) -> MixFn:
+    def mix(p: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = layer.mix(p, _blocks(b), pair)
+        return out
+    return mix
+
+
+def _oracle_layer_mix(layer: Any, pair: str) -> MixFn:
+    def mix(p: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = layer.mix(pair, p, list(b))
+        return out
+    return mix
 
 
 def _blocks(entries: torch.Tensor) -> ConcatBlocks:
