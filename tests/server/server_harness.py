@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from k3verify.server.app import create_app
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
-from k3verify.serving.metrics import ServerMetrics
-from k3verify.serving.server import ServerThread, create_app
 
 TINY = "k3-tiny"
 DTYPE = torch.float32  # fp32 logits move by ~1e-5 with batch composition; greedy tests check for no near-ties
@@ -24,7 +25,7 @@ DTYPE = torch.float32  # fp32 logits move by ~1e-5 with batch composition; greed
 @functools.cache
 def tiny_parts() -> tuple[Any, dict[str, torch.Tensor], Any]:
     """(config, synthetic tensors, tokenizer) of k3-tiny, built once per session."""
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.presets import get_preset
     from k3verify.tokenizer import default_tokenizer
 
