@@ -17,7 +17,7 @@ from k3verify.serving.runner import ModelRunner
 
 def run_mxfp4_bench(plan: m.Mxfp4Plan, cfg: ModelConfig, device: torch.device, bandwidth: float) -> m.Mxfp4Result:
     """Both models from the same name-seeded weights, gated by parity in this run, then timed (if green)."""
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 
     if not cfg.experts_quantized:
         raise ValueError(f"preset {plan.preset} has dense experts: the MXFP4 bench needs quantized ones")

@@ -76,8 +76,8 @@ def readout(launch: Any) -> dict[str, float]:
 
 def faulted_kernels(tmp: str) -> dict[str, Any]:
     """Each CUDA catalog entry that targets the kernel module, applied to its source: id -> launch function."""
+    from k3verify.gates.mutation import load_catalog
     from k3verify.kernels.mxfp4 import grouped_kernel, triton_impl
-    from k3verify.mutate import load_catalog
 
     source = Path(grouped_kernel.__file__).read_text()
     out: dict[str, Any] = {}
@@ -107,7 +107,7 @@ def faulted_kernels(tmp: str) -> dict[str, Any]:
 
 def serving_packed_vs_cached() -> dict[str, float]:
     """k3-tiny in bf16: prefill logits with the packed experts through the Triton kernel vs dequantized experts."""
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.kernels import mxfp4
     from k3verify.kernels.registry import REGISTRY, TRITON
     from k3verify.presets import get_preset
@@ -137,13 +137,12 @@ def check_dry_run() -> dict[str, Any]:
     from k3verify.kernels import mxfp4
     from k3verify.kernels.mxfp4 import triton_impl
     from k3verify.kernels.registry import REGISTRY, TRITON
-    from k3verify.presets import get_preset
+    from k3verify.target import resolve_target
 
     serving_mxfp4.CASES = tuple((n, c, N, K) for n, c, N, K in CASES[:2])  # type: ignore[assignment]
     triton_impl.available = lambda: None  # the interpreter stands in for CUDA
     check = CHECKS.get("kernel.mxfp4.grouped_vs_torch")
-    ctx = CheckContext(get_preset("k3-tiny"), "k3-tiny", None, torch.device("cpu"), 0,
-                       torch.Generator().manual_seed(0), "quick")
+    ctx = CheckContext(resolve_target("k3-tiny"), torch.device("cpu"), 0, torch.Generator().manual_seed(0), "quick")
     REGISTRY.force(mxfp4.GROUPED_MM, TRITON)
     try:
         result = evaluate_trial(check, check.fn(ctx))

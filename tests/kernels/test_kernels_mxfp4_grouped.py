@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 import k3verify
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
+from k3verify.gates.mutation import load_catalog
 from k3verify.kernels import mxfp4
 from k3verify.kernels.mxfp4 import torch_ref, triton_impl
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
-from k3verify.mutate import load_catalog
 
 BAR = 3.3e-3  # kernel.mxfp4.grouped_vs_torch's bar (2x the reference's own bf16 noise)
 

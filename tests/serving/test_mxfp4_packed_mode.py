@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.kernels import mxfp4
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.presets import get_preset

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, compare, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import mxfp4 as mxfp4_ops
 from k3verify.kernels.moe.grouped import PackedExperts
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
 from k3verify.kernels.mxfp4 import triton_impl as mxfp4_triton
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
-from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.decoder import DecoderLayer
 from k3verify.serving.layers.moe import SparseMoE
 from k3verify.serving.model import ServingModel
