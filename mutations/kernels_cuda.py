@@ -107,10 +107,8 @@ MUTANTS = [
         id="kernel.mxfp4.triton_nibbles_high_first", devices=("cuda",),
         fault="the Triton MXFP4 GEMM decodes each byte's high nibble as the earlier input column",
         target=f"{MXFP4}:mxfp4_grouped_mm_kernel",
-        old="lo = tl.reshape((_e2m1(q & 0xF) * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))\n"
-            "        hi = tl.reshape((_e2m1(q >> 4) * scale)",
-        new="lo = tl.reshape((_e2m1(q >> 4) * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))\n"
-            "        hi = tl.reshape((_e2m1(q & 0xF) * scale)",
+        old="w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))",
+        new="w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K))",
         killers=MXFP4_KILLERS,
     ),
     Mutant(

@@ -22,6 +22,7 @@ from k3verify.bench.run import generate_ours, judge, measured_distinct_experts
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
+from k3verify.gates.fixtures import patched
 from k3verify.kernels.moe.grouped import PackedExperts, moe_grouped_combine, moe_packed_combine
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.serving.batch import PackedBatch
@@ -144,7 +145,7 @@ def prefill_parity(packed: ServingModel, gold: torch.Tensor, theirs: torch.Tenso
     with contextlib.ExitStack() as stack:
         for moe in moes:
             swapped = _swapped(moe.packed_experts())
-            stack.enter_context(_patched_experts(moe, swapped))
+            stack.enter_context(patched(moe, "packed_experts", lambda swapped=swapped: swapped))
         ctrl = packed.prefill(pack, all_logits=True).all_logits
     if ours is None or ctrl is None:
         raise RuntimeError("prefill returned no per-position logits")
@@ -155,15 +156,6 @@ def prefill_parity(packed: ServingModel, gold: torch.Tensor, theirs: torch.Tenso
                            "packed_vs_dequantized_rms": compare(Kind.RMS, theirs, ours, 1.0).metric},
                   notes=[f"{ids.numel()} tokens; bar max({bar}, 1.5 x dequantized-bf16-vs-fp32 = {1.5 * base:.3g})"])
     return judge("bench.mxfp4.prefill_logits_vs_fp32_gold", Kind.RMS, trial, eff_bar)
-
-
-@contextlib.contextmanager
-def _patched_experts(moe: SparseMoE, experts: PackedExperts) -> Iterator[None]:
-    moe.packed_experts = lambda: experts  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del moe.packed_experts
 
 
 def graph_seconds(fn: Callable[[], object], device: torch.device) -> float:

@@ -33,7 +33,7 @@ def test_packed_weights_are_the_checkpoint_bytes(dry_run: dict[str, Any]) -> Non
     assert dry_run["memory"]["dequantized"]["expert_bytes"] == packed + dense
     assert dry_run["memory"]["dequantized"]["bf16_expert_bytes"] == dense
     assert dry_run["memory"]["packed"]["bf16_expert_bytes"] == 0
-    assert dense / packed == pytest.approx(4 / (1 + 2 / cfg.quant.group_size))  # type: ignore[union-attr]
+    assert cfg.quant is not None and dense / packed == pytest.approx(4 / (1 + 2 / cfg.quant.group_size))
 
 
 def test_parity_gates_the_speeds(dry_run: dict[str, Any]) -> None:

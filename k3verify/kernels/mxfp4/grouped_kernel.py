@@ -1,15 +1,15 @@
 """Triton grouped GEMM over MXFP4 experts: y[rows of e] = x[rows of e] @ decode(codes[e], scales[e])^T.
 
-Rows of x arrive sorted by expert; `offs[e]` is the end of expert e's rows (torch._grouped_mm's
-convention), so expert e owns rows offs[e-1]..offs[e]. Program (t, n) takes the t-th (expert, row
-block) tile, found in-kernel from a prefix sum of each expert's tile count (no host sync, static grid:
-CUDA-graph capturable), and BLOCK_N output columns. Its weights are read packed from HBM once per tile
-and decoded in registers: E2M1 codes x 2^(E8M0 - 127), exact in bf16, into bf16 tensor-core dots with
-fp32 accumulation. Each byte holds two codes, low nibble first, so the even input columns meet the low
-nibbles and the odd columns the high nibbles: two dots, no interleave.
+Rows of x arrive sorted by expert; `offs[e]` is the end of expert e's rows (torch._grouped_mm's convention),
+so expert e owns rows offs[e-1]..offs[e]. A program takes the t-th (expert, row block) tile, found in- kernel
+from a prefix sum of each expert's tile count (no host sync, static grid: CUDA-graph capturable), and one
+block of BLOCK_N output columns; programs walk GROUP_T tiles across all column blocks. Its weights are read
+packed from HBM once per tile and decoded in registers: E2M1 codes x 2^(E8M0 - 127), exact in bf16,
+interleaved back into input-column order (each byte holds two codes, low nibble first) for one bf16 tensor-
+core dot per K block with fp32 accumulation.
 
-Imports triton at module level: load it lazily (kernels/mxfp4/triton_impl.py); for the CPU interpreter
-set TRITON_INTERPRET=1 before this module is first imported.
+Imports triton at module level: load it lazily (kernels/mxfp4/triton_impl.py); for the CPU interpreter set
+TRITON_INTERPRET=1 before this module is first imported.
 """
 
 from __future__ import annotations
@@ -35,10 +35,20 @@ def _e8m0(s):
 
 
 @triton.jit
-def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, s_xm, s_qe, s_qn, s_se, s_sn, s_ym,
-                            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    tile = tl.program_id(0)
+def _tile_of(pid, num_tiles, num_n, GROUP_T: tl.constexpr):
+    """Program -> (row tile, column block), GROUP_T row tiles at a time across every column block: the
+    activations of those tiles stay in L2 while the expert's weights stream past once per group."""
+    per_group = GROUP_T * num_n
+    first = (pid // per_group) * GROUP_T
+    size = tl.minimum(num_tiles - first, GROUP_T)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, num_tiles, s_xm, s_qe, s_qn, s_se, s_sn,
+                            s_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_T: tl.constexpr):
+    tile, n_block = _tile_of(tl.program_id(0), num_tiles, tl.cdiv(N, BLOCK_N), GROUP_T)
     # which expert's which row block: tiles are numbered expert by expert, ceil(rows / BLOCK_M) each
     e = tl.arange(0, BLOCK_E)
     live = e < E
@@ -47,13 +57,13 @@ def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, s_xm,
     tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     tiles_end = tl.cumsum(tiles, axis=0)
     expert = tl.sum((tiles_end <= tile).to(tl.int32), axis=0)
-    if expert >= E:  # the grid is an upper bound on the tile count
+    if expert >= E:  # num_tiles is an upper bound on the tile count
         return
     mine = e == expert
     first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), axis=0)
     rows = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.sum(tl.where(mine, ends, 0), axis=0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
 
     w_expert = expert.to(tl.int64)
@@ -64,7 +74,7 @@ def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, s_xm,
     HALF: tl.constexpr = GROUP // 2  # bytes per scale group
     g = tl.arange(0, GROUPS)
     b = tl.arange(0, HALF)
-    pair = tl.arange(0, BLOCK_K // 2)  # byte j of the block holds input columns 2j (low) and 2j + 1 (high)
+    kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         group = k0 // GROUP + g  # [G]
@@ -74,13 +84,10 @@ def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, s_xm,
         s = tl.load(s_rows + group[None, :], mask=col_ok[:, None] & g_ok[None, :], other=127)
         scale = _e8m0(s.to(tl.int32))[:, :, None]  # [BN, G, 1]
         q = q.to(tl.int32)
-        lo = tl.reshape((_e2m1(q & 0xF) * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-        hi = tl.reshape((_e2m1(q >> 4) * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-        col = k0 + 2 * pair
-        x_ok = row_ok[:, None] & (col < K)[None, :]
-        x_even = tl.load(x_rows + col[None, :], mask=x_ok, other=0.0)
-        x_odd = tl.load(x_rows + col[None, :] + 1, mask=x_ok, other=0.0)
-        acc += tl.dot(x_even, tl.trans(lo))
-        acc += tl.dot(x_odd, tl.trans(hi))
+        lo = _e2m1(q & 0xF) * scale  # input column 2j of byte j
+        hi = _e2m1(q >> 4) * scale  # input column 2j + 1
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.bfloat16)  # exact: <= 2 significant bits
+        x = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
     out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -5,12 +5,14 @@ imports triton."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from k3verify.kernels.lazy import cuda_reason, lazy_module
 
 MAX_EXPERTS = 4096  # the tile search holds every expert's row count in one block
+GROUP_TILES = 8  # row tiles whose activations stay in L2 while the weights stream past
 
 
 _kernels = lazy_module("k3verify.kernels.mxfp4.grouped_kernel", "Triton MXFP4 grouped GEMM")
@@ -66,7 +68,7 @@ def pick_tiles(rows: int, experts: int, group: int) -> Tiles:
     over 128 rows."""
     per_expert = rows / max(min(experts, rows), 1)
     if per_expert <= 16:
-        return Tiles(16, 64, max(256, group), 4, 4)
+        return Tiles(16, 64, max(128, group), 4, 4)
     if per_expert <= 64:
         return Tiles(64, 64, max(128, group), 4, 3)
     return Tiles(128, 128, max(64, group), 8, 3)
@@ -78,15 +80,23 @@ def grouped_mm_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     mod = _kernels()
     if isinstance(mod, str):
         raise RuntimeError(mod)
+    return launch(mod, x, codes, scales, offs, group)
+
+
+def launch(mod: ModuleType, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
+           group: int) -> torch.Tensor:
+    """Run `mod.mxfp4_grouped_mm_kernel` (the kernel module, or a test's variant of it) on one call."""
     M, K = x.shape
     E, N, _ = codes.shape
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     t = pick_tiles(M, E, group)
-    grid = (M // t.block_m + min(E, M), -(-N // t.block_n))  # sum_e ceil(rows_e / BM) <= M // BM + active experts
+    num_tiles = M // t.block_m + min(E, M)  # >= sum_e ceil(rows_e / BM): at most one partial tile per expert
+    grid = (num_tiles * -(-N // t.block_n),)
     mod.mxfp4_grouped_mm_kernel[grid](
-        x, codes, scales, offs, y, N, K, E, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
-        scales.stride(1), y.stride(0), GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        BLOCK_E=max(_next_pow2(E), 2), num_warps=t.num_warps, num_stages=t.num_stages)
+        x, codes, scales, offs, y, N, K, E, num_tiles, x.stride(0), codes.stride(0), codes.stride(1),
+        scales.stride(0), scales.stride(1), y.stride(0), GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, BLOCK_E=max(_next_pow2(E), 2), GROUP_T=GROUP_TILES, num_warps=t.num_warps,
+        num_stages=t.num_stages)
     return y
