@@ -1,12 +1,12 @@
 """Triton grouped GEMM over MXFP4 experts: y[rows of e] = x[rows of e] @ decode(codes[e], scales[e])^T.
 
 Rows of x arrive sorted by expert; `offs[e]` is the end of expert e's rows (torch._grouped_mm's convention),
-so expert e owns rows offs[e-1]..offs[e]. A program takes the t-th (expert, row block) tile, found in- kernel
+so expert e owns rows offs[e-1]..offs[e]. A program takes the t-th (expert, row block) tile, found in-kernel
 from a prefix sum of each expert's tile count (no host sync, static grid: CUDA-graph capturable), and one
 block of BLOCK_N output columns; programs walk GROUP_T tiles across all column blocks. Its weights are read
 packed from HBM once per tile and decoded in registers: E2M1 codes x 2^(E8M0 - 127), exact in bf16,
-interleaved back into input-column order (each byte holds two codes, low nibble first) for one bf16 tensor-
-core dot per K block with fp32 accumulation.
+interleaved back into input-column order (each byte holds two codes, low nibble first) for one bf16
+tensor-core dot per K block with fp32 accumulation.
 
 Imports triton at module level: load it lazily (kernels/mxfp4/triton_impl.py); for the CPU interpreter set
 TRITON_INTERPRET=1 before this module is first imported.
