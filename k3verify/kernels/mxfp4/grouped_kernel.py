@@ -88,6 +88,6 @@ def mxfp4_grouped_mm_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr, N, K, E, num_t
         hi = _e2m1(q >> 4) * scale  # input column 2j + 1
         w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.bfloat16)  # exact: <= 2 significant bits
         x = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc = tl.dot(x, tl.trans(w), acc)
     out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
