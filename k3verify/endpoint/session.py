@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import torch
 
 from k3verify.endpoint.client import EndpointClient, Limits, Reply
@@ -74,11 +75,11 @@ def expect_ok(reply: Reply, what: str) -> Any:
 
 def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_token: int, dtype: str,
                  model: str | None = None, api_key: str | None = None, limits: Limits | None = None,
-                 note: str = "") -> EndpointSession:
+                 note: str = "", transport: httpx.BaseTransport | None = None) -> EndpointSession:
     """Connect, identify the server and the model, probe its features (SetupError if it cannot be verified)."""
     if dtype not in DTYPES:
         raise ValueError(f"declared dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
-    client = EndpointClient(url, api_key=api_key, limits=limits)
+    client = EndpointClient(url, api_key=api_key, limits=limits, transport=transport)
     try:
         name, identity = identify(client, model)
         resolver = TokenResolver(vocab)

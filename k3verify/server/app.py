@@ -17,7 +17,13 @@ from k3verify.server.errors import APIError, engine_unavailable, error_response,
 from k3verify.server.generation import generate
 from k3verify.server.metrics import ServerMetrics
 from k3verify.server.middleware import CountRequests
-from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, parse_request
+from k3verify.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_logit_bias,
+    parse_body,
+    parse_request,
+)
 from k3verify.server.render import ChatRenderer, CompletionRenderer, ModelCard, ModelList, make_id, unix_time
 from k3verify.server.scoring import prompt_logprobs
 from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
@@ -52,12 +58,13 @@ async def completions(request: Request) -> Response:
                                   want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
                                   token_ids_as_text=req.return_tokens_as_token_ids)
     max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    params = req.sampling_params(max_tokens, req.logprobs)
+    check_logit_bias(params, state.engine.vocab_size)
     if req.echo:
         scored = [] if req.logprobs is None else await prompt_logprobs(state.engine, ids, req.logprobs, max_tokens)
         text = prompt if isinstance(prompt, str) else \
             b"".join(state.engine.token_text.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
         renderer.echo(ids, text, scored)
-    params = req.sampling_params(max_tokens, req.logprobs)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="prompt")
 
 
@@ -78,6 +85,7 @@ async def chat_completions(request: Request) -> Response:
                             want_logprobs=req.logprobs, include_usage=req.include_usage,
                             token_ids_as_text=req.return_tokens_as_token_ids)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    check_logit_bias(params, state.engine.vocab_size)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="messages")
 
 

@@ -86,6 +86,13 @@ def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], .
     return tuple(pairs)
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """400 naming logit_bias when it biases a token id the model does not have."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}", param="logit_bias")
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 

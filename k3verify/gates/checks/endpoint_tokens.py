@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,18 @@ from k3verify.gates.checks._endpoint_oracle import Scores, judge_tokens, rel_rms
 
 BAR_FACTOR = 1.5  # the bench's rule: no farther from the gold than 1.5x the oracle at the same precision
 LOGPROB_CAP = 0.25
+
+
+@dataclass
+class Rows:
+    """Logprob rows of one answer: the endpoint's, the gold's and the declared-dtype oracle's, with row labels."""
+
+    cand: torch.Tensor
+    gold: torch.Tensor
+    base: torch.Tensor
+    labels: list[str]
+
+
 CAP_REASON = ("cap only: each run measures the bar as 1.5x the oracle's own distance at the declared dtype from the "
               "oracle one precision up, on the same ids and positions (the bench's bf16 rule); 0.25 refuses a "
               "precision so noisy that the check could not tell a wrong distribution from a right one")
@@ -69,7 +82,7 @@ def _top_ids(step: Step, k: int) -> list[int]:
     return [t for t, _ in sorted(step.top.items(), key=lambda kv: -kv[1])[:k]]
 
 
-def _rows(steps: list[Step], scores: Scores, k: int, chosen: list[int] | None) -> tuple[torch.Tensor, ...]:
+def _rows(steps: list[Step], scores: Scores, k: int, chosen: list[int] | None, label: str) -> Rows:
     """(endpoint, gold, base) logprobs [P, k (+1 with `chosen`)]: the chosen token's (if given), then the top-k."""
     cand, gold, base = [], [], []
     for p, step in enumerate(steps):
@@ -78,21 +91,28 @@ def _rows(steps: list[Step], scores: Scores, k: int, chosen: list[int] | None) -
         cand.append(values + [step.top[t] for t in _top_ids(step, k)])
         gold.append(scores.gold[p, ids])
         base.append(scores.base[p, ids])
-    return torch.tensor(cand, dtype=torch.float64), torch.stack(gold), torch.stack(base)
+    first = 1 if chosen is not None else 0  # prompt positions start at 1: position 0 has nothing before it
+    return Rows(torch.tensor(cand, dtype=torch.float64), torch.stack(gold), torch.stack(base),
+                [f"{label} position {p + first}" for p in range(len(steps))])
 
 
-def _measured_trial(parts: list[tuple[torch.Tensor, ...]], notes: list[str], what: str) -> Trial:
+def _measured_trial(parts: list[Rows], notes: list[str], what: str) -> Trial:
     """One RMS trial over all rows: the bar is BAR_FACTOR x the oracle's own dtype noise on the same entries."""
-    cand, gold, base = (torch.cat([p[j] for p in parts]) for j in range(3))
+    cand, gold, base = (torch.cat([getattr(p, name) for p in parts]) for name in ("cand", "gold", "base"))
+    labels = [label for p in parts for label in p.labels]
     noise = rel_rms(base, gold)
     if noise <= 0.0:
         raise RuntimeError("the oracle at the declared dtype equals the gold exactly: no noise to take a bar from")
+    worst = (cand - gold).abs().nan_to_num(float("inf")).amax(dim=1)
+    w = int(worst.argmax())
     notes.append(f"{what}; bar = {BAR_FACTOR} x the oracle's own rel RMS at the declared dtype ({noise:.3g}) = "
                  f"{BAR_FACTOR * noise:.3g}")
+    notes.append(f"largest deviation at {labels[w]}: {float(worst[w]):.3g} nats (the oracle's own at the declared "
+                 f"dtype there: {float((base[w] - gold[w]).abs().max()):.3g})")
     return Trial(reference=gold, candidate=cand, control=torch.roll(cand, 1, dims=0), position_dim=0,
                  bar=BAR_FACTOR * noise, notes=notes,
                  metrics={"oracle_dtype_noise": noise, "bar_factor": BAR_FACTOR, "rows": float(cand.shape[0]),
-                          "columns": float(cand.shape[1])})
+                          "columns": float(cand.shape[1]), "worst_row": float(w)})
 
 
 @register_check(
@@ -107,8 +127,8 @@ def check_topk_logprobs(ctx: CheckContext) -> Trial:
     k = min((len(s.top) for rows in steps for s in rows), default=0)
     if k == 0:
         raise SkipCheck("the endpoint's logprobs list no identifiable top_logprobs alternatives")
-    parts = [_rows(rows, score(ctx, g.prompt + g.tokens, len(g.prompt)), k, None)
-             for g, rows in zip(answers, steps, strict=True)]
+    parts = [_rows(rows, score(ctx, g.prompt + g.tokens, len(g.prompt)), k, None, f"prompt {i}")
+             for i, (g, rows) in enumerate(zip(answers, steps, strict=True))]
     return _measured_trial(parts, [], f"top-{k} logprobs of {sum(len(r) for r in steps)} generated positions "
                                       f"(asked for {TOP_K}), oracle at the endpoint's ids")
 
@@ -134,7 +154,7 @@ def check_prompt_logprobs(ctx: CheckContext) -> Trial:
         if wrong:
             notes.append(f"prompt {i}: echoed token ids differ from the prompt at positions {wrong[:8]} (NaN there)")
         k = min(len(s.top) for s in steps)
-        parts.append(_rows(steps, score(ctx, prompt, 1), k, prompt[1:]))
+        parts.append(_rows(steps, score(ctx, prompt, 1), k, prompt[1:], f"scored prompt {i}"))
     return _measured_trial(parts, notes, f"prompt logprobs (the prompt token's, then the top-k) of {len(chosen)} "
                                          "prompts via echo=true")
 
