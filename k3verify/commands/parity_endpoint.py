@@ -40,17 +40,18 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> list[Check]:
-    """Without --endpoint, drop the endpoint checks (refusing an --only that asked for them); with it and no
-    --only, keep only them."""
+    """Without --endpoint, drop the endpoint checks (refusing an --only that selected nothing else); with it and
+    no --only, keep only them."""
     ours = [c for c in checks if c.id.startswith(PREFIX)]
     if args.endpoint is None:
-        if args.only and ours:
-            raise UsageError(f"--only selects endpoint checks ({', '.join(c.id for c in ours[:3])}), which need "
-                             "--endpoint URL (or --endpoint self)")
         for flag in ("model", "api_key", "dtype"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --endpoint runs only")
-        return [c for c in checks if not c.id.startswith(PREFIX)]
+        rest = [c for c in checks if not c.id.startswith(PREFIX)]
+        if ours and not rest:
+            raise UsageError(f"--only selects only endpoint checks ({', '.join(c.id for c in ours[:3])}), which need "
+                             "--endpoint URL (or --endpoint self)")
+        return rest
     if not ours:
         raise UsageError("--endpoint given but no endpoint check is selected (see --list)")
     return checks if args.only else ours
