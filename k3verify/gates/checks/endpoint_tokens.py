@@ -130,7 +130,7 @@ def _measured_trial(ctx: CheckContext, parts: list[Rows], notes: list[str], what
 def check_topk_logprobs(ctx: CheckContext) -> Trial:
     answers = [g for g in greedy_answers(ctx) if g.tokens]
     steps = [g.answer.steps[: len(g.tokens)] for g in answers]
-    k = min((len(s.top) for rows in steps for s in rows), default=0)
+    k = min([TOP_K, *(len(s.top) for rows in steps for s in rows)])
     if k == 0:
         raise SkipCheck("the endpoint's logprobs list no identifiable top_logprobs alternatives")
     parts = [_rows(rows, score(ctx, g.prompt + g.tokens, len(g.prompt)), k, None, f"prompt {i}")
@@ -150,7 +150,7 @@ def check_prompt_logprobs(ctx: CheckContext) -> Trial:
     if not ep.caps.echo_logprobs.available:
         raise SkipCheck(f"the endpoint offers no prompt logprobs: {ep.caps.echo_logprobs.reason}")
     chosen = sorted(prompts(ctx), key=len, reverse=True)[: sizes(ctx).scored]
-    parts, notes = [], []
+    scored, notes = [], []
     for i, prompt in enumerate(chosen):
         answer = ep.complete(prompt, max_tokens=1, temperature=0, logprobs=TOP_K, echo=True)
         steps = (answer.prompt_steps or [])[1:]
@@ -159,8 +159,10 @@ def check_prompt_logprobs(ctx: CheckContext) -> Trial:
         wrong = [p + 1 for p, s in enumerate(steps) if s.token_id != prompt[p + 1]]
         if wrong:
             notes.append(f"prompt {i}: echoed token ids differ from the prompt at positions {wrong[:8]} (NaN there)")
-        k = min(len(s.top) for s in steps)
-        parts.append(_rows(steps, score(ctx, prompt, 1), k, prompt[1:], f"scored prompt {i}"))
+        scored.append(steps)
+    k = min([TOP_K, *(len(s.top) for steps in scored for s in steps)])
+    parts = [_rows(steps, score(ctx, prompt, 1), k, prompt[1:], f"scored prompt {i}")
+             for i, (prompt, steps) in enumerate(zip(chosen, scored, strict=True))]
     return _measured_trial(ctx, parts, notes, f"prompt logprobs (the prompt token's, then the top-k) of {len(chosen)} "
                                          "prompts via echo=true")
 
