@@ -5,6 +5,9 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
+#                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
+#                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -42,6 +45,16 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+mxfp4)
+    step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
+    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
+        --only moe.module.packed --report-dir "$OUT/parity-mxfp4" 2>&1 | quiet | tail -12
+    timeout "${PYTEST_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
+        2>&1 | tail -3
+    step "bench --mxfp4 k3-slice-4l"
+    timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
+        | quiet | tail -30
+    ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
         preset=${run%%:*} dtype=${run##*:}
@@ -63,7 +76,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|endpoint" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|endpoint" >&2
     exit 2
     ;;
 esac
