@@ -1,4 +1,4 @@
-"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan`.
+"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench`.
 
 Each subcommand lives in its own module under `k3verify.commands` and exposes
 `register(subparsers)`; it sets `func` on its parser, which returns an exit code.
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan")
+COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench")
 
 
 class UsageError(Exception):
@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3verify", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"k3verify.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"k3verify.commands.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"k3verify.commands.{name}").register(sub)
     return parser
 
 

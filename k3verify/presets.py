@@ -24,10 +24,6 @@ SYN_PAD = TOKENIZER_BASE_VOCAB + 255  # [PAD] in the shipped tokenizer_config.js
 SYN_MEDIA = TOKENIZER_BASE_VOCAB + 21
 
 
-def _one_based(indices: list[int]) -> list[int]:
-    return [i + 1 for i in indices]
-
-
 def _rhythm(n: int, every: int = 4, last_full: bool = False) -> tuple[list[int], list[int]]:
     """1-based (kda, full) lists: every `every`-th layer is MLA, optionally the last one too."""
     full = [i for i in range(1, n + 1) if i % every == 0]
@@ -263,8 +259,6 @@ _BUILDERS = {
 }
 
 SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny")
-REAL_SHAPES = ("k3", "kimi-linear-48b")
-GPU_PRESETS = ("kl-48b-8l", "k3-slice-4l")
 PRESETS = tuple(_BUILDERS)
 
 

@@ -6,7 +6,7 @@ to the torch reference and they cannot matter."""
 
 from __future__ import annotations
 
-from k3verify.mutate import Mutant
+from k3verify.gates.mutation import Mutant
 
 FLA = "k3verify.kernels.kda.fla_triton"
 NORM = "k3verify.kernels.norm.triton_kernels"

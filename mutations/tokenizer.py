@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3verify.mutate import Mutant
+from k3verify.gates.mutation import Mutant
 
 TOK = "k3verify.tokenizer.tokenizer"
 CHAT = "k3verify.tokenizer.chat"

@@ -177,7 +177,7 @@ def tiny_server(num_slots: int = 16, dtype: str = "float32") -> Iterator[tuple[s
     """An in-process k3-tiny server on 127.0.0.1 (synthetic weights; no gate check: this is a load tool)."""
     import torch
 
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.presets import get_preset
     from k3verify.serving.engine import Engine
     from k3verify.serving.metrics import ServerMetrics

@@ -20,8 +20,9 @@ from k3verify.bench.profile import profile_decode
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
+from k3verify.gates.replay import replay_vs_eager
 from k3verify.serving.batch import PackedBatch
-from k3verify.serving.graphs import GraphDecoder, replay_vs_eager
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.runner import ModelRunner
 
 
@@ -97,7 +98,7 @@ def decode_parity(runner: ModelRunner, graphs: GraphDecoder, ids: torch.Tensor, 
     one step at a time; logits at positions P-1..P+S-1 vs the gold's. Bar as in model_parity, from
     the baseline's own (bf16 full forward) distance at those positions. Control: the same decode run
     eagerly with the KDA states never written back."""
-    from k3verify.serving.fixtures import stale_kda_state
+    from k3verify.gates.fixtures import stale_kda_state
 
     P, S = prompt_len, steps
     if P + S > graphs.max_context or P + S > ids.numel():
@@ -260,7 +261,7 @@ def load_baseline(cfg: ModelConfig, hf_dict: dict[str, Any], tensors: Any, devic
 def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: torch.device,
               bandwidth: float) -> BenchResult:
     """Build both models on `device` from the same name-seeded weights, gate, then time (if green)."""
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.serving.model import ServingModel
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)

@@ -16,9 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-from k3verify.checkpoint.init import synthetic_tensors
 from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.checkpoint.writer import (
     WrittenCheckpoint,
     gc_paused,
@@ -45,8 +45,8 @@ CACHE_ENV = "K3V_CACHE_DIR"
 
 # Sources whose change changes the bytes of a synthetic checkpoint (the cache key's code version).
 _PACKAGE = Path(__file__).resolve().parents[1]
-_CODE_FILES = ("config.py", "presets.py", "checkpoint/names.py", "checkpoint/init.py", "checkpoint/mxfp4.py",
-               "checkpoint/writer.py", "checkpoint/synthetic.py")
+_CODE_FILES = ("config.py", "presets.py", "checkpoint/names.py", "checkpoint/synthetic_weights.py",
+               "checkpoint/mxfp4.py", "checkpoint/writer.py", "checkpoint/synthetic.py")
 
 
 def code_version() -> str:

@@ -18,8 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import k3verify.gates.checks  # noqa: F401  (registration happens on import)
 from k3verify.cli import UsageError
-from k3verify.mutate import (
+from k3verify.gates import REGISTRY
+from k3verify.gates.html import render_html
+from k3verify.gates.junit import render_junit
+from k3verify.gates.mutation import (
     DEFAULT_CATALOG,
     CatalogError,
     Mutant,
@@ -32,6 +36,8 @@ from k3verify.mutate import (
     select,
     stale_reason,
 )
+from k3verify.gates.report import MUTATION_STATUSES, atomic_write_text, validate_report
+from k3verify.gates.suite import collect_run_info
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -56,8 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def registered_check_ids() -> list[str]:
     """Ids of every check in the full suite, as the unmutated package registers them."""
-    import k3verify.gates.checks  # noqa: F401  (registration happens on import)
-    from k3verify.gates import REGISTRY
 
     return [c.id for c in REGISTRY if "full" in c.suites]
 
@@ -150,10 +154,6 @@ def write_reports(outcomes: Sequence[Outcome], clean: dict[str, dict[str, Any]],
     """One report per preset (report_dir itself when there is one preset, else report_dir/<preset>/): the clean
     run's results plus the kill matrix, validated against the schema and written atomically. A preset on
     which nothing ran (every entry stale or equivalent) gets a report with no results, verdict fail."""
-    from k3verify.gates.html import render_html
-    from k3verify.gates.junit import render_junit
-    from k3verify.gates.report import MUTATION_STATUSES, atomic_write_text, validate_report
-    from k3verify.gates.suite import collect_run_info
 
     presets = sorted({o.preset for o in outcomes})
     for preset in presets:

@@ -1,40 +1,32 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
 junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem).
-
-Model-side modules (presets, config, checkpoint cache, digest, oracle pins) are imported inside the
-command so that `--list`, `--only` validation and the engine's own tests work without them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from k3verify.cli import UsageError
+from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
-from k3verify.gates.suite import check_import_errors, load_all_checks
+from k3verify.gates.report import write_reports
+from k3verify.gates.suite import (
+    check_import_errors,
+    collect_run_info,
+    load_all_checks,
+    make_context_factory,
+    run_suite,
+    select_checks,
+)
+from k3verify.oracle.pinning import report_pins
+from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 
-DEFAULT_PRESET = "k3-tiny"
-DEFAULT_REPORT_DIR = Path("reports/latest")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the checks run against: the config, where its weights are, and the digest reports carry."""
-
-    cfg: Any
-    preset: str | None
-    checkpoint_dir: Path | None
-    digest: str | None
-    oracle: dict[str, Any] = field(default_factory=dict)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,56 +65,13 @@ def validate_device(device: str) -> torch.device:
     return dev
 
 
-def oracle_pins() -> dict[str, Any]:
-    """Oracle pinning info (versions and sha256 of the vendored oracle files) for the report.
-    Contract: `k3verify.oracle.pins.oracle_pins() -> dict`; absent module -> {}."""
+def target_for(preset: str | None, checkpoint: Path | None) -> Target:
+    """The command-line target (a hook tests can replace); every problem is a UsageError (exit 2)."""
     try:
-        from k3verify.oracle import pins  # type: ignore[attr-defined]
-    except ModuleNotFoundError as exc:
-        if exc.name == "k3verify.oracle.pins":
-            return {}
-        return {"error": f"k3verify.oracle.pins failed to import: {exc}"}
-    try:
-        return dict(pins.oracle_pins())
-    except Exception as exc:  # recorded, not hidden: the report shows pinning could not be established
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def resolve_target(preset: str | None, checkpoint: Path | None) -> Target:
-    """Build the config and find the weights; every problem is a UsageError (exit 2) naming it."""
-    try:
-        from k3verify.checkpoint.digest import checkpoint_digest
-    except ImportError as exc:
-        raise UsageError(f"checkpoint digests are not available ({exc})") from exc
-    if checkpoint is not None:
-        config_path = checkpoint / "config.json"
-        if not config_path.is_file():
-            raise UsageError(f"--checkpoint {checkpoint}: no config.json there")
-        try:
-            from k3verify.config import ModelConfig
-
-            cfg = ModelConfig.from_hf_dict(json.loads(config_path.read_text(encoding="utf-8")))
-        except ImportError as exc:
-            raise UsageError(f"model config support is not available ({exc})") from exc
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"--checkpoint {config_path}: {exc}") from exc
-        return Target(cfg, None, checkpoint, checkpoint_digest(checkpoint), oracle_pins())
-    name = preset or DEFAULT_PRESET
-    try:
-        from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-        from k3verify.presets import PRESETS, get_preset
-    except ImportError as exc:
-        raise UsageError(f"presets are not available ({exc})") from exc
-    if name not in PRESETS:
-        raise UsageError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-    try:
-        cfg = get_preset(name)
-        checkpoint_dir = Path(ensure_preset_checkpoint(name))
-    except ValueError as exc:
-        raise UsageError(f"--preset {name}: {exc}") from exc
-    return Target(cfg, name, checkpoint_dir, checkpoint_digest(checkpoint_dir), oracle_pins())
-
-
+        return resolve_target(preset, checkpoint)
+    except TargetError as exc:
+        flag = f"--checkpoint {checkpoint}" if checkpoint is not None else f"--preset {preset or DEFAULT_PRESET}"
+        raise UsageError(f"{flag}: {exc}") from exc
 def _print_list(checks: list[Check]) -> None:
     for c in checks:
         bar = "-" if c.bar is None else f"{c.bar:g}"
@@ -130,10 +79,6 @@ def _print_list(checks: list[Check]) -> None:
 
 
 def run_parity(args: argparse.Namespace) -> int:
-    from k3verify.gates.console import print_summary, progress_hooks
-    from k3verify.gates.report import write_reports
-    from k3verify.gates.suite import collect_run_info, make_context_factory, run_suite, select_checks
-
     if args.preset is not None and args.checkpoint is not None:
         raise UsageError("give --preset or --checkpoint, not both")
     device = validate_device(args.device)
@@ -147,12 +92,11 @@ def run_parity(args: argparse.Namespace) -> int:
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
-    target = resolve_target(args.preset, args.checkpoint)
-    factory = make_context_factory(target.cfg, preset=target.preset, checkpoint_dir=target.checkpoint_dir,
-                                   device=device, seed=args.seed, suite=args.suite)
+    target = target_for(args.preset, args.checkpoint)
+    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
-                            oracle=target.oracle)
+                            oracle=report_pins())
     with progress_hooks(len(checks)) as hooks:
         run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                         import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)

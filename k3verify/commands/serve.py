@@ -11,14 +11,20 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+import k3verify
 from k3verify.cli import UsageError
+from k3verify.commands import parity
+from k3verify.gates.report_lookup import lookup_report
+from k3verify.serving.engine import Engine
+from k3verify.serving.metrics import ServerMetrics
+from k3verify.serving.runner import build_runner
+from k3verify.serving.server import create_app
+from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
+from k3verify.tokenizer import KimiTokenizer
 
-DEFAULT_REPORT_DIR = Path("reports/latest")
-DEFAULT_PRESET = "k3-tiny"
 log = logging.getLogger(__name__)
 
 
@@ -45,10 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 @dataclass(frozen=True)
 class GatedTarget:
-    cfg: Any
-    name: str
-    checkpoint_dir: Path
-    digest: str
+    """A target together with the report that vouches for it."""
+
+    target: Target
     report: Path
 
 
@@ -68,7 +73,6 @@ def parity_command(args: argparse.Namespace) -> str:
 
 def run_gates(args: argparse.Namespace) -> int:
     """The quick parity suite, through the parity command's own parser and function."""
-    from k3verify.commands import parity
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
@@ -79,34 +83,15 @@ def run_gates(args: argparse.Namespace) -> int:
     return int(pargs.func(pargs))
 
 
-def resolve_checkpoint(args: argparse.Namespace) -> tuple[Any, str, Path, str]:
-    """(config, model name, checkpoint dir, digest). The config comes with generation_config.json's eos."""
-    from k3verify.checkpoint.digest import checkpoint_digest
-    from k3verify.config import ModelConfig
-
+def target_for(args: argparse.Namespace) -> Target:
     try:
-        if args.checkpoint is not None:
-            ckpt = Path(args.checkpoint)
-            if not (ckpt / "config.json").is_file():
-                raise UsageError(f"--checkpoint {ckpt}: no config.json there")
-            return ModelConfig.from_file(ckpt / "config.json"), ckpt.resolve().name, ckpt, checkpoint_digest(ckpt)
-        from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-        from k3verify.presets import SYNTHETIC_PRESETS, get_preset
-
-        name = args.preset or DEFAULT_PRESET
-        if name not in SYNTHETIC_PRESETS:
-            raise UsageError(f"--preset {name!r}: only synthetic presets can be served: {', '.join(SYNTHETIC_PRESETS)}")
-        ckpt = Path(ensure_preset_checkpoint(name))
-        return get_preset(name), name, ckpt, checkpoint_digest(ckpt)
-    except (ValueError, KeyError, OSError) as exc:
-        raise UsageError(f"cannot load the checkpoint: {exc}") from exc
+        return resolve_target(args.preset, args.checkpoint)
+    except TargetError as exc:
+        raise UsageError(f"cannot serve: {exc}") from exc
 
 
 def require_gate(args: argparse.Namespace) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
-    import k3verify
-    from k3verify.serving.gating import lookup_report
-
     for name in ("max_batch", "num_pages", "page_size", "max_prefill_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if not 0 <= args.port <= 65535:
@@ -115,7 +100,8 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
         device_kind = torch.device(args.device).type
     except RuntimeError as exc:
         raise UsageError(f"--device {args.device!r}: {exc}") from exc
-    cfg, name, ckpt, digest = resolve_checkpoint(args)
+    target = target_for(args)
+    digest = target.digest
     found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
     if found.passing is None and args.run_gates:
         print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
@@ -127,23 +113,18 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
                          f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
-    return GatedTarget(cfg, name, ckpt, digest, found.passing)
+    return GatedTarget(target, found.passing)
 
 
-def build_engine(args: argparse.Namespace, target: GatedTarget) -> tuple[Any, Any]:
+def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, KimiTokenizer]:
     """(engine, tokenizer) for a gated target: weights, runner, the checkpoint's own tokenizer."""
-    from k3verify.checkpoint.reader import CheckpointReader
-    from k3verify.serving.engine import Engine
-    from k3verify.serving.runner import build_runner
-    from k3verify.tokenizer import KimiTokenizer
-
+    target = gated.target
     try:
-        tokenizer = KimiTokenizer.from_dir(target.checkpoint_dir)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{target.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint must "
-                         "ship its own tokenizer files") from exc
+        tokenizer = target.tokenizer()
+    except TargetError as exc:
+        raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, CheckpointReader(target.checkpoint_dir), dtype=torch.bfloat16,
+    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
                           device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
@@ -153,12 +134,11 @@ def build_engine(args: argparse.Namespace, target: GatedTarget) -> tuple[Any, An
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3verify.serving.metrics import ServerMetrics
-    from k3verify.serving.server import create_app
 
-    target = require_gate(args)
-    print(f"k3verify serve: gate report {target.report} vouches for {target.name} ({target.digest})", flush=True)
-    engine, tokenizer = build_engine(args, target)
+    gated = require_gate(args)
+    target = gated.target
+    print(f"k3verify serve: gate report {gated.report} vouches for {target.name} ({target.digest})", flush=True)
+    engine, tokenizer = build_engine(args, gated)
     metrics = ServerMetrics()
     engine.observer = metrics
     app = create_app(engine.start(), tokenizer, model_name=target.name, api_key=args.api_key, metrics=metrics)

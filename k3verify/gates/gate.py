@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,10 @@ from k3verify.gates.compare import (
     localize_layers,
     rel_rms_error,
 )
+
+if TYPE_CHECKING:  # the check engine itself runs without a model (gates/suite.py)
+    from k3verify.config import ModelConfig
+    from k3verify.target import Target
 
 COMPONENTS = frozenset({
     "kda", "mla", "moe", "mlp", "attn_res", "router", "norm", "tokenizer", "weights", "model", "serving",
@@ -76,14 +80,24 @@ class CheckContext:
     """Everything a check may use. `generator` is a CPU generator, fresh per check and seeded from
     (seed, check id): draw inputs on CPU, then move them to `device`, so inputs match across devices."""
 
-    cfg: Any
-    preset: str | None
-    checkpoint_dir: Path | None
+    target: Target
     device: torch.device
     seed: int
     generator: torch.Generator
     suite: str
     cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.target.cfg
+
+    @property
+    def preset(self) -> str | None:
+        return self.target.preset
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.target.checkpoint_dir
 
 
 CheckFn = Callable[[CheckContext], Trial]

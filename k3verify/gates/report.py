@@ -21,12 +21,13 @@ from typing import Any
 
 import jsonschema
 
-from k3verify.gates.gate import Check, Result
+from k3verify.gates.gate import Result
+from k3verify.gates.html import render_html
+from k3verify.gates.junit import render_junit
 from k3verify.gates.suite import RunResult, status_counts
 
 SCHEMA_VERSION = 1
 MUTATION_STATUSES = ("killed", "survived", "error", "equivalent")
-REPORT_FILES = ("report.json", "report.html", "junit.xml")
 
 
 @cache
@@ -60,13 +61,6 @@ def result_to_dict(result: Result) -> dict[str, Any]:
     if result.worst is not None:
         out["worst"] = asdict(result.worst) | {"index": list(result.worst.index)}
     return out
-
-
-def check_to_dict(check: Check) -> dict[str, Any]:
-    """A registered check's spec, for `parity --list --json` and docs."""
-    return {"id": check.id, "component": check.component, "level": check.level, "kind": check.kind.value,
-            "bar": check.bar, "bar_reason": check.bar_reason, "suites": list(check.suites),
-            "devices": list(check.devices), "control": check.control, "module": check.module}
 
 
 def report_dict(run: RunResult) -> dict[str, Any]:
@@ -118,15 +112,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return path
 
 
-def write_json_report(run: RunResult, path: str | Path) -> Path:
-    return atomic_write_text(path, json.dumps(report_dict(run), indent=2, allow_nan=False) + "\n")
-
-
 def write_reports(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.html and junit.xml into out_dir. The JSON is validated first, so a
     report that does not match the schema leaves the previous files untouched."""
-    from k3verify.gates.html import render_html
-    from k3verify.gates.junit import render_junit
 
     out_dir = Path(out_dir)
     data = report_dict(run)
@@ -177,8 +165,3 @@ def newest_matching_report(
         return None
     _, _, path, data = max(matches, key=lambda m: (m[0], m[1]))
     return path, data
-
-
-def failing_results(data: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in data["results"] if r["status"] in ("fail", "vacuous", "error")]
-

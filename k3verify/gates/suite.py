@@ -19,12 +19,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import k3verify
-from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
+from k3verify.cli import UsageError
+from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
+
+if TYPE_CHECKING:
+    from k3verify.target import Target
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
 ENV_PREFIX = "K3V_"
@@ -92,9 +96,9 @@ def derive_seed(seed: int, check_id: str) -> int:
 
 
 def load_all_checks() -> list[Check]:
-    """Import every module in k3verify.gates.checks (registering its checks) and return all checks."""
-    import k3verify.gates.checks  # noqa: F401  (importing registers)
-    from k3verify.gates.gate import REGISTRY
+    """Import every module in k3verify.gates.checks (registering its checks) and return all checks. Imported
+    here, not at the top: the suite engine runs without any model code, and importing registers."""
+    import k3verify.gates.checks  # noqa: F401
 
     return list(REGISTRY)
 
@@ -114,7 +118,6 @@ def _matches(check_id: str, pattern: str) -> bool:
 def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | None = None) -> list[Check]:
     """Checks of `suite`, narrowed by glob patterns over ids. A pattern that selects nothing is a
     UsageError naming it (a typo must not turn into a green run of zero checks)."""
-    from k3verify.cli import UsageError
 
     every = sorted(checks, key=lambda c: c.id)
     in_suite = [c for c in every if suite in c.suites]
@@ -131,15 +134,13 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-def make_context_factory(
-    cfg: Any, *, preset: str | None, checkpoint_dir: Path | None, device: str | torch.device, seed: int, suite: str
-) -> ContextFactory:
+def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
     cache: dict[str, Any] = {}
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(cfg, preset, checkpoint_dir, dev, seed, generator, suite, cache)
+        return CheckContext(target, dev, seed, generator, suite, cache)
 
     return factory
 

@@ -114,6 +114,12 @@ def mismatches(provenance: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def report_pins() -> dict[str, Any]:
+    """What a report records: oracle_provenance() plus a `mismatches` list (empty when every pin holds)."""
+    provenance = oracle_provenance()
+    return {"sources": provenance, "mismatches": mismatches(provenance)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3verify.oracle.pinning", description=__doc__)
     parser.add_argument("--write", action="store_true", help="pin the currently installed oracle files")

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from k3verify.serving.request import Request
+from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import (
     SamplingParams,
     TokenLogprob,
@@ -27,7 +29,8 @@ from k3verify.serving.sampler import (
     sample,
     token_logprobs,
 )
-from k3verify.serving.scheduler import ModelRunner, ScheduledSeq, Scheduler, Sequence
+from k3verify.serving.scheduler import ScheduledSeq, Scheduler
+from k3verify.tokenizer.streaming import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +88,6 @@ class _TokenText:
         return self.tokenizer.token_bytes(token_id)
 
 
-@dataclass(eq=False, kw_only=True)
-class _Request(Sequence):
-    sink: Callable[[EngineEvent], None]
-    arrival: float
-    last_token_at: float | None = None
-
-
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
@@ -111,7 +107,7 @@ class Engine:
         self.num_running = 0
         self.num_steps = 0
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._error: str | None = None
@@ -167,10 +163,9 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
         self.validate(prompt_ids, params.max_tokens)
-        from k3verify.tokenizer.streaming import IncrementalDecoder
 
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        req = _Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
+        req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
                        params=params, sink=sink, stop_ids=frozenset(stop_ids), generator=make_generator(params.seed),
                        decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
                        arrival=time.monotonic())
@@ -267,7 +262,7 @@ class Engine:
         for req, tok, lp in zip(reqs, tokens, lps, strict=True):
             self._advance(req, tok, lp, now)
 
-    def _advance(self, req: _Request, token: int, lp: TokenLogprob | None, now: float) -> None:
+    def _advance(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         if self.observer is not None:
             if req.last_token_at is None:
                 self.observer.observe_ttft(now - req.arrival)
@@ -282,13 +277,13 @@ class Engine:
         else:
             self._emit(req, event)
 
-    def _finish(self, req: _Request, event: EngineEvent) -> None:
+    def _finish(self, req: Request, event: EngineEvent) -> None:
         self._requests.pop(req.seq_id, None)
         self.scheduler.finish(req.seq_id)
         event.completion_tokens = len(req.output_ids)
         self._emit(req, event)
 
-    def _emit(self, req: _Request, event: EngineEvent) -> None:
+    def _emit(self, req: Request, event: EngineEvent) -> None:
         try:
             req.sink(event)
         except Exception:

@@ -20,7 +20,6 @@ import torch
 
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.model import ServingModel
-from k3verify.serving.runner import ModelRunner
 
 log = logging.getLogger("k3verify.graphs")
 
@@ -160,46 +159,11 @@ class GraphDecoder:
         graph.replay()
         return out[:n].clone()
 
-
-def replay_vs_eager(runner: ModelRunner, graphs: GraphDecoder, prompts: list[list[int]], steps: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Decode `steps` tokens for `prompts` through the graphs; before each step the same static step
-    runs eagerly from a snapshot of the caches (then restored). Returns (eager, graph, control) logits
-    [steps, B, V]; the control replays the captured graph over the previous step's static inputs.
-    The caller releases nothing: sequences are admitted and released here."""
-    eager = GraphDecoder(runner.model, graphs.max_context, buckets=graphs.buckets, use_graphs=False)
-    B = len(prompts)
-    base = max(runner.active_ids, default=-1) + 1
-    ids = list(range(base, base + B))
-    for sid, p in zip(ids, prompts, strict=True):
-        runner.admit(sid, len(p) + steps + 1)
-    refs, cands, ctrls = [], [], []
-    pool, kv = runner.state_pool.tensors(), runner.kv_cache
-    try:
-        toks = runner.prefill(list(zip(ids, prompts, strict=True))).argmax(-1).tolist()
-        for _ in range(steps):
-            seqs = [runner._get(sid) for sid in ids]
-            args = ([s.slot for s in seqs], [kv.table(sid) for sid in ids], [s.cached for s in seqs])
-            snap = ({k: v.clone() for k, v in pool.items()}, kv.data.clone())
-
-            def restore(snap: tuple = snap) -> None:
-                for k, v in snap[0].items():
-                    pool[k].copy_(v)
-                kv.data.copy_(snap[1])
-
-            refs.append(eager.decode(toks, *args))
-            restore()
-            entry = graphs._graphs.get(graphs.bucket_for(B))
-            if entry is not None and entry[2] == capture_signature(runner.model):
-                entry[0].replay()  # stale inputs: last step's tokens and positions
-                ctrls.append(entry[1][:B].clone())
-                restore()
-            cands.append(graphs.decode(toks, *args))
-            for s in seqs:
-                s.cached += 1
-            toks = cands[-1].argmax(-1).tolist()
-    finally:
-        for sid in ids:
-            runner.release(sid)
-    control = torch.stack(ctrls) if len(ctrls) == steps - 1 else None
-    return torch.stack(refs), torch.stack(cands), control
+    def replay_stale(self, n: int) -> torch.Tensor | None:
+        """Replay the bucket's graph over whatever its static inputs hold now, without refilling them (a
+        control: what a replay of the previous step's inputs computes). None if no valid graph exists."""
+        entry = self._graphs.get(self.bucket_for(n))
+        if entry is None or entry[2] != capture_signature(self.model):
+            return None
+        entry[0].replay()
+        return entry[1][:n].clone()

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Sequence:
+class SequenceCache:
+    """What the runner holds for one admitted sequence: its KDA state slot and cached-token counts."""
+
     slot: int
     budget: int  # tokens reserved (prompt + max new)
     cached: int = 0  # tokens already run through the model
@@ -40,7 +42,7 @@ class ModelRunner:
         model.allocate_caches(num_pages, page_size, num_slots)
         assert model.kv_cache is not None and model.state_pool is not None
         self.kv_cache, self.state_pool = model.kv_cache, model.state_pool
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceCache] = {}
 
     @property
     def active_ids(self) -> list[int]:
@@ -49,7 +51,8 @@ class ModelRunner:
     def num_cached(self, seq_id: int) -> int:
         return self._get(seq_id).cached
 
-    def slot(self, seq_id: int) -> int:
+    def slot_of(self, seq_id: int) -> int:
+        """The KDA state slot an admitted sequence holds."""
         return self._get(seq_id).slot
 
     def budget(self, seq_id: int) -> int:
@@ -84,7 +87,7 @@ class ModelRunner:
                              f"({self.kv_cache.num_free_pages} free pages, {self.state_pool.num_free} free slots)")
         slot = self.state_pool.allocate()
         self.kv_cache.reserve(seq_id, num_tokens)
-        self._seqs[seq_id] = _Sequence(slot, num_tokens)
+        self._seqs[seq_id] = SequenceCache(slot, num_tokens)
 
     def release(self, seq_id: int) -> None:
         seq = self._get(seq_id)
@@ -126,7 +129,7 @@ class ModelRunner:
         for (sid, _), st in zip(seqs, states, strict=True):
             if st.cached + 1 > st.budget:
                 raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
-        args = ([s.slot for s in states], [self.kv_cache.table(sid) for sid, _ in seqs], [s.cached for s in states])
+        args = self.decode_args([sid for sid, _ in seqs])
         if graphs is not None:
             logits = graphs.decode([tok for _, tok in seqs], *args)
         else:
@@ -135,6 +138,11 @@ class ModelRunner:
         for st in states:
             st.cached += 1
         return logits
+
+    def decode_args(self, seq_ids: list[int]) -> tuple[list[int], list[list[int]], list[int]]:
+        """(state slots, page tables, positions) of the next decode step of `seq_ids`, in order."""
+        states = [self._get(sid) for sid in seq_ids]
+        return [s.slot for s in states], [self.kv_cache.table(sid) for sid in seq_ids], [s.cached for s in states]
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
@@ -155,7 +163,7 @@ class ModelRunner:
         if owners != set(self._seqs):
             raise CacheError(f"page owners {sorted(owners)} != running sequences {sorted(self._seqs)}")
 
-    def _get(self, seq_id: int) -> _Sequence:
+    def _get(self, seq_id: int) -> SequenceCache:
         if seq_id not in self._seqs:
             raise KeyError(f"sequence {seq_id} is not admitted")
         return self._seqs[seq_id]

@@ -1,4 +1,4 @@
-"""Sequences and the FIFO continuous-batching scheduler over a ModelRunner's admission API.
+"""The FIFO continuous-batching scheduler over a ModelRunner's admission API.
 
 Waiting sequences are admitted strictly in arrival order (no overtaking, so a long prompt cannot
 starve) while the runner says they fit now and the packed prefill stays within its token budget;
@@ -10,27 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-import torch
-
-from k3verify.serving.sampler import SamplingParams
-
-
-class ModelRunner(Protocol):
-    """The engine-facing API of k3verify.serving.runner.ModelRunner."""
-
-    max_context: int
-
-    def can_ever_fit(self, num_tokens: int) -> bool: ...
-    def can_admit(self, num_tokens: int) -> bool: ...
-    def admit(self, seq_id: int, num_tokens: int) -> None: ...
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor: ...
-    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor: ...
-    def release(self, seq_id: int) -> None: ...
-    def check_integrity(self) -> None: ...
+from k3verify.serving.runner import ModelRunner
 
 
 @dataclass(eq=False)
@@ -49,54 +32,6 @@ class ScheduledSeq:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-
-def find_stop(text: str, start: int, stops: Collection[str]) -> int | None:
-    """Earliest index >= start where any stop string begins in text."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def partial_stop_len(text: str, start: int, stops: Collection[str]) -> int:
-    """Length of the longest tail of text[start:] that could still grow into a stop string."""
-    longest = min(len(text) - start, max((len(s) for s in stops), default=1) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0
-
-
-@dataclass(eq=False, kw_only=True)
-class Sequence(ScheduledSeq):
-    """A request's generation state: sampled tokens, detokenized text, and how much of it was sent."""
-
-    params: SamplingParams
-    stop_ids: frozenset[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
-    generator: torch.Generator
-    decoder: Any  # k3verify.tokenizer.IncrementalDecoder
-    text: str = ""
-    sent: int = 0
-
-    def append(self, token: int) -> tuple[str, str | None]:
-        """Record a sampled token; returns (text now safe to send, finish_reason or None).
-        A stop token adds no text; a stop string truncates the text before it."""
-        self.output_ids.append(token)
-        stops = self.params.stop
-        final = token in self.stop_ids or len(self.output_ids) >= self.params.max_tokens
-        if token not in self.stop_ids:
-            self.text += self.decoder.push(token)
-        if final:
-            self.text += self.decoder.finish()
-        stop_at = find_stop(self.text, self.sent, stops) if stops else None
-        if stop_at is not None:
-            end, finish = stop_at, "stop"
-        elif final:
-            end, finish = len(self.text), "stop" if token in self.stop_ids else "length"
-        else:
-            end, finish = len(self.text) - (partial_stop_len(self.text, self.sent, stops) if stops else 0), None
-        delta, self.sent = self.text[self.sent:end], end
-        return delta, finish
 
 
 class Scheduler:

@@ -62,7 +62,7 @@ def test_every_synthetic_preset_writes_at_least_two_shards(name: str, tmp_path: 
 
 
 def test_written_tensors_read_back_bit_exact_with_their_dtypes(k3_tiny_dir: Path) -> None:
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.presets import get_preset
 
     expected = synthetic_tensors(get_preset("k3-tiny"), seed=0)

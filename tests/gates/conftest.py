@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from k3verify.gates import Check, CheckContext, Kind, Registry, SkipCheck, Trial, make_context_factory, run_suite
 from k3verify.gates.suite import RunResult, collect_run_info
+from k3verify.presets import get_preset
+from k3verify.target import Target
+
+
+def model_free_target() -> Target:
+    """A target whose files are never read: the engine's own checks need no model."""
+    return Target(cfg=get_preset("k3-tiny"), name="test", preset="test", checkpoint_dir=Path("/nonexistent"),
+                  digest="sha256:" + "0" * 64)
 
 
 @pytest.fixture
@@ -21,11 +30,10 @@ RunFactory = Callable[[Sequence[Check]], RunResult]
 
 @pytest.fixture
 def run_checks() -> RunFactory:
-    """Run checks on CPU with no model (cfg=None), the way `parity` would."""
+    """Run checks on CPU with no model, the way `parity` would."""
 
     def run(checks: Sequence[Check], seed: int = 0) -> RunResult:
-        factory = make_context_factory(None, preset="test", checkpoint_dir=None, device="cpu", seed=seed,
-                                       suite="quick")
+        factory = make_context_factory(model_free_target(), device="cpu", seed=seed, suite="quick")
         info = collect_run_info(device="cpu", seed=seed, suite="quick", preset="test",
                                 checkpoint_digest="sha256:" + "0" * 64)
         return run_suite(list(checks), factory, seed=seed, suite="quick", device="cpu", info=info)

@@ -4,8 +4,6 @@ The model side (presets, checkpoint cache, digest) is replaced by fakes so only 
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,14 +13,19 @@ from k3verify.cli import main
 from k3verify.commands import parity
 from k3verify.gates import CheckContext, Kind, Registry, Trial, load_all_checks
 from k3verify.gates.report import load_report
+from k3verify.presets import get_preset
+from k3verify.target import Target
 
 DIGEST = "sha256:" + "ab" * 32
 
 
 @pytest.fixture
 def fake_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parity, "resolve_target", lambda preset, checkpoint: parity.Target(
-        cfg=None, preset=preset or "k3-tiny", checkpoint_dir=None, digest=DIGEST, oracle={"fake": True}))
+    """A target whose files are never read (the self-test checks need no model) and stand-in oracle pins."""
+    monkeypatch.setattr(parity, "target_for", lambda preset, checkpoint: Target(
+        cfg=get_preset("k3-tiny"), name="fake", preset=preset or "k3-tiny", checkpoint_dir=Path("/nonexistent"),
+        digest=DIGEST))
+    monkeypatch.setattr(parity, "report_pins", lambda: {"fake": True})
 
 
 def test_unknown_only_pattern_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,26 +49,22 @@ def test_bad_device_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--device must be cpu or cuda" in capsys.readouterr().err
 
 
-def test_unknown_preset_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """resolve_target with stand-in model modules: the engine's error path, not the presets' contents."""
-    fakes = {
-        "k3verify.presets": {"PRESETS": {"k3-tiny": object()}, "get_preset": lambda name: object()},
-        "k3verify.checkpoint.synthetic": {"ensure_preset_checkpoint": lambda name: Path("/nonexistent")},
-        "k3verify.checkpoint.digest": {"checkpoint_digest": lambda path: DIGEST},
-    }
-    for name, attrs in fakes.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
+def test_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown preset is a usage error naming it and the known ones, before anything is built."""
     assert main(["parity", "--preset", "k3-nope", "--only", "gates.selftest"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'k3-nope'" in err and "k3-tiny" in err
 
 
+def test_real_shape_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """A real shape has no data to check: exit 2 saying how to get a checkpoint instead."""
+    assert main(["parity", "--preset", "kimi-linear-48b", "--only", "gates.selftest"]) == 2
+    assert "checkpoint make" in capsys.readouterr().err
+
+
 def test_missing_checkpoint_config_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["parity", "--checkpoint", str(tmp_path), "--only", "gates.selftest"]) == 2
-    err = capsys.readouterr().err
-    assert "no config.json" in err or "not available" in err
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_list_prints_selected_checks(capsys: pytest.CaptureFixture[str]) -> None:

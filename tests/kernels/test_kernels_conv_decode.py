@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import k3verify
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels.conv import torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON

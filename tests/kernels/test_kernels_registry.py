@@ -132,7 +132,7 @@ def test_fast_path_check_helpers_skip_with_reason_and_refuse_an_unrouted_run() -
     """The CUDA kernel checks use these two: no fast path -> a skip that prints why; a run the registry
     did not route to the fast path -> an error (comparing torch with torch would pass vacuously)."""
     from k3verify.gates import SkipCheck
-    from k3verify.serving import fixtures as fx
+    from k3verify.gates import fixtures as fx
 
     with pytest.raises(SkipCheck, match="the Triton KDA path is not available here: CUDA is not available"):
         fx.require_fast_path("Triton KDA path", "CUDA is not available")

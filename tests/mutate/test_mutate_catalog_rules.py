@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from k3verify.cli import main
+from k3verify.gates.mutation import CatalogError, ChildRun, Mutant, classify, expand_killers, load_catalog, stale_reason
 from k3verify.gates.report import load_report
-from k3verify.mutate import CatalogError, ChildRun, Mutant, classify, expand_killers, load_catalog, stale_reason
 
 MXFP4 = "k3verify.checkpoint.mxfp4:decode_codes"
 
 
 def write_catalog(folder: Path, body: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "entries.py").write_text("from k3verify.mutate import Mutant\n\n" + textwrap.dedent(body))
+    (folder / "entries.py").write_text("from k3verify.gates.mutation import Mutant\n\n" + textwrap.dedent(body))
     return folder
 
 
@@ -70,7 +70,7 @@ def test_equivalent_mutants_leave_the_denominator(tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.parametrize("target", ["k3verify.oracle.k3_reference:forward", "k3verify.gates.compare:compare",
-                                    "k3verify.mutate:classify"])
+                                    "k3verify.gates.mutation:classify"])
 def test_judge_code_cannot_be_mutated(target: str) -> None:
     """Mutating the oracle or the gates proves nothing: such entries are rejected when the catalog loads."""
     with pytest.raises(CatalogError, match="not mutable"):

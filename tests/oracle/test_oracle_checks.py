@@ -11,7 +11,7 @@ import k3verify.gates.checks.oracle_checks  # noqa: F401  (registers the checks)
 from k3verify.gates import REGISTRY, CheckContext, Status, evaluate_trial
 from k3verify.gates.gate import SkipCheck
 from k3verify.gates.suite import derive_seed
-from k3verify.presets import get_preset
+from k3verify.target import resolve_target
 
 ORACLE_CHECKS = ("oracle.kda.naive_recurrent_vs_chunk", "oracle.kda.gate_vs_fla", "oracle.mxfp4.dequant_vs_hand",
                  "oracle.pins", "oracle.k3_reference_vs_transformers")
@@ -20,8 +20,7 @@ _CACHE: dict[str, dict[str, Any]] = {}
 
 def _ctx(preset: str, check_id: str) -> CheckContext:
     gen = torch.Generator().manual_seed(derive_seed(0, check_id))
-    return CheckContext(get_preset(preset), preset, None, torch.device("cpu"), 0, gen, "quick",
-                        _CACHE.setdefault(preset, {}))
+    return CheckContext(resolve_target(preset), torch.device("cpu"), 0, gen, "quick", _CACHE.setdefault(preset, {}))
 
 
 @pytest.mark.parametrize("check_id", ORACLE_CHECKS)
@@ -51,7 +50,7 @@ def test_transformers_with_fla_kernels_check_on_cuda() -> None:
     control fails."""
     check = REGISTRY.get("oracle.k3_reference_vs_transformers_fla")
     gen = torch.Generator().manual_seed(derive_seed(0, check.id))
-    ctx = CheckContext(get_preset("kl-tiny"), "kl-tiny", None, torch.device("cuda"), 0, gen, "quick", {})
+    ctx = CheckContext(resolve_target("kl-tiny"), torch.device("cuda"), 0, gen, "quick", {})
     result = evaluate_trial(check, check.fn(ctx))
     assert result.status is Status.PASS, result.reason
     assert result.control is not None and result.control.status == "fail"

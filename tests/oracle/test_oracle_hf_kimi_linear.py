@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.oracle import hf_kimi_linear as hf
 from k3verify.presets import get_preset
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from k3verify.oracle import pinning
-from k3verify.oracle.pins import oracle_pins
+from k3verify.oracle.pinning import report_pins
 
 
 def test_installed_oracle_matches_committed_pins() -> None:
@@ -32,7 +32,7 @@ def test_provenance_shape_and_report_adapter() -> None:
     assert set(prov) == {"transformers", "fla", "k3verify.oracle"}
     entry = prov["transformers"]["files"]["models/kimi_linear/modeling_kimi_linear.py"]
     assert set(entry) == {"sha256", "pinned_sha256", "matches"} and entry["matches"]
-    assert oracle_pins()["mismatches"] == []
+    assert report_pins()["mismatches"] == []
 
 
 def test_write_pins_round_trips(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from k3verify.checkpoint.init import synthetic_tensors
 from k3verify.checkpoint.loader import load_into
 from k3verify.checkpoint.names import module_specs
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.config import ModelConfig
 from k3verify.oracle import functional as Fn
 from k3verify.oracle.k3_reference import K3Reference, expected_module_names

@@ -24,7 +24,7 @@ DTYPE = torch.float32  # fp32 logits move by ~1e-5 with batch composition; greed
 @functools.cache
 def tiny_parts() -> tuple[Any, dict[str, torch.Tensor], Any]:
     """(config, synthetic tensors, tokenizer) of k3-tiny, built once per session."""
-    from k3verify.checkpoint.init import synthetic_tensors
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.presets import get_preset
     from k3verify.tokenizer import default_tokenizer
 

@@ -19,7 +19,7 @@ import k3verify
 from k3verify.cli import UsageError, build_parser, main
 from k3verify.commands import serve
 from k3verify.gates.report import validate_report
-from k3verify.serving.gating import find_passing_report, lookup_report
+from k3verify.gates.report_lookup import find_passing_report, lookup_report
 
 OTHER_DIGEST = "sha256:" + "0" * 64
 
@@ -53,7 +53,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def tiny_digest() -> str:
-    return serve.resolve_checkpoint(serve_args())[3]
+    return serve.target_for(serve_args()).digest
 
 
 def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -97,8 +97,8 @@ def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -
     """A passing report nested anywhere under --report-dir lets the gate open; the newest one is chosen."""
     write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
     newest = write_report(tmp_path / "c", digest=tiny_digest, started_at="2026-02-01T00:00:00+00:00")
-    target = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
-    assert target.report == newest and target.digest == tiny_digest and target.name == "k3-tiny"
+    gated = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
+    assert gated.report == newest and gated.target.digest == tiny_digest and gated.target.name == "k3-tiny"
     assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == newest
     assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cuda") is None
 
@@ -131,7 +131,7 @@ def test_corrupt_report_is_ignored_with_a_warning(tmp_path: Path, tiny_digest: s
     invalid = tmp_path / "invalid" / "report.json"
     invalid.parent.mkdir()
     invalid.write_text(json.dumps({"schema_version": 1, "summary": {"verdict": "pass"}}), encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="k3verify.serving.gating"):
+    with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
         assert lookup_report(tmp_path, tiny_digest, k3verify.__version__, "cpu").passing is None
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert str(half) in warned and str(invalid) in warned
@@ -167,7 +167,7 @@ def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--port", "70000"], "--port must be in 0..65535"),
-    (["--preset", "k3"], "only synthetic presets"),
+    (["--preset", "k3"], "is a real shape with no data"),
     (["--checkpoint", "/nonexistent/ckpt"], "no config.json"),
 ])
 def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
@@ -228,7 +228,7 @@ def test_run_gates_writes_a_real_report_then_serves(tmp_path: Path) -> None:
     port = _free_port()
     proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k", "--run-gates")
     _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
-    assert find_passing_report(tmp_path, serve.resolve_checkpoint(serve_args())[3], k3verify.__version__, "cpu")
+    assert find_passing_report(tmp_path, serve.target_for(serve_args()).digest, k3verify.__version__, "cpu")
     _chat_then_stop(proc, f"http://127.0.0.1:{port}")
 
 
@@ -239,4 +239,4 @@ def test_served_engine_stops_at_config_and_generation_eos(tmp_path: Path, tiny_d
     engine, tokenizer = serve.build_engine(args, serve.require_gate(args))
     assert engine.eos_token_ids == {tokenizer.eos_id, tokenizer.im_end_id} == {4097, 4098}
     assert engine.runner.state_pool.num_slots == 3
-    assert Path(tokenizer.source).parent == serve.resolve_checkpoint(args)[2]
+    assert Path(tokenizer.source).parent == serve.target_for(args).checkpoint_dir

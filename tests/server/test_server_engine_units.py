@@ -9,8 +9,9 @@ import torch
 from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _Slot
 
 from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.request import find_stop, partial_stop_len
 from k3verify.serving.sampler import SamplingParams, filter_logits, make_generator, sample, sample_row
-from k3verify.serving.scheduler import ScheduledSeq, Scheduler, find_stop, partial_stop_len
+from k3verify.serving.scheduler import ScheduledSeq, Scheduler
 
 
 class ScriptedRunner(FakeRunner):

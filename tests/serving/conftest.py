@@ -8,7 +8,7 @@ from functools import cache
 import pytest
 import torch
 
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.config import ModelConfig
 from k3verify.presets import get_preset
 from k3verify.serving.model import ServingModel

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.gates import Kind, compare
 from k3verify.kernels.moe import COMBINE
 from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded

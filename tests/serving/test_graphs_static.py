@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3verify.checkpoint.init import synthetic_tensors
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
 from k3verify.serving.batch import SCRATCH
 from k3verify.serving.graphs import GraphDecoder, StaticInputs, capture_signature, static_decode
@@ -104,7 +104,7 @@ def test_bucket_selection_and_overflow() -> None:
 def test_replay_vs_eager_helper_runs_the_same_step_twice() -> None:
     """Without graphs both sides are the eager static step: equal, caches restored between them, and the
     sequences released afterwards (the helper the CUDA check and the bench share)."""
-    from k3verify.serving.graphs import replay_vs_eager
+    from k3verify.gates.replay import replay_vs_eager
 
     runner, _ = _prefilled("k3-tiny")
     for i in range(len(PROMPTS)):

@@ -13,12 +13,12 @@ from k3verify.gates import REGISTRY, Status, make_context_factory
 from k3verify.gates.checks.serving_packing import plain_triangle
 from k3verify.gates.suite import ContextFactory, run_check
 from k3verify.kernels.conv import torch_ref as conv_ref
-from k3verify.presets import get_preset
 from k3verify.serving.layers import attn_res, kda, mla, mlp
 from k3verify.serving.layers.kda import KimiDeltaAttention
 from k3verify.serving.layers.moe import SparseMoE
 from k3verify.serving.model import ServingModel
 from k3verify.serving.state_cache import KDAStatePool
+from k3verify.target import resolve_target
 
 PRESET = "k3-tiny"
 
@@ -27,8 +27,7 @@ PRESET = "k3-tiny"
 def factory() -> Iterator[ContextFactory]:
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield make_context_factory(get_preset(PRESET), preset=PRESET, checkpoint_dir=None, device="cpu", seed=0,
-                               suite="full")
+    yield make_context_factory(resolve_target(PRESET), device="cpu", seed=0, suite="full")
     torch.set_num_threads(saved)
 
 
@@ -117,9 +116,9 @@ def test_bf16_module_check_runs_mla_on_the_torch_kernels(factory: ContextFactory
     """mla.module.bf16 compares the module's math in the oracle's op order: inside it, SDPA and the Triton
     norms are pinned to torch (the H200 showed 15% of elements off with them routed in). A pin placed
     above @register_check would never run: this proves it is active while the check executes."""
+    from k3verify.gates import fixtures
     from k3verify.kernels import attn, norm
     from k3verify.kernels.registry import REGISTRY as KERNELS
-    from k3verify.serving import fixtures
 
     seen: list[dict[str, str]] = []
     serving_model = fixtures.serving_model

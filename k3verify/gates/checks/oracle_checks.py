@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.oracle import fixtures
+from k3verify.checkpoint import mxfp4
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
+from k3verify.oracle import fla_ref
 from k3verify.oracle import functional as Fn
+from k3verify.oracle.hf_kimi_linear import hf_forward, kda_routing
+from k3verify.oracle.pinning import mismatches, oracle_provenance
 
 KDA_CASES = {  # name -> (batch, T, heads, dk, dv, gate): T off the 64-token chunk grid, odd widths
     "T63_b2": (2, 63, 3, 60, 37, "logsigmoid"),
@@ -40,7 +43,6 @@ def _kda_inputs(ctx: CheckContext, B: int, T: int, h: int, dk: int, dv: int, gat
     control="chunk form with beta not applied (beta = 1)",
 )
 def check_kda_recurrent_vs_chunk(ctx: CheckContext) -> Trial:
-    from k3verify.oracle import fla_ref
 
     ref, cand, ctrl, gold = {}, {}, {}, {}
     for name, (B, T, h, dk, dv, gate) in KDA_CASES.items():
@@ -62,7 +64,6 @@ def check_kda_recurrent_vs_chunk(ctx: CheckContext) -> Trial:
     control="the safe gate computed with the plain softplus formula",
 )
 def check_kda_gate_vs_fla(ctx: CheckContext) -> Trial:
-    from k3verify.oracle import fla_ref
 
     T, h, dk, g = 67, 3, 20, ctx.generator
     # bf16 activations as in serving; a x8 tail drives softplus past its linear threshold and sigmoid to 0/1.
@@ -102,7 +103,6 @@ def _hand_dequant(packed: torch.Tensor, scale: torch.Tensor, group: int, high_fi
     control="nibbles decoded high first",
 )
 def check_mxfp4_dequant(ctx: CheckContext) -> Trial:
-    from k3verify.checkpoint import mxfp4
 
     rows, cols, group = 8, 128, 32
     packed = torch.randint(0, 256, (rows, cols // 2), generator=ctx.generator, dtype=torch.uint8)
@@ -126,7 +126,6 @@ def _pin_bytes(entries: dict[str, str | None]) -> dict[str, torch.Tensor]:
     control="one pinned sha256 altered by one character",
 )
 def check_oracle_pins(ctx: CheckContext) -> Trial:
-    from k3verify.oracle.pinning import mismatches, oracle_provenance
 
     prov = oracle_provenance()
     pinned: dict[str, str | None] = {}
@@ -162,7 +161,6 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
                         "MLA output gate): run this check on kl-tiny or a Kimi-Linear checkpoint")
     if len(ctx.cfg.kda_layers) < 2:
         raise SkipCheck("the control swaps o_norm between two KDA layers; this config has fewer than two")
-    from k3verify.oracle.hf_kimi_linear import hf_forward, kda_routing
 
     routing = kda_routing(ctx.device)  # CPU: transformers' torch code; CUDA: fla's kernels must be engaged
     if ctx.device.type == "cuda" and "[package]" not in routing["chunk_kimi_delta_attention"]:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels.conv import torch_ref, triton_path
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
-from k3verify.serving import fixtures as fx
 
 SLOTS = [3, 0, 5, 1, 0, 8, 6]  # slot 0 = scratch, twice (padded rows)
 KEEP = [1, 0, 1, 0, 0, 1, 1]  # slot 1 is a fresh sequence over a stale window

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
@@ -187,7 +187,7 @@ def check_untouched_slots(ctx: CheckContext) -> Trial:
             _fill_sentinels(t)
         runner.admit(1, 30)
         runner.admit(2, 30)
-        used = {runner._get(1).slot, runner._get(2).slot}
+        used = {runner.slot_of(1), runner.slot_of(2)}
         pages = set(cache.table(1)) | set(cache.table(2))
         idle_slots = torch.tensor([s for s in range(pool.num_slots + 1) if s not in used], device=ctx.device)
         idle_pages = torch.tensor([p for p in range(cache.num_pages) if p not in pages], device=ctx.device)

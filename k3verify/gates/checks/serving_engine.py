@@ -17,9 +17,11 @@ import torch
 
 from k3verify.config import ModelConfig
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
+from k3verify.serving.engine import Engine
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.state_cache import KDAStatePool
+from k3verify.tokenizer import KimiTokenizer
 
 
 def _json_eos(path: Path) -> list[int]:
@@ -32,8 +34,6 @@ def _json_eos(path: Path) -> list[int]:
 @register_check(id="serving.engine.eos_ids", component="serving", level="serving", kind=Kind.BITEXACT,
                 control="only config.json's eos id honoured (generation_config.json's <|im_end|> dropped)")
 def check_engine_eos_ids(ctx: CheckContext) -> Trial:
-    from k3verify.serving.engine import Engine
-    from k3verify.tokenizer import KimiTokenizer
 
     ckpt = ctx.checkpoint_dir
     if ckpt is None or not (Path(ckpt) / "generation_config.json").is_file():
@@ -56,13 +56,13 @@ def _mixed_pass(ctx: CheckContext, poison: bool) -> torch.Tensor:
     runner.admit(0, 40)
     runner.admit(1, 40)
     runner.prefill([(0, a), (1, b)])
-    released = runner._get(1).slot
+    released = runner.slot_of(1)
     runner.release(1)
     if poison:
         for t in runner.state_pool.tensors().values():
             t[:, released] = float("nan")
     runner.admit(2, 40)
-    if runner._get(2).slot != released:
+    if runner.slot_of(2) != released:
         raise RuntimeError("the pool did not hand the released slot back: the check would test nothing")
     out = runner.prefill([(0, a[:3]), (2, b)])
     runner.release(0)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.serving.fixtures import prompt, serving_model
-from k3verify.serving.graphs import GraphDecoder, replay_vs_eager
+from k3verify.gates.fixtures import prompt, serving_model
+from k3verify.gates.replay import replay_vs_eager
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.runner import ModelRunner
 
 PAGE = 16

@@ -8,6 +8,7 @@ import torch
 
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, compare, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import attn as attn_ops
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels import norm as norm_ops
@@ -22,8 +23,8 @@ from k3verify.kernels.norm import triton_impl as norm_triton
 from k3verify.kernels.registry import CUDA, REGISTRY, TORCH, TRITON
 from k3verify.kernels.router import torch_ref as router_ref
 from k3verify.kernels.router import triton_impl as router_triton
+from k3verify.oracle import fla_ref
 from k3verify.oracle import functional as Fn
-from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.moe import PackedWeight, SparseMoE
 
 LENS = [63, 130, 1]  # off the 64 grid, a ragged multi-chunk sequence and a single token
@@ -83,7 +84,6 @@ def _kda_inputs(ctx: CheckContext, T: int, n_seq: int) -> dict[str, torch.Tensor
 def _naive(x: dict[str, torch.Tensor], cu: list[int], beta: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's naive_recurrent_kda per sequence (normalized inputs, as its contract wants)."""
-    from k3verify.oracle import fla_ref
 
     q, k = Fn.l2norm(x["q"]), Fn.l2norm(x["k"])
     b = x["beta"] if beta is None else beta

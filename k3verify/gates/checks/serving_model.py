@@ -9,11 +9,13 @@ from typing import Any
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
+from k3verify.gates.fixtures import hf_model
+from k3verify.gates.route_pin import PinStats, pin_routes
+from k3verify.oracle.hf_kimi_linear import hf_forward
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.layers.attn_res import attn_res_mix
 from k3verify.serving.model import ServingModel
-from k3verify.serving.route_pin import PinStats, pin_routes
 from k3verify.serving.runner import ModelRunner, generate_greedy
 
 T_MODEL = 48
@@ -78,8 +80,6 @@ def check_model_logits(ctx: CheckContext) -> Trial:
 def check_model_logits_hf(ctx: CheckContext) -> Trial:
     if ctx.cfg.is_k3:
         raise SkipCheck("transformers' KimiLinear has no K3 features (attn-res, LatentMoE, SiTU, MXFP4)")
-    from k3verify.oracle.fixtures import hf_model
-    from k3verify.oracle.hf_kimi_linear import hf_forward
 
     ids = fx.prompt(ctx, T_MODEL)
     logits, caps = hf_forward(hf_model(ctx), ids, capture=True)

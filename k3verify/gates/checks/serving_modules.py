@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import attn as attn_ops
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
-from k3verify.serving import fixtures as fx
 from k3verify.serving.layers.mlp import silu_glu, situ_glu
 
 T_MODULE = 80  # off the 64-token chunk grid: the last KDA chunk is ragged

@@ -18,14 +18,14 @@ import dataclasses
 import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, compare, register_check
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
+from k3verify.gates.route_pin import PinStats, pin_routes, record_routes
 from k3verify.serving.batch import PackedBatch, segment_ids
 from k3verify.serving.layers import kda as kda_mod
 from k3verify.serving.layers import mla as mla_mod
 from k3verify.serving.layers import mlp as mlp_mod
 from k3verify.serving.layers.attn_res import BlockBuffer, num_blocks
 from k3verify.serving.model import ForwardOutput, ServingModel
-from k3verify.serving.route_pin import PinStats, pin_routes, record_routes
 
 EQUAL = [64, 64, 64]
 UNEQUAL = [37, 64, 5, 90]

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.oracle import functional as Fn
-from k3verify.serving import fixtures as fx
 from k3verify.serving.layers import attn_res
 from k3verify.serving.layers.attn_res import attn_res_mix, num_blocks
 

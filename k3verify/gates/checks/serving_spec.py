@@ -21,7 +21,7 @@ from k3verify.kernels import conv as conv_ops
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_NORM, VERIFY_RECORD, kda_verify
 from k3verify.kernels.norm import GATED_RMS, gated_rms_norm
-from k3verify.serving import fixtures as fx
+from k3verify.gates import fixtures as fx
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.spec import verifier as verifier_module
 from k3verify.serving.spec.arena import commit_accepted
@@ -135,7 +135,7 @@ def _committed(ctx: CheckContext, accepted: list[int]) -> tuple[dict[str, torch.
     pool, cache = runner.state_pool, runner.kv_cache
     verifier = SpecVerifier(runner, NUM_DRAFT, len(PROMPT_LENS))
     verifier.arena.poison()
-    slots = torch.tensor([runner.slot(s) for s in range(len(PROMPT_LENS))], device=ctx.device)
+    slots = torch.tensor([runner.slot_of(s) for s in range(len(PROMPT_LENS))], device=ctx.device)
     used = set(slots.tolist()) | {p for s in range(len(PROMPT_LENS)) for p in cache.table(s)}
     idle = [s for s in range(pool.num_slots + 1) if s not in used]
     idle_pages = [p for p in range(cache.num_pages) if p not in used]

@@ -26,6 +26,7 @@ from k3verify.tokenizer import (
     render_chat_text,
     split_for_encoding,
 )
+from k3verify.tokenizer.tokenizer import ASSETS_DIR, MODEL_FILE, PAT_STR, load_mergeable_ranks
 
 Message = dict[str, Any]
 
@@ -210,7 +211,6 @@ def _whole_string_ids(tok: KimiTokenizer, messages: Sequence[Message], add_gener
 def check_encode_exact_ids(ctx: CheckContext) -> Trial:
     import tiktoken
 
-    from k3verify.tokenizer.tokenizer import ASSETS_DIR, MODEL_FILE, PAT_STR, load_mergeable_ranks
 
     tok = default_tokenizer()
     digits_rule = r"\p{N}{1,3}"

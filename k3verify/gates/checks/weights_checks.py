@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
+from k3verify.checkpoint.loader import WeightLoadError, load_into
+from k3verify.checkpoint.names import ignorable_reason, module_specs, quantized_pair
+from k3verify.checkpoint.reader import CheckpointReader
+from k3verify.checkpoint.reconcile import ReconcileResult, build_param_module, reconcile_checkpoint
+from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
+from k3verify.checkpoint.writer import write_sparse_checkpoint
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
 
 UNKNOWN_IN_PREFIX = "model.layers.0.self_attn.unknown_proj.weight"  # under the text-model prefix, no parameter
 UNKNOWN_OUTSIDE = "audio_tower.proj.weight"  # outside the prefix and not declared ignorable
@@ -84,7 +90,6 @@ def _sentinel_fill(module: nn.Module) -> None:
 def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor], must_name: str | None,
              notes: list[str], label: str) -> int:
     """1 when the load behaves: no error for a clean mapping (must_name None), else WeightLoadError naming it."""
-    from k3verify.checkpoint.loader import WeightLoadError
 
     try:
         load(module, tensors)
@@ -110,10 +115,6 @@ def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor
     control="a lenient loader that copies whatever names match and skips missing and unknown tensors",
 )
 def check_loader_strict(ctx: CheckContext) -> Trial:
-    from k3verify.checkpoint.loader import load_into
-    from k3verify.checkpoint.names import module_specs, quantized_pair
-    from k3verify.checkpoint.reconcile import build_param_module
-    from k3verify.oracle import fixtures
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
@@ -167,7 +168,7 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     ctrl_notes: list[str] = []
     cand_flags, cand_bytes = run(strict, cand_notes)
     ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
-    source = _independent_read(ctx.checkpoint_dir) if ctx.checkpoint_dir is not None else dict(tensors)
+    source = _independent_read(ctx.checkpoint_dir)
     ref_bytes = _flat_bytes({n: source[prefix + n] for n in specs}, list(specs), {n: s.dtype for n, s in specs.items()})
     return Trial(
         reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": ref_bytes},
@@ -180,31 +181,15 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     )
 
 
-def _base_checkpoint(ctx: CheckContext) -> Path:
-    if ctx.checkpoint_dir is not None:
-        return Path(ctx.checkpoint_dir)
-    from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-    from k3verify.presets import SYNTHETIC_PRESETS
-
-    if ctx.preset not in SYNTHETIC_PRESETS:
-        raise SkipCheck("no checkpoint dir and no synthetic preset to write one from")
-    return ensure_preset_checkpoint(str(ctx.preset))
-
-
 @register_check(
     id="weights.reconcile.buckets", component="weights", level="module", kind=Kind.BITEXACT,
     control="an index-only reconcile, which reads no headers and so cannot see a transposed or re-typed tensor",
 )
 def check_reconcile_buckets(ctx: CheckContext) -> Trial:
-    from k3verify.checkpoint.names import ignorable_reason
-    from k3verify.checkpoint.reader import CheckpointReader
-    from k3verify.checkpoint.reconcile import ReconcileResult, reconcile_checkpoint
-    from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
-    from k3verify.checkpoint.writer import write_sparse_checkpoint
 
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
-    base = _base_checkpoint(ctx)
+    base = ctx.checkpoint_dir
     entries = CheckpointReader(base).entries
     specs = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
     text_names = [n for n in specs if ignorable_reason(n) is None]

@@ -71,7 +71,7 @@ class SpecVerifier:
             if not self.can_verify(sid):
                 raise CacheError(f"sequence {sid}: {r.num_cached(sid)} cached + {n} verify positions do not fit its "
                                  f"budget {r.budget(sid)} (or nothing is cached yet)")
-        slots, tables = [r.slot(sid) for sid in ids], [r.kv_cache.table(sid) for sid in ids]
+        slots, tables = [r.slot_of(sid) for sid in ids], [r.kv_cache.table(sid) for sid in ids]
         starts = [r.num_cached(sid) for sid in ids]
         flat = [t for _, tokens in seqs for t in tokens]
         if graphs is not None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3verify.gates.report import validate_report
+
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,6 @@ class GateLookup:
 
 
 def _load_valid(path: Path) -> dict[str, Any] | None:
-    from k3verify.gates.report import validate_report
-
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         validate_report(data)

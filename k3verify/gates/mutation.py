@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import k3verify
+from k3verify.cli import main
+from k3verify.gates.report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
 DEFAULT_CATALOG = PACKAGE_DIR.parent / "mutations"
@@ -208,7 +209,6 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     if "--mutant" in opts:
         by_id = {m.id: m for m in load_catalog(Path(opts["--catalog"]))}
         apply_patch(by_id[opts["--mutant"]])
-    from k3verify.cli import main
 
     return main(args[split + 1:])
 
@@ -228,7 +228,6 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
 
     `cache_dir` (K3V_CACHE_DIR) is private to one mutate run: the clean run builds each synthetic checkpoint
     there once; a mutant of checkpoint-writing code changes the cache key and builds its own."""
-    from k3verify.gates.report import load_report
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="k3v-mutant-") as tmp:
@@ -245,7 +244,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                    PYTHONDONTWRITEBYTECODE="1", K3V_CACHE_DIR=str(cache_dir))
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        code = "from k3verify.mutate import child_main; raise SystemExit(child_main())"
+        code = "from k3verify.gates.mutation import child_main; raise SystemExit(child_main())"
         try:
             # cwd=root: `-c` puts the cwd first on sys.path, ahead of the editable install's finder.
             done = subprocess.run([sys.executable, "-c", code, *opts, "--", *cli], cwd=root, env=env,
@@ -302,7 +301,3 @@ def classify(mutant: Mutant, preset: str, expected: Sequence[str], child: ChildR
 
 def red_summary(report: dict[str, Any]) -> list[str]:
     return [f"{r['id']}: {r['status']} ({r['reason']})" for r in report["results"] if r["status"] in RED]
-
-
-def json_line(outcome: Outcome) -> str:
-    return json.dumps(outcome.record(), sort_keys=True)

@@ -1,33 +1,39 @@
-"""Cached serving objects and small helpers for the serving parity checks (gates/checks/serving_*.py).
+"""Cached models and small helpers for the parity checks (gates/checks/*.py).
 
-Weights come from the oracle's `checkpoint_tensors(ctx)` so both stacks load the very same tensors.
+Weights come from one place, `checkpoint_tensors(ctx)` (the target's checkpoint, read lazily), so the oracle,
+transformers' model and the serving model load the very same tensors. Everything is cached per run in ctx.cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
+from k3verify.checkpoint.loader import load_into
+from k3verify.gates.gate import CheckContext, SkipCheck
+from k3verify.gates.route_pin import RouteRecord, record_routes
 from k3verify.kernels.registry import REGISTRY, TORCH
+from k3verify.oracle.hf_kimi_linear import build_hf_model
+from k3verify.oracle.k3_reference import K3Reference
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
-from k3verify.serving.route_pin import RouteRecord, record_routes
 
 _MISSING = object()
 
 
-def single_thread(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def single_thread(fn: Callable[[CheckContext], Any]) -> Callable[[CheckContext], Any]:
     """Run a CPU check with one torch thread (restored after). These models are tiny: on a shared 2-core
     runner two spinning OpenMP threads make every small fp32 GEMM ~20 ms instead of ~10 us. Reference,
     candidate and control of a check all run under the same setting."""
 
     @functools.wraps(fn)
-    def wrapper(ctx: Any) -> Any:
+    def wrapper(ctx: CheckContext) -> Any:
         if ctx.device.type != "cpu":
             return fn(ctx)
         saved = torch.get_num_threads()
@@ -40,20 +46,18 @@ def single_thread(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return wrapper
 
 
-def checkpoint_tensors(ctx: Any) -> Any:
-    try:
-        from k3verify.oracle.fixtures import checkpoint_tensors as oracle_tensors
-    except ImportError:  # the oracle package is optional for serving-only installs
-        from k3verify.checkpoint.init import synthetic_tensors
-
-        key = "serving.tensors"
-        if key not in ctx.cache:
-            ctx.cache[key] = synthetic_tensors(ctx.cfg, seed=0)
-        return ctx.cache[key]
-    return oracle_tensors(ctx)
+def _cached(ctx: CheckContext, key: str, build: Callable[[], Any]) -> Any:
+    if key not in ctx.cache:
+        ctx.cache[key] = build()
+    return ctx.cache[key]
 
 
-def serving_model(ctx: Any, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
+def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
+    """The target checkpoint's tensors by checkpoint name (read lazily, shared by every stack)."""
+    return _cached(ctx, "tensors", ctx.target.weights)
+
+
+def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
     """ServingModel(ctx.cfg, dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
     Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check)."""
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
@@ -65,19 +69,35 @@ def serving_model(ctx: Any, dtype: torch.dtype = torch.float32, mxfp4_mode: str 
     return model
 
 
-def reference_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
-    from k3verify.oracle.fixtures import reference_model as oracle_reference
+def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Reference:
+    """K3Reference(ctx.cfg, dtype) with the checkpoint loaded strictly, on ctx.device, cached per dtype."""
+    def build() -> K3Reference:
+        ref = K3Reference(ctx.cfg, dtype)
+        load_into(ref, ctx.cfg, checkpoint_tensors(ctx))
+        return ref.to(ctx.device)
+    return _cached(ctx, f"oracle.k3.{_dtype_name(dtype)}", build)
 
-    return oracle_reference(ctx, dtype)
+
+def hf_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """transformers' KimiLinearForCausalLM with the same weights (Kimi-Linear configs only)."""
+    def build() -> nn.Module:
+        return build_hf_model(ctx.cfg, ctx.target.hf_config(), checkpoint_tensors(ctx), dtype=dtype,
+                              device=ctx.device)
+    return _cached(ctx, f"oracle.hf.{_dtype_name(dtype)}", build)
 
 
-def prompt(ctx: Any, length: int, salt: int = 0) -> torch.Tensor:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def prompt(ctx: CheckContext, length: int, salt: int = 0) -> torch.Tensor:
     """Token ids [length] that depend only on (run seed, length, salt): checks share oracle runs."""
     g = torch.Generator().manual_seed(ctx.seed * 1_000_003 + length * 7919 + salt)
     return torch.randint(0, ctx.cfg.vocab_size, (length,), generator=g)
 
 
-def reference_forward(ctx: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[Any, RouteRecord]:
+def reference_forward(ctx: CheckContext, ids: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> tuple[Any, RouteRecord]:
     """The oracle's forward (with captures) on `ids` and its router decisions, cached per run."""
     key = f"serving.oracle_run.{str(dtype).removeprefix('torch.')}.{hash(tuple(ids.tolist()))}"
     if key not in ctx.cache:
@@ -123,8 +143,6 @@ def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
 def require_fast_path(what: str, reason: str | None) -> None:
     """Skip (with the reason printed) a CUDA check whose fast path cannot run here."""
     if reason is not None:
-        from k3verify.gates.gate import SkipCheck
-
         raise SkipCheck(f"the {what} is not available here: {reason}")
 
 
@@ -148,7 +166,7 @@ def torch_path(*ops: str) -> Iterator[None]:
             REGISTRY.force(op, None)
 
 
-def layer_inputs(ctx: Any, n_tokens: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def layer_inputs(ctx: CheckContext, n_tokens: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """Random hidden states [T, H] from the check's generator, on ctx.device."""
     x = torch.randn(n_tokens, ctx.cfg.hidden_size, generator=ctx.generator) * scale
     return x.to(dtype).to(ctx.device)
