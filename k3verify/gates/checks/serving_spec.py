@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from k3verify.gates import CheckContext, Kind, Trial, register_check
+from k3verify.gates import fixtures as fx
 from k3verify.gates.checks._spec_common import NUM_DRAFT, OpCase, bits, op_case, poison_caches
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_NORM, VERIFY_RECORD, kda_verify
 from k3verify.kernels.norm import GATED_RMS, gated_rms_norm
-from k3verify.gates import fixtures as fx
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.spec import verifier as verifier_module
 from k3verify.serving.spec.arena import commit_accepted
@@ -41,7 +41,8 @@ def _sequential(case: OpCase) -> dict[str, torch.Tensor]:
     B, n, h, dk = case.shape
     out: dict[str, list[torch.Tensor]] = {"o": [], "states": [], "windows": []}
     for j in range(n):
-        q, k, v = conv_ops.conv_decode_qkv(tuple(x[:, j] for x in case.xs), case.weights, windows, case.slots,
+        xq, xk, xv = case.xs
+        q, k, v = conv_ops.conv_decode_qkv((xq[:, j], xk[:, j], xv[:, j]), case.weights, windows, case.slots,
                                            case.keep)
         o = kda_ops.kda_decode_slots(q.view(B, h, dk), k.view(B, h, dk), v.view(B, h, dk), case.g[:, j],
                                      case.beta[:, j], state, case.slots, case.scale)
