@@ -8,6 +8,7 @@ REF = "k3verify.kernels.kda.verify_ref"
 ARENA = "k3verify.serving.spec.arena"
 ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
+KERNELS = "k3verify.kernels.kda.verify_kernels"
 PRESETS = ("k3-tiny", "kl-tiny")
 
 MUTANTS = [
@@ -60,5 +61,15 @@ MUTANTS = [
         old="L = int(max(b.start_list)) + max(b.seq_lens)",
         new="L = int(max(b.start_list)) + 1",
         killers=("spec.verify.logits", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.fused.writes_pool_state", devices=("cuda",),
+        fault="the fused verify kernel writes its running state back into the pool slot, as a decode kernel does: "
+              "the state after every draft, rejected ones included, lands in the cache before acceptance is known",
+        target=f"{KERNELS}:kda_verify_fused_kernel",
+        old="    # every thread's o stores, then one acq_rel ticket",
+        new="    tl.store(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], S, mask=m2)\n"
+            "    # every thread's o stores, then one acq_rel ticket",
+        killers=("spec.fused.vs_unfused",), presets=("k3-syn-25",),
     ),
 ]

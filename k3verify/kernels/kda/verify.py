@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.kda import verify_ref
+from k3verify.kernels.kda import verify_ref, verify_triton
 from k3verify.kernels.norm import torch_ref as norm_ref
-from k3verify.kernels.registry import REGISTRY, TORCH, dispatch
+from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 VERIFY_CONV = "kda.verify_conv"
 VERIFY_RECORD = "kda.verify_record"
@@ -40,9 +40,18 @@ def kda_verify_unfused(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Te
 
 
 REGISTRY.register(VERIFY_CONV, TORCH, verify_ref.spec_conv_qkv_torch)
+REGISTRY.register(VERIFY_CONV, TRITON, verify_triton.spec_conv_triton, accepts=verify_triton.accepts_conv,
+                  available=verify_triton.available)
 REGISTRY.register(VERIFY_RECORD, TORCH, verify_ref.kda_record_torch)
+REGISTRY.register(VERIFY_RECORD, TRITON, verify_triton.record_triton, accepts=verify_triton.accepts_record,
+                  available=verify_triton.available)
 REGISTRY.register(VERIFY_NORM, TORCH, norm_ref.gated_rms_norm_torch)
+REGISTRY.register(VERIFY_NORM, TRITON, verify_triton.norm_triton, accepts=verify_triton.accepts_norm,
+                  available=verify_triton.available)
+# the fused op's reference backend is the unfused path itself: a refused geometry runs the three ops
 REGISTRY.register(VERIFY_FUSED, TORCH, kda_verify_unfused)
+REGISTRY.register(VERIFY_FUSED, TRITON, verify_triton.fused_triton, accepts=verify_triton.accepts_fused,
+                  available=verify_triton.available)
 
 
 def kda_verify(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, slots: torch.Tensor,

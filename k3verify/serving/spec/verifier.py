@@ -51,13 +51,21 @@ class SpecVerifier:
             raise RuntimeError("no verify is pending")
         return self._pending.latent_rows
 
+    def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None) -> VerifyGraphs:
+        """Captured verify steps over this verifier's arena (CUDA; use_graphs=False runs the same static step)."""
+        from k3verify.serving.spec.graphs import VerifyGraphs
+
+        return VerifyGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
+                            use_graphs=use_graphs)
+
     def can_verify(self, seq_id: int) -> bool:
         """Room left in the sequence's reserved budget for k+1 more positions."""
         r = self.runner
         return 0 < r.num_cached(seq_id) and r.num_cached(seq_id) + self.num_positions <= r.budget(seq_id)
 
     def verify(self, seqs: list[tuple[int, list[int]]], graphs: VerifyGraphs | None = None) -> torch.Tensor:
-        """[B, n, V] fp32 logits: row j of sequence b is the prediction after its token j."""
+        """[B, n, V] fp32 logits: row j of sequence b is the prediction after its token j (through `graphs`, a view
+        of the captured output: valid until the next verify)."""
         if self._pending is not None:
             raise RuntimeError("verify called twice without a commit in between")
         ids = [sid for sid, _ in seqs]
@@ -75,6 +83,8 @@ class SpecVerifier:
         starts = [r.num_cached(sid) for sid in ids]
         flat = [t for _, tokens in seqs for t in tokens]
         if graphs is not None:
+            if graphs.verify_pass.arena is not self.arena or graphs.verify_pass.fused != self.fused:
+                raise ValueError("these verify graphs were made over another arena or verify path (make_graphs)")
             logits, slot_t, rows = graphs.verify(flat, slots, tables, starts)
         else:
             model = r.model
