@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from k3verify.gates import CheckContext, SkipCheck
+from k3verify.gates import SkipCheck
 from k3verify.serving.runner import ModelRunner
 
 NUM_DRAFT = 4
@@ -50,7 +51,8 @@ def _sentinel(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def op_case(ctx: CheckContext, dtype: torch.dtype, rows: int = len(SLOTS), num_draft: int = NUM_DRAFT) -> OpCase:
+def op_case(ctx: Any, dtype: torch.dtype, rows: int = len(SLOTS), num_draft: int = NUM_DRAFT) -> OpCase:
+    """ctx: a CheckContext, or anything with cfg, generator and device (the bench)."""
     if not ctx.cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
     cfg, gen, dev = ctx.cfg, ctx.generator, ctx.device

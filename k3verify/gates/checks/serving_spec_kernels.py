@@ -6,6 +6,7 @@ All three need CUDA (the CPU interpreter covers the kernels in tests/kernels/tes
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def _outputs(case: OpCase, o: torch.Tensor, y: torch.Tensor, conv_rec: torch.Ten
             "pool": bits(pool)}
 
 
-def _eager(case: OpCase, fused: bool) -> dict[str, torch.Tensor]:
+def run_eager(case: OpCase, fused: bool) -> dict[str, torch.Tensor]:
     conv_rec, state_rec = _buffers(case)
     o, y = kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
                       case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec, fused=fused)
@@ -46,7 +47,7 @@ def _eager(case: OpCase, fused: bool) -> dict[str, torch.Tensor]:
     return _outputs(case, o, y, conv_rec, state_rec)
 
 
-def _replayed(case: OpCase) -> dict[str, torch.Tensor]:
+def run_replayed(case: OpCase) -> dict[str, torch.Tensor]:
     """The fused launch captured in a CUDA graph (after an eager warm-up), records re-poisoned, then replayed."""
     conv_rec, state_rec = _buffers(case)
 
@@ -76,19 +77,24 @@ def _replayed(case: OpCase) -> dict[str, torch.Tensor]:
 )
 def check_fused_vs_unfused(ctx: CheckContext) -> Trial:
     fx.require_fast_path("Triton KDA verify kernels", verify_triton.available())
+    return fused_vs_unfused_trial(ctx, ROWS)
+
+
+def fused_vs_unfused_trial(ctx: Any, rows_list: tuple[int, ...]) -> Trial:
+    """(also the bench's) ctx needs cfg, generator and device."""
     ref, cand, ctrl = {}, {}, {}
-    for rows in ROWS:
+    for rows in rows_list:
         case = op_case(ctx, torch.bfloat16, rows=rows)
-        unfused = _eager(case, fused=False)
-        fused, replayed = _eager(case, fused=True), _replayed(case)
-        wrong = _eager(replace(case, slots=torch.roll(case.slots, 1) + (rows == 1)), fused=True)
+        unfused = run_eager(case, fused=False)
+        fused, replayed = run_eager(case, fused=True), run_replayed(case)
+        wrong = run_eager(replace(case, slots=torch.roll(case.slots, 1) + (rows == 1)), fused=True)
         for key, value in unfused.items():
             for mode, got in (("eager", fused), ("graph", replayed)):
                 ref[f"rows{rows}.{mode}.{key}"] = value
                 cand[f"rows{rows}.{mode}.{key}"] = got[key]
                 ctrl[f"rows{rows}.{mode}.{key}"] = wrong[key]
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
-        f"rows {ROWS} x {NUM_DRAFT + 1} positions, bf16, this preset's KDA dims; unfused = kda.verify_conv + "
+        f"rows {rows_list} x {NUM_DRAFT + 1} positions, bf16, this preset's KDA dims; unfused = kda.verify_conv + "
         "kda.verify_record + kda.verify_norm (Triton, eager); fused = kda.verify_fused (one Triton launch) eager "
         "and replayed from a CUDA graph; records NaN-poisoned before each run; `pool` = the pool's raw bits after"])
 

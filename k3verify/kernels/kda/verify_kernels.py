@@ -54,19 +54,18 @@ def _tree_sum_rows(x, LOG2: tl.constexpr):
 
 
 @triton.jit
-def _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, C: tl.constexpr, N: tl.constexpr,
-              W: tl.constexpr, BF16: tl.constexpr):
+def _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, C, N: tl.constexpr, W: tl.constexpr,
+              BF16: tl.constexpr):
     """Entry C of [pool window (W-1 taps) | x of positions 0..N-1] for channels d, in fp32."""
-    if C < W - 1:
-        tap = _round(tl.load(win_ptr + slot * s_slot + d * s_d + C * s_tap, mask=mask, other=0.0), BF16) * keep
-    else:
-        tap = tl.load(x_ptr + (b * N + C - (W - 1)) * D + d, mask=mask, other=0.0).to(tl.float32)
-    return tap
+    from_win = (tl.zeros_like(d) + C) < W - 1  # a vector mask (C is a runtime scalar)
+    win = tl.load(win_ptr + slot * s_slot + d * s_d + C * s_tap, mask=mask & from_win, other=0.0)
+    x = tl.load(x_ptr + (b * N + C - (W - 1)) * D + d, mask=mask & ~from_win, other=0.0).to(tl.float32)
+    return tl.where(from_win, _round(win, BF16) * keep, x)
 
 
 @triton.jit
 def _conv_pos(x_ptr, w_ptr, win_ptr, rec_ptr, b, slot, keep, d, mask, rec_mask, D, s_slot, s_d, s_tap,
-              CONV: tl.constexpr, J: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr):
+              CONV: tl.constexpr, J, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr):
     """silu(conv) at position J for channels d (rounded as the activation dtype), and conv CONV's window after J
     stored to rec[b, J, CONV, d, :] where rec_mask. Op order of kernels/conv: acc = round(acc + round(tap * w)),
     oldest first."""
@@ -113,7 +112,7 @@ def spec_conv_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, outq, outk, outv,
     mask = d < D
     slot = tl.load(slots_ptr + b).to(tl.int64)
     keep = tl.load(keep_ptr + b).to(tl.float32)
-    for j in tl.static_range(N):
+    for j in range(N):  # a runtime loop: one body to compile, not N
         out = (b * N + j) * D + d
         y = _conv_pos(xq, wq, winq, rec_ptr, b, slot, keep, d, mask, mask, D, s_slot, s_d, s_tap, 0, j, N, W, BF16)
         tl.store(outq + out, y.to(outq.dtype.element_ty), mask=mask)
@@ -124,7 +123,7 @@ def spec_conv_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, outq, outk, outv,
 
 
 @triton.jit
-def _state_offsets(b, h, H, DK, DV, J: tl.constexpr, N: tl.constexpr, i, v):
+def _state_offsets(b, h, H, DK, DV, J, N: tl.constexpr, i, v):
     """Offsets of record (b, J, head h) laid out [B, N, H, DK, DV], transposed to [BV, BK]."""
     return (((b * N + J) * H + h) * DK + i[None, :]).to(tl.int64) * DV + v[:, None]
 
@@ -140,7 +139,7 @@ def kda_record_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
     m2 = mv[:, None] & mi[None, :]
     slot = tl.load(slots_ptr + b).to(tl.int64)
     S = tl.load(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], mask=m2, other=0.0)
-    for j in tl.static_range(N):
+    for j in range(N):  # a runtime loop: one body to compile, not N
         t = b * N + j
         q = tl.load(q_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
@@ -184,7 +183,7 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_slot, s_
     slot = tl.load(slots_ptr + b).to(tl.int64)
     keep = tl.load(keep_ptr + b).to(tl.float32)
     S = tl.load(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], mask=m2, other=0.0)
-    for j in tl.static_range(N):
+    for j in range(N):  # a runtime loop: one body to compile, not N
         t = b * N + j
         q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_slot, s_d, s_tap, 0,
                       j, N, W, BF16)
@@ -205,7 +204,7 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_slot, s_
         vf = tl.arange(0, BVF)
         mf = vf < DV
         w_norm = tl.load(nw_ptr + vf, mask=mf, other=0.0).to(tl.float32)
-        for j in tl.static_range(N):
+        for j in range(N):  # a runtime loop: one body to compile, not N
             row = (b * N + j) * H + h
             # .cg: read through L2, where the other programs' o stores landed (never a stale L1 line)
             x = tl.load(o_ptr + row * DV + vf, mask=mf, other=0.0, cache_modifier=".cg").to(tl.float32)

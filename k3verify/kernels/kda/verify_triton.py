@@ -5,6 +5,7 @@ importing k3verify never imports triton. The launchers keep the contracts of ver
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 
@@ -23,7 +24,7 @@ def available() -> str | None:
     return cuda_reason(_kernels)
 
 
-def _module():  # type: ignore[no-untyped-def]
+def _module() -> ModuleType:
     mod = _kernels()
     if isinstance(mod, str):
         raise RuntimeError(mod)
