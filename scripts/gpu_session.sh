@@ -5,6 +5,11 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
+#                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
+#                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
+#                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
+#                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -39,8 +44,18 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+spec)
+    step "spec bench kl-48b-8l (fused KDA verify for the speed rows)"
+    timeout "${SPEC_S:-330}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
+        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec.json" 2>&1 >/dev/null \
+        | quiet | grep -v '^\[bench' | tail -40
+    step "spec.* checks, cuda, k3-syn-25 + gpu-marked spec tests"
+    timeout "${SPEC_PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec \
+        --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|spec" >&2
     exit 2
     ;;
 esac
