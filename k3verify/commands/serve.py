@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 import k3verify
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.commands import parity
 from k3verify.gates.report_lookup import lookup_report
+from k3verify.server.app import create_app
+from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
-from k3verify.serving.metrics import ServerMetrics
 from k3verify.serving.runner import ModelRunner, build_runner
-from k3verify.serving.server import create_app
 from k3verify.serving.spec.policy import SpecPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
@@ -30,7 +30,7 @@ from k3verify.tokenizer import KimiTokenizer
 log = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -159,7 +159,6 @@ def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeSte
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
 
     gated = require_gate(args)
     target = gated.target
