@@ -46,9 +46,9 @@ MUTANTS = [
         killers=("spec.commit.accepted_prefix",), presets=PRESETS,
     ),
     Mutant(
-        id="spec.accept.bonus_dropped", quick=True,
+        id="spec.accept.bonus_dropped",
         fault="greedy acceptance emits the accepted drafts but drops the bonus token after them",
-        target=f"{ACCEPT}:accept_greedy",
+        target=f"{ACCEPT}:accept_greedy_ids",
         old="return Accepted(a, drafts[:a] + [best[a]])",
         new="return Accepted(a, drafts[:a] if a else [best[a]])",
         killers=("spec.greedy.vs_plain",), presets=PRESETS,

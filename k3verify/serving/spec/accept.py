@@ -30,7 +30,13 @@ class Accepted:
 def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Accepted:
     """[k+1, V] logits, k drafts -> accepted drafts + the bonus token (1..k+1 tokens)."""
     _check(logits, drafts)
-    best = logits.argmax(dim=-1).tolist()
+    return accept_greedy_ids(logits.argmax(dim=-1).tolist(), drafts)
+
+
+def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
+    """accept_greedy on the rows' argmax ids already on the host (one transfer for a whole verify batch)."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"acceptance needs k+1 = {len(drafts) + 1} argmax ids; got {len(best)}")
     a = 0
     while a < len(drafts) and drafts[a] == best[a]:
         a += 1

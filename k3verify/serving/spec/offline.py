@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from k3verify.serving.kv_cache import CacheError
-from k3verify.serving.spec.accept import accept_greedy
+from k3verify.serving.spec.accept import accept_greedy_ids
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
@@ -90,7 +90,8 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
             plain.append(i)
     if rows:
         logits = verifier.verify([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], verify_graphs)
-        results = [accept_greedy(logits[r], d) for r, (_, d) in enumerate(rows)]
+        best = logits.argmax(dim=-1).tolist()  # [B][k+1]: one transfer for the whole verify batch
+        results = [accept_greedy_ids(best[r], d) for r, (_, d) in enumerate(rows)]
         verifier.commit([a.num_accepted for a in results])
         for (i, _), a in zip(rows, results, strict=True):
             run.tokens[i].extend(a.tokens)

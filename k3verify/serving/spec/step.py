@@ -18,7 +18,7 @@ from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import TokenLogprob, nonfinite_rows, token_logprobs
 from k3verify.serving.scheduler import ScheduledSeq
-from k3verify.serving.spec.accept import Accepted, accept_sampled
+from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
 from k3verify.serving.spec.drafter import Drafter, NgramDrafter
 from k3verify.serving.spec.offline import pad_drafts
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
@@ -83,7 +83,9 @@ class SpeculativeStep:
         n, k = self.verifier.num_positions, self.verifier.num_draft
         logits = self.verifier.verify([(req.seq_id, [req.last_token, *drafts]) for req, drafts in rows])
         bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
-        results = [Accepted(0, []) if r in bad else accept_sampled(logits[r], drafts, req.params, req.generator)
+        best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
+        results = [Accepted(0, []) if r in bad else accept_greedy_ids(best[r], drafts) if req.params.is_greedy
+                   else accept_sampled(logits[r], drafts, req.params, req.generator)
                    for r, (req, drafts) in enumerate(rows)]
         self.verifier.commit([a.num_accepted for a in results])
         c, now = self.counters, time.monotonic()
