@@ -211,7 +211,3 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_slot, s_
             gate = tl.load(gate_ptr + row * DV + vf, mask=mf, other=0.0).to(tl.float32)
             y = _gated_norm(x, gate, w_norm, eps, DV, LOG2V)
             tl.store(y_ptr + row * DV + vf, _round(y, BF16).to(y_ptr.dtype.element_ty), mask=mf)
-
-
-def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
