@@ -37,7 +37,8 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
                              comparison_metrics(ctrl), ctrl.reason)
     result = Result(
         id=check.id, component=check.component, level=check.level, kind=check.kind.value, bar=bar,
-        bar_reason=check.bar_reason, status=Status.PASS, metric=comp.metric, bar_source=check.bar_source,
+        bar_reason=check.bar_reason, status=Status.PASS, metric=comp.metric,
+        bar_source="measured" if trial.bar is not None else check.bar_source,
         noise=noise_record,
         metrics={**comparison_metrics(comp), **{k: float(v) for k, v in trial.metrics.items()}},
         per_key={k: {"passed": c.passed, "metric": c.metric, **comparison_metrics(c)} for k, c in comp.per_key.items()},
@@ -61,7 +62,7 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
                              f"({result.instrument['ref_to_gold']:.3g}) than the candidate "
                              f"({result.instrument['cand_to_gold']:.3g})")
     if trial.layers or trial.position_dim is not None:
-        result.localization = _localize(check, trial, comp)
+        result.localization = _localize(check, trial, comp, rms_bar)
     if trial.control_layers:
         control.first_divergent_layer = localize_layers(check.kind, trial.control_layers, rms_bar)[1]
     return result
@@ -70,14 +71,28 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
 def _bar(check: Check, trial: Trial, noise: NoiseLookup | None) -> tuple[float | None, dict[str, Any] | None]:
     """The check's effective bar and the report's noise record (derived, or measured beside a fixed bar)."""
     if check.noise is not None:
+        if trial.bar is not None:
+            raise ValueError(f"check {check.id}: its bar derives from noise ({check.noise}); it takes no Trial.bar")
         return resolve(check.id, check.noise, noise, trial.noise)
-    if trial.noise is None or check.bar is None:
-        return check.bar, None
+    bar = check.bar if trial.bar is None else measured_bar(check, trial.bar)
+    if trial.noise is None or bar is None:
+        return bar, None
     value, dtype = measure(trial.noise)
-    ratio = check.bar / value if value > 0 else math.inf
-    return check.bar, {"value": value, "dtype": dtype, "source": "measured", "pair": "supplied by the check",
-                       "factor": None, "floor": None, "observed": value, "why_measured": None, "note": None,
-                       "derivation": f"fixed bar {check.bar:g} = {ratio:.3g}x this noise: {check.bar_reason}"}
+    ratio = bar / value if value > 0 else math.inf
+    return bar, {"value": value, "dtype": dtype, "source": "measured", "pair": "supplied by the check",
+                 "factor": None, "floor": None, "observed": value, "why_measured": None, "note": None,
+                 "derivation": f"fixed bar {bar:g} = {ratio:.3g}x this noise: {check.bar_reason}"}
+
+
+def measured_bar(check: Check, bar: float) -> float:
+    """A bar measured at run time (e.g. the oracle's own distance at the candidate's precision): RMS only, and
+    never above the registered bar, so a noisy measurement cannot loosen the check past what was justified."""
+    if check.kind is not Kind.RMS or check.bar is None:
+        raise ValueError(f"check {check.id}: only RMS checks take a measured bar; this one is {check.kind.value}")
+    if not 0.0 < bar <= check.bar:
+        raise ValueError(f"check {check.id}: measured bar {bar:.3g} is outside (0, {check.bar:g}], the registered "
+                         f"cap ({check.bar_reason})")
+    return bar
 
 
 def comparison_metrics(comp: Comparison) -> dict[str, float]:
@@ -106,8 +121,8 @@ def _pick(value: Any, key: str | None) -> Any:
     return value[key] if key in value else next(iter(value.values()))
 
 
-def _localize(check: Check, trial: Trial, comp: Comparison) -> dict[str, Any]:
-    rms_bar = check.bar if check.kind is Kind.RMS else None
+def _localize(check: Check, trial: Trial, comp: Comparison, rms_bar: float | None) -> dict[str, Any]:
+    """Error over depth with the check's effective bar (derived or measured), and over position."""
     out: dict[str, Any] = {"per_layer": [], "first_divergent_layer": None, "per_position": []}
     if trial.layers:
         per_layer, first = localize_layers(check.kind, trial.layers, rms_bar)

@@ -20,11 +20,12 @@ from k3verify.gates.noise import NoiseLookup
 
 if TYPE_CHECKING:  # the check engine itself runs without a model (gates/suite.py)
     from k3verify.config import ModelConfig
+    from k3verify.endpoint.session import EndpointSession
     from k3verify.target import Target
 
 COMPONENTS = frozenset({
     "kda", "mla", "moe", "mlp", "attn_res", "router", "norm", "tokenizer", "weights", "model", "serving",
-    "kernel", "oracle", "gates",
+    "kernel", "oracle", "gates", "endpoint",
 })
 LEVELS = frozenset({"module", "model", "serving", "kernel"})
 SUITES = frozenset({"quick", "full"})
@@ -65,6 +66,7 @@ class Trial:
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     noise: tuple[Any, Any] | None = None  # (reference at the check's precision, the same reference in fp64)
+    bar: float | None = None  # RMS only: a bar measured in this run (see evaluate_trial); the registered bar caps it
 
 
 @dataclass
@@ -78,6 +80,7 @@ class CheckContext:
     generator: torch.Generator
     suite: str
     cache: dict[str, Any] = field(default_factory=dict)
+    endpoint: EndpointSession | None = None  # `parity --endpoint`: the server under test
     noise: NoiseLookup | None = None  # the recorded noise of a noise-barred check (gates/noise.py)
 
     @property

@@ -114,7 +114,8 @@ def _control_cell(control: Mapping[str, Any] | None) -> str:
     return f'{badge}{where}<div class="small">{_e(control["description"])}</div>'
 
 
-_SOURCE_WORD = {"noise": "from noise", "fixed": "fixed", "format": "bf16 format", "none": "bit for bit"}
+_SOURCE_WORD = {"noise": "from noise", "fixed": "fixed", "measured": "measured, capped", "format": "bf16 format",
+                "none": "bit for bit"}
 
 
 def _bar_cell(r: Mapping[str, Any]) -> str:

@@ -31,6 +31,7 @@ from k3verify.gates.noise import NoiseLookup
 from k3verify.gates.noise import lookup as noise_lookup
 
 if TYPE_CHECKING:
+    from k3verify.endpoint.session import EndpointSession
     from k3verify.target import Target
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
@@ -61,6 +62,7 @@ class RunInfo:
     wall_time_s: float = 0.0
     oracle: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    endpoint: dict[str, Any] | None = None  # `parity --endpoint`: which server answered, its features, the traffic
 
 
 @dataclass
@@ -138,7 +140,8 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
 
 
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
-                         measure_noise: bool = False, cache: dict[str, Any] | None = None) -> ContextFactory:
+                         measure_noise: bool = False, cache: dict[str, Any] | None = None,
+                         endpoint: EndpointSession | None = None) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (`cache`, else a fresh one), a fresh generator per check,
     and each noise-barred check's recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py
     regenerates it)."""
@@ -150,7 +153,7 @@ def make_context_factory(target: Target, *, device: str | torch.device, seed: in
         if check.noise is not None:
             found = (NoiseLookup(None, None, "noise measured on request (--measure-noise)") if measure_noise
                      else noise_lookup(target, dev.type, seed, check.id))
-        return CheckContext(target, dev, seed, generator, suite, cache, found)
+        return CheckContext(target, dev, seed, generator, suite, cache, endpoint=endpoint, noise=found)
 
     return factory
 
