@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from k3verify.checkpoint.digest import checkpoint_digest
-from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
+from k3verify.checkpoint.hf_interop import uses_transformers_names
+from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
 from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
+from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
 from k3verify.cli import UsageError
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.presets import PRESETS, SYNTHETIC_PRESETS
@@ -39,6 +41,9 @@ def register(subparsers: Any) -> None:
     rec.add_argument("dir", type=Path, metavar="DIR")
     rec.add_argument("--index-only", action="store_true",
                      help="read only the index json: names, no shapes/dtypes (cannot see a transposed tensor)")
+    rec.add_argument("--hf-names", action="store_true",
+                     help="the directory was written by transformers: map its tensor names (fused conv, merged "
+                          "experts, forget_gate.*, the dense layer's block_sparse_moe.* spelling) to ours first")
     rec.add_argument("--json", action="store_true", help="print the full result as JSON")
     rec.set_defaults(func=cmd_reconcile)
 
@@ -81,13 +86,15 @@ def _load(args: argparse.Namespace) -> ModelConfig:
 def cmd_reconcile(args: argparse.Namespace) -> int:
     cfg = _load(args)
     try:
-        result = reconcile_checkpoint(args.dir, index_only=args.index_only, cfg=cfg)
+        result = reconcile_checkpoint(args.dir, index_only=args.index_only, cfg=cfg, hf_names=args.hf_names)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from exc
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
     else:
         print(format_reconcile(result))
+    if not result.ok and not args.hf_names and uses_transformers_names(cfg, read_index(args.dir).weight_map):
+        print("  hint: these names are transformers' spellings; run again with --hf-names")
     return 0 if result.ok else 1
 
 
@@ -107,10 +114,27 @@ def format_reconcile(result: ReconcileResult) -> str:
     reasons = Counter(u.reason for u in result.ignored)
     for reason, n in sorted(reasons.items()):
         lines.append(f"  ignorable: {n} tensor(s): {reason}")
+    lines.extend(_tolerated_lines(result))
+    if result.names == "transformers":
+        lines.append("  names: transformers' spellings, mapped to ours (--hf-names)")
     if result.mode == "index-only":
         lines.append("  note: index-only mode sees names only; shapes/dtypes (bucket d) are not checked")
     lines.append("  result: " + ("OK" if result.ok else "MISMATCH"))
     return "\n".join(lines)
+
+
+def _tolerated_lines(result: ReconcileResult) -> list[str]:
+    """One line per named rule used (with its reason), then examples; every A_log padding is listed."""
+    reasons = {rule.id: rule.reason for rule in RULES}
+    lines = []
+    for rule, n in result.rules_used().items():
+        lines.append(f"  tolerated by rule {rule}: {n} tensor(s): {reasons[rule]}")
+        items = [t for t in result.tolerated if t.rule == rule]
+        shown = items if rule == A_LOG_PADDING.id else items[:EXAMPLES_PER_BUCKET]
+        lines.extend(f"      {t.checkpoint_name}: {t.detail}" for t in shown)
+        if len(items) > len(shown):
+            lines.append(f"      … and {len(items) - len(shown)} more")
+    return lines
 
 
 def _describe(item: str | PartialSlot | Unplaced | Mismatch) -> str:
