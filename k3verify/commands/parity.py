@@ -18,6 +18,7 @@ from k3verify.gates.report import write_reports
 from k3verify.gates.suite import (
     check_import_errors,
     collect_run_info,
+    covered_dtypes,
     load_all_checks,
     make_context_factory,
     run_suite,
@@ -27,6 +28,7 @@ from k3verify.oracle.pinning import report_pins
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -38,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--only", action="append", default=[], metavar="PATTERN",
                    help="glob over check ids, or an id prefix such as 'kda.conv' (repeatable)")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=tuple(SERVING_DTYPES), default="bfloat16",
+                   help="the serving dtype the served-model checks run in; the report records it (default bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
@@ -93,13 +97,16 @@ def run_parity(args: argparse.Namespace) -> int:
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
     target = target_for(args.preset, args.checkpoint)
-    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite)
+    cache: dict[str, object] = {}
+    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite,
+                                   dtype=SERVING_DTYPES[args.dtype], cache=cache)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
     with progress_hooks(len(checks)) as hooks:
         run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                         import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+    run.run.dtypes = covered_dtypes(cache)
     write_reports(run, args.report_dir)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

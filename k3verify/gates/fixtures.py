@@ -17,6 +17,7 @@ from torch import nn
 from k3verify.checkpoint.loader import load_into
 from k3verify.gates.gate import CheckContext, SkipCheck
 from k3verify.gates.route_pin import RouteRecord, record_routes
+from k3verify.gates.suite import COVERED_DTYPES
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
@@ -61,12 +62,19 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
     """ServingModel(ctx.cfg, dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
     Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check)."""
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
+    if ctx.level in ("model", "serving"):
+        ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
     if key not in ctx.cache:
         ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
     model.attn_res_storage = "prealloc"
     model.mla_absorb = True
     return model
+
+
+def served_model(ctx: CheckContext, mxfp4_mode: str = "cached") -> ServingModel:
+    """The serving model in the run's serving dtype (`parity --dtype`): what `serve --dtype` will run."""
+    return serving_model(ctx, ctx.dtype, mxfp4_mode)
 
 
 def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Reference:

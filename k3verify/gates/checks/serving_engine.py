@@ -39,7 +39,7 @@ def _json_eos(path: Path) -> list[int]:
 def _engine_eos(ctx: CheckContext, ckpt: Path, tokenizer: KimiTokenizer) -> list[int]:
     """The eos ids of the engine `serve --checkpoint ckpt` builds (config parsed the way serve parses it)."""
     cfg = ModelConfig.from_file(ckpt)
-    runner = ModelRunner(fx.serving_model(ctx), num_pages=4, page_size=16, num_slots=1, max_context=32)
+    runner = ModelRunner(fx.served_model(ctx), num_pages=4, page_size=16, num_slots=1, max_context=32)
     engine = Engine(runner, tokenizer, eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
     return sorted(engine.eos_token_ids)
 
@@ -85,7 +85,7 @@ def check_engine_eos_ids(ctx: CheckContext) -> Trial:
 def _mixed_pass(ctx: CheckContext, poison: bool) -> torch.Tensor:
     """Sequence 0 prefills then continues; a released slot (poisoned with NaN) is re-allocated to a
     fresh sequence that prefills in the same pack as the continuation -> [2, V] logits."""
-    runner = ModelRunner(fx.serving_model(ctx), num_pages=16, page_size=16, num_slots=2, max_context=96)
+    runner = ModelRunner(fx.served_model(ctx), num_pages=16, page_size=16, num_slots=2, max_context=96)
     a, b = fx.prompt(ctx, 11, salt=1).tolist(), fx.prompt(ctx, 9, salt=2).tolist()
     runner.admit(0, 40)
     runner.admit(1, 40)
