@@ -79,7 +79,10 @@ def check_reconcile_tolerances(ctx: CheckContext) -> Trial:
     edits = {router: (specs[prefix + router][0], torch.float32), a_logs[0]: long_a_log, a_logs[1]: bad_a_log,
              norm: (specs[prefix + norm][0], torch.float32), bias: (specs[prefix + bias][0], torch.bfloat16)}
     edited = dict(specs) | {prefix + n: s for n, s in edits.items()}
-    tolerated = {(prefix + router, "keep_in_fp32"), (prefix + a_logs[0], a_log_rule)}
+    edited_names = {prefix + n for n in edits}
+    already = {(t.checkpoint_name, t.rule) for t in reconcile_checkpoint(ctx.checkpoint_dir, cfg=cfg).tolerated
+               if t.checkpoint_name not in edited_names}  # what the checkpoint itself carries under a rule
+    tolerated = already | {(prefix + router, "keep_in_fp32"), (prefix + a_logs[0], a_log_rule)}
     mismatched = {(prefix + a_logs[1], "shape"), (prefix + norm, "dtype"), (prefix + bias, "dtype")}
 
     def flags(res: ReconcileResult) -> torch.Tensor:
