@@ -1,4 +1,5 @@
-"""Faults only the serving dtype shows: the fp32 checks cannot see them, `parity --dtype bfloat16` must."""
+"""Faults the served-model checks must see: one only the serving dtype shows (the fp32 checks cannot see it,
+`parity --dtype bfloat16` must), and one the layer-by-layer real-size check must see on its own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ MUTANTS = [
         old="pool.store_state(self.layer_idx, b.slots, state)",
         new="pool.store_state(self.layer_idx, b.slots, state if x.dtype == torch.float32 else state * 0)",
         presets=("kl-tiny",),
-        killers=["model.served.vs_gold"],
+        killers=["model.served.*"],
+    ),
+    Mutant(
+        id="served_dtype.kda_q_scale",
+        fault="KDA scales q by head_dim^-0.25 instead of head_dim^-0.5",
+        target="k3verify.serving.layers.kda:KimiDeltaAttention.forward",
+        old="g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5",
+        new="g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.25",
+        presets=("k3-tiny", "kl-tiny"),
+        killers=["model.layerwise.sublayers"],
     ),
 ]

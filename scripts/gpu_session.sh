@@ -5,6 +5,9 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
+#                                        --checkpoint --device cuda -> serve answering one request (budgets
+#                                        MAKE_S=150 DIGEST_S=40 PARITY_S=270 SERVE_S=110)
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -39,8 +42,15 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+realsize)
+    # kl-48b-8l (27.7 GB bf16) made on disk, digested, gated by parity --device cuda (layer-by-layer module
+    # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
+    # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
+    step "realsize kl-48b-8l: make -> digest -> parity -> serve"
+    python3 scripts/gpu_realsize.py --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|realsize" >&2
     exit 2
     ;;
 esac

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.checkpoint.hf_interop import uses_transformers_names
+from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
 from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
 from k3verify.cli import Subparsers, UsageError
 from k3verify.config import ConfigError, ModelConfig
-from k3verify.presets import PRESETS, SYNTHETIC_PRESETS
+from k3verify.presets import PRESETS, get_preset
 
 EXAMPLES_PER_BUCKET = 5
 
@@ -25,10 +32,12 @@ def register(subparsers: Subparsers) -> None:
                                    description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
 
-    make = sub.add_parser("make", help="write a preset's synthetic checkpoint (deterministic bytes)")
+    make = sub.add_parser("make", help="write a preset's checkpoint with name-seeded data (deterministic bytes)")
     make.add_argument("--preset", required=True, choices=PRESETS, metavar="NAME",
-                      help=f"synthetic: {', '.join(SYNTHETIC_PRESETS)}; any preset with --sparse")
+                      help=f"any preset: {', '.join(PRESETS)} (real shapes are written shard by shard)")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    make.add_argument("--device", default="cpu", metavar="cpu|cuda",
+                      help="generate the values on this device (cuda: fast at real size; other values than cpu)")
     make.add_argument("--sparse", action="store_true",
                       help="exact names/shapes/dtypes, all-zero data in sparse files (real shapes: reconcile/plan "
                            "fixtures, not a model)")
@@ -54,23 +63,53 @@ def register(subparsers: Subparsers) -> None:
 def cmd_make(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0; got {args.seed}")
-    if not args.sparse and args.preset not in SYNTHETIC_PRESETS:
-        raise UsageError(f"preset {args.preset!r} is a real shape and cannot be materialised; use one of "
-                         f"{', '.join(SYNTHETIC_PRESETS)}, or --sparse for a headers-only fixture")
-    if args.sparse and args.seed:
-        raise UsageError("--sparse writes no weights; --seed does not apply")
+    if args.sparse and (args.seed or args.device != "cpu"):
+        raise UsageError("--sparse writes no weights; --seed and --device do not apply")
+    start = time.perf_counter()
     try:
         if args.sparse:
             written = make_sparse_checkpoint(args.preset, args.out, overwrite=args.force)
         else:
-            written = make_synthetic_checkpoint(args.preset, args.out, args.seed, overwrite=args.force)
+            _check_room(args.preset, args.out)
+            written = make_synthetic_checkpoint(args.preset, args.out, args.seed, overwrite=args.force,
+                                                device=_make_device(args.device), on_shard=_progress(start))
     except FileExistsError as exc:
         raise UsageError(f"{exc} (use --force)") from exc
-    print(f"wrote {written.path}")
+    print(f"wrote {written.path} in {time.perf_counter() - start:.1f} s")
     print(f"  preset {args.preset}, seed {args.seed}{' (sparse: zero data)' if args.sparse else ''}")
     print(f"  {written.num_tensors} tensors in {len(written.shard_files)} shards, {written.total_size} data bytes")
     print(f"  digest {checkpoint_digest(written.path)}")
     return 0
+
+
+def _make_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def _check_room(preset: str, out: Path) -> None:
+    """A checkpoint larger than the free disk is refused before anything is written (the full Kimi-Linear-48B is
+    ~98 GB in bf16): such shapes are reconciled with --sparse and sized with `k3verify plan`."""
+    need = sum(math.prod(s.shape) * s.dtype.itemsize for s in checkpoint_specs(get_preset(preset)).values())
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise UsageError(f"preset {preset!r} needs {need / 1e9:.1f} GB of data but {parent} has {free / 1e9:.1f} GB "
+                         "free; write it with --sparse (exact headers, no data) to reconcile it, and size it with "
+                         "`k3verify plan`")
+
+
+def _progress(start: float) -> Callable[[str, int], None]:
+    def report(file: str, nbytes: int) -> None:
+        print(f"  {file}: {nbytes / 1e9:.2f} GB written (+{time.perf_counter() - start:.1f} s)", flush=True)
+    return report
 
 
 def _load(args: argparse.Namespace) -> ModelConfig:

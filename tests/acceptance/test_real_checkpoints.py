@@ -24,12 +24,17 @@ import torch
 from hf_checkpoint import write_hf_checkpoint
 
 from k3verify import config as config_mod
+from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointReader
-from k3verify.checkpoint.synthetic import TOKENIZER_ASSETS, make_synthetic_checkpoint
-from k3verify.checkpoint.writer import write_checkpoint
+from k3verify.checkpoint.synthetic import TOKENIZER_ASSETS, _tokenizer_writer, make_synthetic_checkpoint
+from k3verify.checkpoint.synthetic_weights import synthetic_group
+from k3verify.checkpoint.writer import write_checkpoint, write_streamed_checkpoint
 from k3verify.cli import main
+from k3verify.config import ModelConfig
+from k3verify.gates import fixtures
 from k3verify.gates.report import load_report
 from k3verify.oracle.hf_kimi_linear import torch_kda_paths
+from k3verify.presets import preset_hf_config
 from k3verify.tokenizer import KimiTokenizer
 
 PROMPTS = ["the lazy dog reads", "hello world", "a tiny model writes the answer", "kimi", "experts and delta rules"]
@@ -80,10 +85,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _served_texts(ckpt: Path, report_dir: Path) -> list[str]:
+def _served_texts(ckpt: Path, report_dir: Path, dtype: str = "float32", prompts: list[str] = PROMPTS) -> list[str]:
     port = _free_port()
     code = "from k3verify.cli import main; raise SystemExit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--checkpoint", str(ckpt), "--dtype", "float32",
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--checkpoint", str(ckpt), "--dtype", dtype,
                              "--report-dir", str(report_dir), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -98,7 +103,7 @@ def _served_texts(ckpt: Path, report_dir: Path) -> list[str]:
                 assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.2)
         texts = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
             body = {"model": ckpt.name, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
@@ -167,3 +172,37 @@ def test_k3_with_a_log_padded_to_head_dim_and_fp32_routers_reconciles_and_passes
     data = _assert_green(tmp_path / "report")
     notes = {r["id"]: r["notes"] for r in data["results"]}["weights.reconcile.buckets"]
     assert any("a_log_padding" in n and "padding value(s)" in n for n in notes)
+
+
+def _real_vocab_kl_tiny(out: Path) -> Path:
+    """kl-tiny's widths with a real config's vocabulary and ids (163840; [BOS] 163584, eos 163585 / 163586,
+    [PAD] 163839) and the tokenizer `checkpoint make` writes for real shapes, written shard by shard."""
+    hf = preset_hf_config("kl-tiny") | {"vocab_size": 163840, "bos_token_id": 163584, "eos_token_id": 163585,
+                                         "pad_token_id": 163839}
+    cfg = ModelConfig.from_hf_dict(hf, generation_eos=(163586,))
+    specs = checkpoint_specs(cfg)
+    return write_streamed_checkpoint(
+        hf, {n: (s.shape, s.dtype) for n, s in specs.items()}, lambda names: synthetic_group(cfg, specs, names), out,
+        shard_max_bytes=8 << 20, generation_config={"bos_token_id": 163584, "eos_token_id": 163586},
+        tokenizer=_tokenizer_writer(cfg)).path
+
+
+@pytest.mark.slow
+def test_real_size_chain_on_cpu_gates_layer_by_layer_and_serves(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU `realsize` chain in miniature: a real-vocab checkpoint treated as real size (no whole model may be
+    built but the served one) passes parity through model.layerwise.sublayers and the transformers-gold model
+    check, the whole-model checks skip naming the sizes, and serve answers a request from that report."""
+    ckpt = _real_vocab_kl_tiny(tmp_path / "kl-real-vocab")
+    monkeypatch.setattr(fixtures, "WHOLE_MODEL_BYTES", 1 << 20)
+    assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "report")]) == 0
+    data = _assert_green(tmp_path / "report")
+    status = {r["id"]: (r["status"], r["reason"] or "") for r in data["results"]}
+    for check in ("model.layerwise.sublayers", "model.served.vs_transformers", "serving.engine.eos_ids",
+                  "serving.state.slot_reuse", "weights.reconcile.buckets", "tokenizer.encode.exact_ids"):
+        assert status[check][0] == "pass", (check, status[check])
+    for check in ("model.logits.fp32", "weights.loader.strict", "model.served.vs_gold", "kda.module.fp32"):
+        assert status[check][0] == "skipped" and "real size:" in status[check][1], (check, status[check])
+    assert data["run"]["dtypes"] == ["bfloat16"]
+    [text] = _served_texts(ckpt, tmp_path / "report", dtype="bfloat16", prompts=["hello"])
+    assert isinstance(text, str)

@@ -129,6 +129,7 @@ def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor
 )
 def check_loader_strict(ctx: CheckContext) -> Trial:
 
+    fixtures.require_whole_model(ctx, "two host copies of the checkpoint", torch.bfloat16)
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
     specs = module_specs(cfg)

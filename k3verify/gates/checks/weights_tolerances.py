@@ -150,6 +150,7 @@ def _rule_free_load(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, t
 @register_check(id="weights.loader.tolerances", component="weights", level="module", kind=Kind.BITEXACT,
                 control="a loader without the rules: it refuses the fp32 router and the re-padded A_log")
 def check_loader_tolerances(ctx: CheckContext) -> Trial:
+    fixtures.require_whole_model(ctx, "a host copy of the checkpoint", torch.bfloat16)
     cfg, prefix = ctx.cfg, ctx.cfg.checkpoint_prefix
     router, a_logs, _, _ = _targets(cfg)
     specs = module_specs(cfg)
