@@ -121,7 +121,7 @@ def build_header(entries: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[by
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a view (no copy beyond the move to host: a real-size shard is 4 GiB)."""
-    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _dtype_tag(name: str, dtype: torch.dtype) -> str:
