@@ -23,6 +23,18 @@ SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "
             "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
             "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[PAD]"]
 NUM_SPECIAL_SLOTS = 258
+# Its own chat template (Jinja, not the project's): a system prompt line, tool results quoted by call id.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<|im_system|>tool<|im_middle|>result of {{ m.tool_call_id }}: {{ m.content }}"
+    "<|im_end|>{%- else -%}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>"
+    "{%- if m.content is string -%}{{ m.content }}{%- elif m.content -%}{%- for p in m.content -%}{{ p.text }}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if m.tool_calls -%}<|tool_calls_section_begin|>{%- for c in m.tool_calls -%}<|tool_call_begin|>{{ c.id }}"
+    "<|tool_call_argument_begin|>{{ c.function.arguments }}<|tool_call_end|>{%- endfor -%}"
+    "<|tool_calls_section_end|>{%- endif -%}<|im_end|>{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
 
 
 def learn_merges(text: str, n: int) -> list[bytes]:
@@ -44,7 +56,7 @@ def learn_merges(text: str, n: int) -> list[bytes]:
     return tokens
 
 
-def write_tokenizer(out: Path, chat_template: str | None = None) -> dict[str, int]:
+def write_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> dict[str, int]:
     """tiktoken.model + tokenizer_config.json in `out`; returns {special name: id}."""
     tokens = learn_merges(CORPUS, NUM_MERGES)
     (out / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
@@ -69,7 +81,7 @@ def hf_tiny_config(specials: dict[str, int]) -> dict[str, Any]:
     return cfg
 
 
-def write_hf_checkpoint(out: Path, chat_template: str | None = None, seed: int = 0) -> Any:
+def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Any:
     """save_pretrained of a bf16 KimiLinearForCausalLM (random init, seed `seed`) plus its own tokenizer."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

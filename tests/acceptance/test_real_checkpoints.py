@@ -35,10 +35,15 @@ from k3verify.gates import fixtures
 from k3verify.gates.report import load_report
 from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 from k3verify.presets import preset_hf_config
-from k3verify.tokenizer import KimiTokenizer
+from k3verify.tokenizer import KimiTokenizer, encode_chat
 
 PROMPTS = ["the lazy dog reads", "hello world", "a tiny model writes the answer", "kimi", "experts and delta rules"]
 MAX_NEW = 16
+CHAT = [{"role": "user", "content": "weather? [EOS]"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather",
+                                                                                "arguments": '{"city": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
 MIN_GAP = 1e-4  # fp32 ours vs transformers differ by ~1e-6 relative; a greedy choice closer than this is a tie
 
 
@@ -108,6 +113,10 @@ def _served_texts(ckpt: Path, report_dir: Path, dtype: str = "float32", prompts:
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
+        chat = {"model": ckpt.name, "max_tokens": 4, "messages": CHAT}  # rendered by the checkpoint's own template
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(encode_chat(KimiTokenizer.from_dir(ckpt), CHAT))
         return texts
     finally:
         proc.terminate()
