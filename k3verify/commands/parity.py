@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from k3verify.cli import Subparsers, UsageError
+from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
+from k3verify.endpoint.session import DTYPES
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
@@ -40,11 +42,14 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--only", action="append", default=[], metavar="PATTERN",
                    help="glob over check ids, or an id prefix such as 'kda.conv' (repeatable)")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
-    p.add_argument("--dtype", choices=tuple(SERVING_DTYPES), default="bfloat16",
-                   help="the serving dtype the served-model checks run in; the report records it (default bfloat16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the serving dtype (default bfloat16): the served-model checks run in it and the report "
+                        "records the dtypes covered (bfloat16 or float32); with --endpoint, the precision the "
+                        "endpoint computes in (float16 too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    register_endpoint_args(p)
     p.set_defaults(func=run_parity)
 
 
@@ -91,21 +96,30 @@ def run_parity(args: argparse.Namespace) -> int:
     except UsageError as exc:
         broken = ", ".join(import_errors())
         raise UsageError(f"{exc}; check modules that failed to import: {broken}" if broken else str(exc)) from None
+    checks = select_endpoint_checks(checks, args)
+    dtype_name = args.dtype or "bfloat16"
+    if args.endpoint is None and dtype_name not in SERVING_DTYPES:
+        raise UsageError(f"--dtype {dtype_name} applies to --endpoint runs only; a served model is one of "
+                         f"{', '.join(SERVING_DTYPES)}")
+    dtype = SERVING_DTYPES.get(dtype_name, torch.bfloat16)
     if args.list:
         _print_list(checks)
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
     target = target_for(args.preset, args.checkpoint)
-    cache: dict[str, object] = {}
-    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite,
-                                   dtype=SERVING_DTYPES[args.dtype], cache=cache)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
-    with progress_hooks(len(checks)) as hooks:
-        run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
-                        import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+    cache: dict[str, object] = {}
+    with endpoint_session(args, target, device) as endpoint:
+        factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
+                                       cache=cache, endpoint=endpoint)
+        with progress_hooks(len(checks)) as hooks:
+            run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
+                            import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+        if endpoint is not None:
+            run.run.endpoint = endpoint.record()
     run.run.dtypes = covered_dtypes(cache)
     write_reports(run, args.report_dir)
     print_summary(run, report_dir=str(args.report_dir))

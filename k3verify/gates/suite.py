@@ -28,6 +28,7 @@ from k3verify.cli import UsageError
 from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
 
 if TYPE_CHECKING:
+    from k3verify.endpoint.session import EndpointSession
     from k3verify.target import Target
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
@@ -58,6 +59,7 @@ class RunInfo:
     wall_time_s: float = 0.0
     oracle: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    endpoint: dict[str, Any] | None = None  # `parity --endpoint`: which server answered, its features, the traffic
     dtypes: list[str] = field(default_factory=list)  # serving-model dtypes model/serving-level checks ran in
 
 
@@ -139,14 +141,15 @@ COVERED_DTYPES = "covered_dtypes"  # ctx.cache key: serving dtypes model/serving
 
 
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
-                         dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None) -> ContextFactory:
+                         dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None,
+                         endpoint: EndpointSession | None = None) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
     generator per check."""
     shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, shared, dtype=dtype, level=check.level)
+        return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level)
 
     return factory
 
