@@ -10,6 +10,7 @@ from torch import nn
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
+from k3verify.gates.route_pin import tensor_attr
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.oracle import functional as Fn
@@ -37,14 +38,15 @@ def _router_pass(ctx: CheckContext, dtype: torch.dtype, layers: list[int], synth
     ref, model = fx.reference_model(ctx, dtype), fx.serving_model(ctx, dtype)
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
     for i in layers:
-        x = ref.model.layers[i].post_attention_layernorm(
-            torch.randn(T_ROUTER, ctx.cfg.hidden_size, generator=ctx.generator).to(dtype).to(ctx.device))
-        oracle, serving = ref.model.layers[i].block_sparse_moe.gate, model.model.layers[i].block_sparse_moe.gate
+        norm = ref.get_submodule(f"model.layers.{i}.post_attention_layernorm")
+        x = norm(torch.randn(T_ROUTER, ctx.cfg.hidden_size, generator=ctx.generator).to(dtype).to(ctx.device))
+        oracle = ref.get_submodule(f"model.layers.{i}.block_sparse_moe.gate")
+        serving = model.get_submodule(f"model.layers.{i}.block_sparse_moe.gate")
         bias = torch.randn(ctx.cfg.num_experts, generator=ctx.generator) * 0.1 if synthetic_bias else None
         with _bias(oracle, bias), _bias(serving, bias):
             for name, res in (("ref", oracle(x)), ("cand", serving(x))):
                 out[name][f"layers.{i}.weights"], out[name][f"layers.{i}.idx"] = res
-        zeros = nn.Parameter(torch.zeros_like(serving.e_score_correction_bias), requires_grad=False)
+        zeros = nn.Parameter(torch.zeros_like(tensor_attr(serving, "e_score_correction_bias")), requires_grad=False)
         with fx.patched(serving, "e_score_correction_bias", zeros):
             out["ctrl"][f"layers.{i}.weights"], out["ctrl"][f"layers.{i}.idx"] = serving(x)
     notes = [f"{len(layers)} router(s), {T_ROUTER} tokens, {dtype}; groups {ctx.cfg.num_expert_group} / "
@@ -55,7 +57,7 @@ def _router_pass(ctx: CheckContext, dtype: torch.dtype, layers: list[int], synth
 def _bias(router: nn.Module, bias: torch.Tensor | None) -> contextlib.AbstractContextManager[None]:
     if bias is None:
         return contextlib.nullcontext()
-    old = router.e_score_correction_bias
+    old = tensor_attr(router, "e_score_correction_bias")
     value = nn.Parameter(bias.to(dtype=old.dtype, device=old.device), requires_grad=False)
     return fx.patched(router, "e_score_correction_bias", value)
 

@@ -23,7 +23,7 @@ Message = dict[str, Any]
 
 def _conversations(spell: str, calls: bool) -> dict[str, list[Message]]:
     """Conversations whose every free-text field says `spell` (hostile) or something harmless."""
-    out = {
+    out: dict[str, list[Message]] = {
         "turns": [{"role": "system", "content": f"be brief {spell}"},
                   {"role": "user", "content": f"what does {spell} mean?", "name": f"ann {spell}"},
                   {"role": "assistant", "content": [{"type": "text", "text": spell}, {"type": "text", "text": "!"}]},
