@@ -13,6 +13,9 @@
 #                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
 #                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
 #                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
+#   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
+#                                        --checkpoint --device cuda -> serve answering one request (budgets
+#                                        MAKE_S=150 DIGEST_S=40 PARITY_S=270 SERVE_S=110)
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -70,6 +73,13 @@ spec)
         --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
     timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
     ;;
+realsize)
+    # kl-48b-8l (27.7 GB bf16) made on disk, digested, gated by parity --device cuda (layer-by-layer module
+    # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
+    # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
+    step "realsize kl-48b-8l: make -> digest -> parity -> serve"
+    python3 scripts/gpu_realsize.py --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
+    ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
         preset=${run%%:*} dtype=${run##*:}
@@ -91,7 +101,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|endpoint" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|realsize|endpoint" >&2
     exit 2
     ;;
 esac

@@ -43,6 +43,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
+                   help="serving dtype (default bfloat16); the gate report must have covered it")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
@@ -77,7 +79,8 @@ def parity_command(args: argparse.Namespace) -> str:
     else:
         src = f"--preset {args.preset or DEFAULT_PRESET}"
     device = "" if args.device == "cpu" else f" --device {args.device}"
-    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+    dtype = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
+    return f"k3verify parity {src}{device}{dtype} --report-dir {args.report_dir}"
 
 
 def run_gates(args: argparse.Namespace) -> int:
@@ -85,7 +88,8 @@ def run_gates(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
-    argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
+    argv = ["parity", "--suite", "quick", "--device", args.device, "--dtype", args.dtype,
+            "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
     pargs = parser.parse_args(argv)
@@ -133,7 +137,7 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
+    runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
                           device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, speculator=_speculator(args, runner))
