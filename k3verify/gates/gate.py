@@ -86,6 +86,7 @@ class CheckContext:
     generator: torch.Generator
     suite: str
     cache: dict[str, Any] = field(default_factory=dict)
+    parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
 
     @property
     def cfg(self) -> ModelConfig:

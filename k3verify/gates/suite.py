@@ -134,13 +134,15 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str) -> ContextFactory:
-    """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
+def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
+                         parallel: tuple[int, int] | None = None) -> ContextFactory:
+    """The hook `parity` uses: one shared cache per run, a fresh generator per check; `parallel` is the
+    (tp, ep) layout the dist.* checks run."""
     cache: dict[str, Any] = {}
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, cache)
+        return CheckContext(target, dev, seed, generator, suite, cache, parallel)
 
     return factory
 
