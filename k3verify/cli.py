@@ -1,4 +1,4 @@
-"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench`.
+"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan`.
 
 Each subcommand lives in its own module under `k3verify.commands` and exposes
 `register(subparsers)`; it sets `func` on its parser, which returns an exit code.
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench")
+COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan")
 
 
 class UsageError(Exception):

@@ -5,6 +5,9 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
+#                                        per-GPU memory against the measured CUDA peak of the same prefill
+#                                        (passes within 10%); JSON under $OUT/plan-*.json
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -39,8 +42,19 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+plan)
+    rc=0
+    for spec in "kl-48b-8l 16384 8192" "k3-slice-4l 8192 4096"; do
+        set -- $spec
+        step "plan vs measured: $1, context $2, segment $3"
+        timeout "${PLAN_S:-200}" python3 -m k3verify plan --preset "$1" --gpus 1 --context "$2" --segment "$3" \
+            --measure --json "$OUT/plan-$1.json" 2>&1 | quiet | tail -14
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    echo "plan vs measured: $([ $rc -eq 0 ] && echo 'both within 10%' || echo 'NOT within 10% (see above)')"
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|plan" >&2
     exit 2
     ;;
 esac

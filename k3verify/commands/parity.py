@@ -85,7 +85,7 @@ def parallel_layout(tp: int | None, ep: int | None) -> tuple[int, int] | None:
     """(tp, ep) for the dist.* checks, or None when neither flag was given; a bad layout is a UsageError."""
     if tp is None and ep is None:
         return None
-    layout = (tp or 1, ep or 1)
+    layout = (1 if tp is None else tp, 1 if ep is None else ep)
     try:
         ParallelLayout(*layout)
     except LayoutError as exc:
