@@ -8,11 +8,15 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
+
+if TYPE_CHECKING:  # bench code imports CUDA-side modules lazily: `--table` runs without them
+    from k3verify.bench.run import BenchResult
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
     p.add_argument("--preset", default="kl-48b-8l")
     p.add_argument("--prefill", default="1024,8192", help="prompt lengths for the prefill measurement")
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.speeds_reported else 1
 
 
-def _emit(result, path: Path | None) -> None:  # type: ignore[no-untyped-def]
+def _emit(result: BenchResult, path: Path | None) -> None:
     data = result.to_dict()
     print(json.dumps(data, indent=1))
     lines = [f"bench {result.preset} on {result.device_name} (copy {result.copy_bandwidth_GBps:.0f} GB/s)"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
@@ -30,7 +30,7 @@ from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetEr
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("parity", help="run the parity gates and write reports",
                               description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--preset", metavar="NAME", help=f"synthetic preset (default {DEFAULT_PRESET})")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.plan.memory import EXPERT_MODES, PlanRequest, RankPlan, plan
 from k3verify.presets import PRESETS, get_preset
@@ -25,7 +25,7 @@ H200_GIB = 140.0  # what torch reports for one H200 (141 GB of HBM3e, less the d
 MEASURE_TOLERANCE = 0.10
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("plan", help="per-rank memory of a parallel serving configuration (meta device)",
                               description=__doc__.splitlines()[0] if __doc__ else None)
     src = p.add_mutually_exclusive_group()

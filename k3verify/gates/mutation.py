@@ -30,8 +30,8 @@ from k3verify.gates.report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
 DEFAULT_CATALOG = PACKAGE_DIR.parent / "mutations"
-MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.kernels", "k3verify.tokenizer", "k3verify.checkpoint",
-                    "k3verify.config")
+MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.server", "k3verify.kernels", "k3verify.tokenizer",
+                    "k3verify.checkpoint", "k3verify.config")
 RED = ("fail", "vacuous", "error")
 CHILD_MARK = "k3verify-mutant-child: k3verify imported from "
 
@@ -132,7 +132,7 @@ def load_catalog(catalog_dir: Path = DEFAULT_CATALOG) -> list[Mutant]:
 def select(mutants: Iterable[Mutant], *, only: Sequence[str] = (), suite: str = "full",
            preset: str | None = None, device: str = "cpu") -> list[tuple[Mutant, str]]:
     """(mutant, preset) pairs chosen by id globs, the quick flag, a preset filter and the device kind."""
-    pairs = []
+    pairs: list[tuple[Mutant, str]] = []
     for m in mutants:
         if only and not any(fnmatch.fnmatchcase(m.id, p) for p in only):
             continue
@@ -251,7 +251,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                                   capture_output=True, text=True, timeout=timeout_s)
             rc, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
-            rc, output = -9, f"timed out after {timeout_s:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            rc, output = -9, f"timed out after {timeout_s:.0f} s\n{_text(exc.stdout)}{_text(exc.stderr)}"
         report = None
         if (report_dir / "report.json").is_file():
             try:
@@ -297,6 +297,13 @@ def classify(mutant: Mutant, preset: str, expected: Sequence[str], child: ChildR
     out.status = "killed" if hits else "survived"
     out.reason = f"red: {', '.join(hits)}" if hits else f"every expected killer stayed green: {', '.join(expected)}"
     return out
+
+
+def _text(captured: str | bytes | None) -> str:
+    """What a timed-out child printed (subprocess hands back bytes there even with text=True)."""
+    if captured is None:
+        return ""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured
 
 
 def red_summary(report: dict[str, Any]) -> list[str]:
