@@ -16,12 +16,12 @@ import torch
 
 import k3verify
 from k3verify.cli import Subparsers, UsageError
-from k3verify.commands import parity
+from k3verify.commands import parity, serve_parallel
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
-from k3verify.serving.runner import build_runner
+from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -46,6 +46,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -68,7 +69,8 @@ def parity_command(args: argparse.Namespace) -> str:
     else:
         src = f"--preset {args.preset or DEFAULT_PRESET}"
     device = "" if args.device == "cpu" else f" --device {args.device}"
-    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(args)))
+    return f"k3verify parity {src}{device}{' ' + layout if layout else ''} --report-dir {args.report_dir}"
 
 
 def run_gates(args: argparse.Namespace) -> int:
@@ -79,6 +81,7 @@ def run_gates(args: argparse.Namespace) -> int:
     argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
+    argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
 
@@ -113,6 +116,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
                          f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
+    layout = serve_parallel.layout_of(args)
+    why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
+    if why is not None:
+        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(args)}` first")
     return GatedTarget(target, found.passing)
 
 
@@ -124,8 +131,13 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
-                          device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+    layout = serve_parallel.layout_of(args)
+    if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
+        args.serving_world = serve_parallel.start_world(target, args, layout)
+        runner: ModelRunner = args.serving_world.runner
+    else:
+        runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
+                              device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
     return engine, tokenizer
@@ -146,4 +158,6 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.stop()
+        if getattr(args, "serving_world", None) is not None:
+            args.serving_world.close()
     return 0 if engine.health() in (None, "engine stopped") else 1
