@@ -163,13 +163,8 @@ def stale_partials(model: ParallelServingModel) -> Iterator[None]:
             del m.routed_partial
 
 
-def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors, shifted: bool = False
-           ) -> ParallelServingModel:
-    model = ParallelServingModel(cfg, Comm(ParallelLayout(tp, ep, rank)), torch.float32, "cpu")
-    if shifted:
-        load_rank(model, cfg, model.layout, tensors, read=shifted_read)
-        return model
-    return model.load(tensors)
+def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors) -> ParallelServingModel:
+    return ParallelServingModel(cfg, Comm(ParallelLayout(tp, ep, rank)), torch.float32, "cpu").load(tensors)
 
 
 def _prefill(model: Any, pack: list[list[int]]) -> torch.Tensor:
@@ -218,8 +213,12 @@ def _run_empty_rank(spec: SessionSpec, model: ParallelServingModel) -> dict[str,
     return out
 
 
-def _run_shifted(spec: SessionSpec, cfg: ModelConfig, rank: int, tensors: Tensors) -> dict[str, Any]:
-    model = _build(cfg, spec.tp, spec.ep, rank, tensors, shifted=True)
+def _run_shifted(spec: SessionSpec, cfg: ModelConfig, tensors: Tensors, model: ParallelServingModel
+                 ) -> dict[str, Any]:
+    """The asked layout's model reloaded with every split slice moved by one row (its last use)."""
+    load_rank(model, cfg, model.layout, tensors, read=shifted_read)
+    for m in model.moe_layers():
+        m.invalidate()
     return {"control.shifted_greedy": greedy(model, spec.prompts, spec.steps),
             "control.shifted_state": {k: v.clone() for k, v in model.state_dict().items()}}
 
@@ -235,7 +234,7 @@ def run_rank(rank: int, init_file: str, spec: SessionSpec) -> None:
             out = _run_layouts(spec, cfg, rank, tensors, models)
             if cfg.num_experts >= spec.world:  # on the asked layout when it splits experts, else on EP only
                 out.update(_run_empty_rank(spec, models["asked" if spec.ep > 1 else "ep"]))
-            out.update(_run_shifted(spec, cfg, rank, tensors))
+            out.update(_run_shifted(spec, cfg, tensors, models["asked"]))
         torch.save(out, Path(spec.out_dir) / f"rank{rank}.pt")
     finally:
         leave_world(world)

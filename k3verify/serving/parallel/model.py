@@ -46,9 +46,10 @@ class ParallelDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, mxfp4_mode: str,
                  tile_tokens: int | None, comm: Comm) -> None:
         layout, local = comm.layout, local_config(cfg, comm.layout)
-        first, stop = layout.ep_range(cfg.num_experts)
-        # Built on meta at the local head and expert counts; the parts that collect a partial sum are swapped in.
-        super().__init__(replace(local, num_experts=stop - first), layer_idx, dtype, META, mxfp4_mode, tile_tokens)
+        # Built on meta at the local head counts; the parts that collect a partial sum are swapped in (with more
+        # than one rank the MoE block is ParallelMoE, so DecoderLayer's own is built without experts).
+        experts = cfg.num_experts if layout.world == 1 else 0
+        super().__init__(replace(local, num_experts=experts), layer_idx, dtype, META, mxfp4_mode, tile_tokens)
         if layout.tp > 1:
             attn = TPKimiDeltaAttention if cfg.layer_kind(layer_idx) == "kda" else TPMultiHeadLatentAttention
             self.self_attn = attn(local, layer_idx, dtype, META, comm)
