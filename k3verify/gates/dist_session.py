@@ -10,6 +10,7 @@ the shipped code: the mutation catalog breaks the code itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.config import ModelConfig
@@ -70,36 +70,41 @@ def shifted_read(tensors: Tensors, spec: SliceSpec) -> torch.Tensor:
     """A mis-sliced load: every split tensor's window moved by one row (same shape, wrong rows)."""
     if spec.dim is None:
         return read_spec(tensors, spec)
-    size = tensors[spec.source].shape[spec.dim]
+    shape = tensors.entries[spec.source].shape if isinstance(tensors, CheckpointReader) else \
+        tensors[spec.source].shape
+    size = shape[spec.dim]
     step = 1 if spec.stop < size else -1
     return read_spec(tensors, SliceSpec(spec.source, spec.dim, spec.start + step, spec.stop + step))
+
+
+def _partial_forward(m: TPKimiDeltaAttention | TPMultiHeadLatentAttention) -> Any:
+    if isinstance(m, TPKimiDeltaAttention):
+        return functools.partial(KimiDeltaAttention.forward, m)
+    return functools.partial(MultiHeadLatentAttention.forward, m)
 
 
 @contextlib.contextmanager
 def unreduced_attention(model: ParallelServingModel) -> Iterator[None]:
     """Control: TP attention returns its partial sum (the all-reduce after o_proj is missing)."""
-    def partial_forward(m: nn.Module) -> Any:
-        base = KimiDeltaAttention if isinstance(m, TPKimiDeltaAttention) else MultiHeadLatentAttention
-        return lambda x, ctx: base.forward(m, x, ctx)  # type: ignore[arg-type]
-
-    mods = [m for m in model.modules() if isinstance(m, TPKimiDeltaAttention | TPMultiHeadLatentAttention)]
-    for m in mods:
-        m.forward = partial_forward(m)  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        for m in model.modules():
+            if isinstance(m, TPKimiDeltaAttention | TPMultiHeadLatentAttention):
+                stack.enter_context(patched(m, "forward", _partial_forward(m)))
         yield
-    finally:
-        for m in mods:
-            del m.forward
 
 
 @contextlib.contextmanager
 def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(obj, name)
+    """`obj.name = value` for the block; an attribute that came from the class is removed again after."""
+    own, saved = name in vars(obj), getattr(obj, name)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, saved)
+        if own:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
 
 
 @contextlib.contextmanager
@@ -154,13 +159,10 @@ def stale_partials(model: ParallelServingModel) -> Iterator[None]:
             return out
         return routed
 
-    for m in mods:
-        m.routed_partial = make(m)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for m in mods:
-            del m.routed_partial
+            stack.enter_context(patched(m, "routed_partial", make(m)))
+        yield
 
 
 def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors) -> ParallelServingModel:
