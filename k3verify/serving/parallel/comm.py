@@ -77,18 +77,6 @@ class Comm:
         dist.all_gather(pieces, piece.contiguous(), group=self.group)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes, strict=True)], dim=dim)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """`obj` of rank `src` on every rank (pickled; for control messages, never for activations)."""
-        if self.world == 1:
-            return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
-
 
 def init_world(layout: ParallelLayout, device: torch.device, init_file: str,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:

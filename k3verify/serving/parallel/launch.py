@@ -18,12 +18,10 @@ def rendezvous_file(folder: str) -> str:
     return os.path.join(folder, INIT_FILE)
 
 
-def spawn_world(fn: Callable[..., Any], world: int, *args: Any, join: bool = True) -> Any:
+def spawn_world(fn: Callable[..., Any], world: int, *args: Any) -> None:
     """Run `fn(rank, init_file, *args)` in `world` fresh processes (rank 0 .. world-1) and wait for all of
-    them; `fn` must be a module-level function (spawn pickles it by name). With join=False the started
-    processes' context is returned instead (serve keeps them running)."""
+    them; `fn` must be a module-level function (spawn pickles it by name)."""
     if world < 1:
         raise ValueError(f"a world needs at least one rank; got {world}")
     folder = tempfile.mkdtemp(prefix="k3v-world-")
-    return mp.start_processes(fn, args=(rendezvous_file(folder), *args), nprocs=world, join=join,
-                              start_method="spawn")
+    mp.start_processes(fn, args=(rendezvous_file(folder), *args), nprocs=world, join=True, start_method="spawn")
