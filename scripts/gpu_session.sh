@@ -8,6 +8,12 @@
 #   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
 #                                        per-GPU memory against the measured CUDA peak of the same prefill
 #                                        (passes within 10%); JSON under $OUT/plan-*.json
+#   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
+#                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
+#                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
+#   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
+#                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
+#                                        fp32; a table of every endpoint check at the end, reports under $OUT
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -53,8 +59,38 @@ plan)
     done
     echo "plan vs measured: $([ $rc -eq 0 ] && echo 'both within 10%' || echo 'NOT within 10% (see above)')"
     ;;
+mxfp4)
+    step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
+    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
+        --only moe.module.packed --report-dir "$OUT/parity-mxfp4" 2>&1 | quiet | tail -12
+    timeout "${PYTEST_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
+        2>&1 | tail -3
+    step "bench --mxfp4 k3-slice-4l"
+    timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
+        | quiet | tail -30
+    ;;
+endpoint)
+    for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
+        preset=${run%%:*} dtype=${run##*:}
+        step "parity --endpoint self --device cuda --preset $preset --dtype $dtype"
+        timeout "${ENDPOINT_S:-180}" python3 -m k3verify parity --endpoint self --device cuda --preset "$preset" \
+            --dtype "$dtype" --report-dir "$OUT/endpoint-$preset-$dtype" 2>&1 | quiet | tail -3
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+print(f"{'run':24} {'check':28} {'status':8} {'metric':>10} {'bar':>10} {'control':>8}  note")
+for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
+    for r in json.loads(report.read_text())["results"]:
+        metric = "-" if r["metric"] is None else f"{float(r['metric']):.3g}"
+        bar = "-" if r["bar"] is None else f"{float(r['bar']):.3g}"
+        control = (r.get("control") or {}).get("status", "-")
+        note = (r["reason"] or (r["notes"] or [""])[0])[:70]
+        print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
+PY
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|endpoint|plan" >&2
     exit 2
     ;;
 esac

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from k3verify.cli import Subparsers, UsageError
+from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
@@ -44,6 +45,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    register_endpoint_args(p)
     p.set_defaults(func=run_parity)
 
 
@@ -116,19 +118,24 @@ def run_parity(args: argparse.Namespace) -> int:
     except UsageError as exc:
         broken = ", ".join(import_errors())
         raise UsageError(f"{exc}; check modules that failed to import: {broken}" if broken else str(exc)) from None
+    checks = select_endpoint_checks(checks, args)
     if args.list:
         _print_list(checks)
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
     target = target_for(args.preset, args.checkpoint)
-    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, parallel=parallel)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
-    with progress_hooks(len(checks)) as hooks:
-        run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
-                        import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+    with endpoint_session(args, target, device) as endpoint:
+        factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, endpoint=endpoint,
+                                       parallel=parallel)
+        with progress_hooks(len(checks)) as hooks:
+            run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
+                            import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+        if endpoint is not None:
+            run.run.endpoint = endpoint.record()
     write_reports(run, args.report_dir)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

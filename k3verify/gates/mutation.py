@@ -237,6 +237,9 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                "--report-dir", str(report_dir)]
         for check_id in check_ids:
             cli += ["--only", check_id]
+        if any(c.startswith("endpoint.") for c in check_ids):
+            # Endpoint checks judge a server: the (mutated) package's own, in fp32 where the bars are tightest.
+            cli += ["--endpoint", "self", "--dtype", "float32"]
         opts = ["--root", str(root)]
         if mutant is not None and mutant.kind == "patch":
             opts += ["--catalog", str(catalog_dir.resolve()), "--mutant", mutant.id]

@@ -24,6 +24,7 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import (
     SamplingParams,
     TokenLogprob,
+    apply_logit_bias,
     make_generator,
     nonfinite_rows,
     sample,
@@ -163,6 +164,9 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
         self.validate(prompt_ids, params.max_tokens)
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad_bias[:5]}")
 
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
@@ -256,7 +260,8 @@ class Engine:
             return
         reqs = [reqs[i] for i in keep]
         logits = logits[keep] if bad else logits
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample(apply_logit_bias(logits, [r.params for r in reqs]), [r.params for r in reqs],
+                        [r.generator for r in reqs])
         lps = token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
         now = time.monotonic()
         for req, tok, lp in zip(reqs, tokens, lps, strict=True):

@@ -21,7 +21,7 @@ from k3verify.serving.layers.attn_res import BlockBuffer, ConcatBlocks, attn_res
 from k3verify.serving.layers.decoder import Blocks, DecoderLayer
 from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
-from k3verify.serving.layers.moe import SparseMoE
+from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
 from k3verify.serving.state_cache import KDAStatePool
 
@@ -52,12 +52,13 @@ class KimiModel(nn.Module):
 
 class ServingModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 mxfp4_mode: str = "cached", *, tile_tokens: int | None = None, mla_absorb: bool = True) -> None:
+                 mxfp4_mode: str = "auto", *, tile_tokens: int | None = None, mla_absorb: bool = True) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.mla_absorb = mla_absorb
         self.attn_res_storage = "prealloc"
-        self.model = KimiModel(cfg, dtype, self.device, mxfp4_mode, tile_tokens)
+        self.mxfp4_mode = resolve_mxfp4_mode(mxfp4_mode, cfg.experts_quantized, dtype, self.device)
+        self.model = KimiModel(cfg, dtype, self.device, self.mxfp4_mode, tile_tokens)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
         self.to(self.device)
         self.kv_cache: PagedLatentCache | None = None
@@ -144,5 +145,5 @@ class ServingModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu", mxfp4_mode: str = "cached", **kwargs: object) -> ServingModel:
+                device: torch.device | str = "cpu", mxfp4_mode: str = "auto", **kwargs: object) -> ServingModel:
     return ServingModel(cfg, dtype, device, mxfp4_mode, **kwargs).load(tensors)  # type: ignore[arg-type]

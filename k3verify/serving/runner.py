@@ -158,7 +158,7 @@ class ModelRunner:
 
 
 def build_runner(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", mxfp4_mode: str = "cached", num_pages: int = 256,
+                 device: torch.device | str = "cpu", mxfp4_mode: str = "auto", num_pages: int = 256,
                  page_size: int = 16, num_slots: int = 8, max_context: int | None = None) -> ModelRunner:
     """A loaded ServingModel wrapped in a runner (max_context defaults to what the pages can hold)."""
     model = ServingModel(cfg, dtype, device, mxfp4_mode).load(tensors)

@@ -165,16 +165,17 @@ def test_a_mis_sliced_load_raises_naming_the_rank() -> None:
         load_rank(model, target.cfg, model.layout, target.weights(), read=one_row_short)
 
 
-@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
-def test_expert_dispatch_of_one_rank_equals_the_moe_block(preset: str) -> None:
+@pytest.mark.parametrize(("preset", "mode"), [("k3-tiny", "cached"), ("k3-tiny", "packed"), ("kl-tiny", "cached")])
+def test_expert_dispatch_of_one_rank_equals_the_moe_block(preset: str, mode: str) -> None:
     """ParallelMoE on a world of one (every expert local, no collective): selecting each (token, expert) pair,
-    combining it alone and adding the pairs back per token gives SparseMoE's output bit for bit."""
+    combining it alone and adding the pairs back per token gives SparseMoE's output bit for bit, with
+    dequantized and with packed MXFP4 experts."""
     from k3verify.serving.parallel.moe import ParallelMoE
 
     target = resolve_target(preset)
-    single = ServingModel(target.cfg, torch.float32).load(target.weights())
+    single = ServingModel(target.cfg, torch.float32, mxfp4_mode=mode).load(target.weights())
     moe = single.model.layers[1].block_sparse_moe
-    par = ParallelMoE(target.cfg, torch.float32, "cpu", "cached", None, Comm(ParallelLayout(1, 1)))
+    par = ParallelMoE(target.cfg, torch.float32, "cpu", mode, None, Comm(ParallelLayout(1, 1)))
     par.load_state_dict(moe.state_dict())
     x = torch.randn(37, target.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     assert torch.equal(par(x), moe(x))

@@ -18,13 +18,12 @@ from k3verify.serving.runner import ModelRunner
 
 DEFAULT_LAYOUT = (2, 2)  # world 2: attention, FFN and vocab split in two, experts split in two
 PACK_LENS, PROMPT_LENS, STEPS = (13, 29), (9, 17), 5
-DIST_BAR = 2e-4
-NOISE_HEADROOM = 4.0  # the bar must sit at least this far above the reference's own fp32 noise
+NOISE_FACTOR = 8.0  # the measured bar: this many times the single-process model's own fp32-vs-fp64 noise
+DIST_BAR = 5e-4  # the cap on that measured bar
 DIST_BAR_REASON = (
-    "fp32 both sides; TP/EP only reorder fp32 sums: measured rel RMS 2e-7..2e-5 against the single-process "
-    "model, the order of that model's own fp32-vs-fp64 noise (k3-tiny 2.8e-6, kl-tiny 5e-7, k3-skew-10 1e-5, "
-    "k3-syn-25 3.3e-5); the bar is 6x the largest noise and every run re-measures the noise and errors if the bar "
-    "falls below 4x it; a bf16 reduce sits near 1e-3")
+    "cap of the measured bar (8x the single-process model's own fp32-vs-fp64 logit noise on the same pack, measured "
+    "every run: k3-tiny 2.8e-6, kl-tiny 5.8e-7, k3-skew-10 1e-5, k3-syn-25 3.3e-5, so 8x stays under 5e-4); TP/EP "
+    "only reorder fp32 sums: measured 0.3-1.7x that noise; a bf16 reduce sits near 3e-3")
 TIE_FRACTION = 1e-3  # a greedy divergence at a top-2 gap below this share of the logit range is a near-tie
 
 
@@ -33,7 +32,7 @@ class Session:
     layout: tuple[int, int]
     ranks: list[dict[str, Any]]  # what each rank computed (dist_session.run_rank)
     single: dict[str, Any]  # the single-process fp32 model on the same inputs
-    noise: float  # rel RMS of the single-process fp32 logits against its own fp64 run
+    noise: float  # rel RMS of the single-process fp32 logits against its own fp64 run (the reference noise)
 
     @property
     def world(self) -> int:
@@ -42,12 +41,14 @@ class Session:
     def per_rank(self, key: str) -> dict[str, Any]:
         return {f"rank{r}": out[key] for r, out in enumerate(self.ranks)}
 
-    def metrics(self, bar: float | None = DIST_BAR) -> dict[str, float]:
-        out = {"tp": float(self.layout[0]), "ep": float(self.layout[1]), "world": float(self.world),
-               "reference_noise": self.noise}
-        if bar is not None:
-            out["bar_over_noise"] = bar / self.noise if self.noise > 0 else float("inf")
-        return out
+    @property
+    def bar(self) -> float:
+        """The logits bar derived from the reference noise measured in this run (the engine caps it)."""
+        return NOISE_FACTOR * self.noise
+
+    def metrics(self) -> dict[str, float]:
+        return {"tp": float(self.layout[0]), "ep": float(self.layout[1]), "world": float(self.world),
+                "reference_noise": self.noise}
 
 
 def asked_layout(ctx: CheckContext) -> tuple[int, int]:
@@ -107,7 +108,4 @@ def session(ctx: CheckContext) -> Session:
                   "empty": empty_rank_step(model, pack, len(ranks)) if "empty.logits" in ranks[0] else None}
         ctx.cache[key] = Session(layout, ranks, single, noise)
     found: Session = ctx.cache[key]
-    if DIST_BAR < NOISE_HEADROOM * found.noise:
-        raise RuntimeError(f"the single-process model's own fp32 noise ({found.noise:.3g}) leaves the dist bar "
-                           f"{DIST_BAR:g} less than {NOISE_HEADROOM:g}x headroom: re-derive the bar for this model")
     return found

@@ -23,7 +23,7 @@ SUITES = ("full",)
 def _logits_trial(s: Session, layout: str, control: str) -> Trial:
     ref = {f"rank{r}": s.single["logits"] for r in range(s.world)}
     return Trial(reference=ref, candidate=s.per_rank(f"logits.{layout}"), control=s.per_rank(f"control.{control}"),
-                 position_dim=0, metrics=s.metrics(),
+                 position_dim=0, metrics=s.metrics(), bar=s.bar,
                  notes=[f"session layout tp={s.layout[0]} ep={s.layout[1]}; every rank's logits are compared "
                         f"(each must end with the whole [T, V]); packed prefill of {s.single['logits'].shape[0]} "
                         "tokens"])
@@ -89,7 +89,7 @@ def check_greedy(ctx: CheckContext) -> Trial:
                 ref[key] = torch.tensor(s.single["greedy"][i][: len(row)])
                 cand[key] = row
                 ctrl[key] = torch.tensor(bad[i][: len(row)])
-    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=s.metrics(None),
+    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=s.metrics(),
                  notes=notes + [f"{len(s.single['greedy'])} prompts x {len(s.single['greedy'][0])} greedy steps "
                                 "through the runner (packed prefill, paged latent cache, KDA state pool, decode) on "
                                 "every rank of the TP-only, EP-only and asked layouts"])
@@ -112,7 +112,7 @@ def check_empty_rank(ctx: CheckContext) -> Trial:
     cand = {"logits": s.ranks[0]["empty.logits"], "collectives": calls}
     ctrl = {"logits": s.ranks[0]["control.stale_partial"], "collectives": calls}
     metrics = {**s.metrics(), **{f"last_rank_rows.moe{i}": float(n) for i, n in enumerate(last)}}
-    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=metrics,
+    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=metrics, bar=s.bar,
                  notes=[f"the last rank's experts are unchoosable after the first MoE layer (bias {-1e4:g}), in the "
                         f"single-process reference too; its (token, expert) rows per MoE layer: {last}; every rank "
                         f"issued {int(calls[0])} collectives"])
@@ -161,6 +161,6 @@ def check_slices(ctx: CheckContext) -> Trial:
     ref["reconcile.problems"] = torch.tensor(0)
     cand["reconcile.problems"] = torch.tensor(len(problems))
     ctrl["reconcile.problems"] = torch.tensor(len(problems))
-    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=s.metrics(None),
+    return Trial(reference=ref, candidate=cand, control=ctrl, metrics=s.metrics(),
                  notes=[f"{len(cand) - 1} checkpoint tensors rebuilt from {s.world} ranks' loaded slices"]
                  + [f"slice reconcile: {p}" for p in problems[:8]])

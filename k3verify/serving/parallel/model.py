@@ -21,7 +21,7 @@ from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.decoder import DecoderLayer
 from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
-from k3verify.serving.layers.moe import SparseMoE
+from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
 from k3verify.serving.model import KimiModel, ServingModel
 from k3verify.serving.parallel.comm import Comm
@@ -80,7 +80,7 @@ class ParallelKimiModel(KimiModel):
 
 class ParallelServingModel(ServingModel):
     def __init__(self, cfg: ModelConfig, comm: Comm, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", mxfp4_mode: str = "cached", *, tile_tokens: int | None = None,
+                 device: torch.device | str = "cpu", mxfp4_mode: str = "auto", *, tile_tokens: int | None = None,
                  mla_absorb: bool = True) -> None:
         nn.Module.__init__(self)  # ServingModel.__init__ would build the unsplit model
         check_layout(cfg, comm.layout)
@@ -88,6 +88,7 @@ class ParallelServingModel(ServingModel):
         self.comm, self.layout, self.local_cfg = comm, comm.layout, local_config(cfg, comm.layout)
         self.mla_absorb = mla_absorb
         self.attn_res_storage = "prealloc"
+        mxfp4_mode = self.mxfp4_mode = resolve_mxfp4_mode(mxfp4_mode, cfg.experts_quantized, dtype, self.device)
         # Large tensors are created on meta; the few small ones built without a device argument (norm gains,
         # conv weights, A_log, dt_bias) on the CPU. to_empty then gives every one its storage on the target
         # device, uninitialized: load() fills all of them or raises.

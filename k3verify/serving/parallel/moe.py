@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.moe import moe_combine
+from k3verify.kernels.moe.grouped import moe_packed_combine
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.mlp import GatedMLP
 from k3verify.serving.layers.moe import Router, SparseMoE
@@ -64,7 +65,11 @@ class ParallelMoE(SparseMoE):
         if self.rows_routed == 0:
             return out
         tokens = pairs[:, 0]
-        terms = moe_combine(self, x_in.index_select(0, tokens), weights[mine][:, None], local[mine][:, None])
+        rows, w, ids = x_in.index_select(0, tokens), weights[mine][:, None], local[mine][:, None]
+        if self.is_packed:
+            terms = moe_packed_combine(rows, self.packed_experts(), w, ids, self.act)
+        else:
+            terms = moe_combine(self, rows, w, ids)
         return out.index_add_(0, tokens, terms)
 
     def _latent_in(self, x: torch.Tensor) -> torch.Tensor:
