@@ -169,10 +169,16 @@ def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors) -> P
     return ParallelServingModel(cfg, Comm(ParallelLayout(tp, ep, rank)), torch.float32, "cpu").load(tensors)
 
 
-def _prefill(model: Any, pack: list[list[int]]) -> torch.Tensor:
+def prefill_logits(model: Any, pack: list[list[int]], captures: dict[str, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """All-token fp32 logits of one packed prefill; with `captures`, also each sublayer's output (for
+    localization over depth)."""
     ids = torch.tensor([t for seq in pack for t in seq], dtype=torch.long)
     batch = PackedBatch.build(ids, [len(seq) for seq in pack], device=model.device)
-    logits: torch.Tensor = model.prefill(batch, all_logits=True).all_logits
+    out = model.prefill(batch, all_logits=True, capture=captures is not None)
+    if captures is not None:
+        captures.update(out.captures)
+    logits: torch.Tensor = out.all_logits
     return logits
 
 
@@ -180,9 +186,10 @@ def empty_rank_step(model: Any, pack: list[list[int]], world: int) -> dict[str, 
     """Prefill with the last rank's experts unchosen after the first MoE layer: logits, and per MoE layer the
     (token, expert) rows this rank ran. Works on the single-process model too (world = the parallel world)."""
     layers = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    captures: dict[str, torch.Tensor] = {}
     with unchosen_experts(layers, model.cfg.num_experts, world):
-        logits = _prefill(model, pack)
-    return {"logits": logits, "rows": [getattr(m, "rows_routed", -1) for m in layers]}
+        logits = prefill_logits(model, pack, captures)
+    return {"logits": logits, "captures": captures, "rows": [getattr(m, "rows_routed", -1) for m in layers]}
 
 
 def _run_layouts(spec: SessionSpec, cfg: ModelConfig, rank: int, tensors: Tensors,
@@ -190,17 +197,18 @@ def _run_layouts(spec: SessionSpec, cfg: ModelConfig, rank: int, tensors: Tensor
     out: dict[str, Any] = {}
     for name, (tp, ep) in spec.layouts().items():
         model = models[name] = _build(cfg, tp, ep, rank, tensors)
-        out[f"logits.{name}"] = _prefill(model, spec.pack)
+        out[f"captures.{name}"] = {}
+        out[f"logits.{name}"] = prefill_logits(model, spec.pack, out[f"captures.{name}"])
         out[f"greedy.{name}"] = greedy(model, spec.prompts, spec.steps)
         if name == "tp":
             with unreduced_attention(model):
-                out["control.unreduced_attention"] = _prefill(model, spec.pack)
+                out["control.unreduced_attention"] = prefill_logits(model, spec.pack)
         elif name == "ep":
             with patched_all(model.moe_layers(), "first_expert", 0):
-                out["control.expert_ids_not_offset"] = _prefill(model, spec.pack)
+                out["control.expert_ids_not_offset"] = prefill_logits(model, spec.pack)
         else:
             with bf16_reduce(model.comm):
-                out["control.bf16_reduce"] = _prefill(model, spec.pack)
+                out["control.bf16_reduce"] = prefill_logits(model, spec.pack)
             out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
             out["specs"] = {k: (s.source, s.dim, s.start, s.stop) for k, s in model.slice_specs.items()}
     return out

@@ -11,7 +11,7 @@ import torch
 from k3verify.gates import CheckContext, SkipCheck
 from k3verify.gates import fixtures as fx
 from k3verify.gates.compare import rel_rms_error
-from k3verify.gates.dist_session import _prefill, empty_rank_step, run_session
+from k3verify.gates.dist_session import empty_rank_step, prefill_logits, run_session
 from k3verify.gates.suite import derive_seed
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
 from k3verify.serving.runner import ModelRunner
@@ -49,6 +49,12 @@ class Session:
     def metrics(self) -> dict[str, float]:
         return {"tp": float(self.layout[0]), "ep": float(self.layout[1]), "world": float(self.world),
                 "reference_noise": self.noise}
+
+
+def depth_order(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> list[tuple[str, Any, Any]]:
+    """(name, reference, candidate) per sublayer output in depth order, then the final hidden state."""
+    names = sorted((k for k in ref if k != "final_hidden"), key=lambda k: (int(k.split(".")[1]), k.endswith("ffn")))
+    return [(k, ref[k], cand[k]) for k in [*names, "final_hidden"]]
 
 
 def asked_layout(ctx: CheckContext) -> tuple[int, int]:
@@ -101,10 +107,11 @@ def session(ctx: CheckContext) -> Session:
         ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "tp": layout[0], "ep": layout[1],
                              "pack": pack, "prompts": prompts, "steps": STEPS})
         model = fx.serving_model(ctx)
-        logits = _prefill(model, pack)
-        noise = rel_rms_error(_prefill(fx.serving_model(ctx, torch.float64), pack), logits)
+        captures: dict[str, torch.Tensor] = {}
+        logits = prefill_logits(model, pack, captures)
+        noise = rel_rms_error(prefill_logits(fx.serving_model(ctx, torch.float64), pack), logits)
         toks, gaps = greedy_with_gaps(model, prompts, STEPS)
-        single = {"logits": logits, "greedy": toks, "gaps": gaps,
+        single = {"logits": logits, "captures": captures, "greedy": toks, "gaps": gaps,
                   "empty": empty_rank_step(model, pack, len(ranks)) if "empty.logits" in ranks[0] else None}
         ctx.cache[key] = Session(layout, ranks, single, noise)
     found: Session = ctx.cache[key]

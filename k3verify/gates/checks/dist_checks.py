@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from k3verify.gates import CheckContext, Kind, Trial, register_check
-from k3verify.gates.checks._dist_common import DIST_BAR, DIST_BAR_REASON, TIE_FRACTION, Session, session
+from k3verify.gates.checks._dist_common import (
+    DIST_BAR,
+    DIST_BAR_REASON,
+    TIE_FRACTION,
+    Session,
+    depth_order,
+    session,
+)
 from k3verify.serving.parallel.layout import ParallelLayout
 from k3verify.serving.parallel.reconcile import cover_size, reconcile_slices
 
@@ -24,6 +31,7 @@ def _logits_trial(s: Session, layout: str, control: str) -> Trial:
     ref = {f"rank{r}": s.single["logits"] for r in range(s.world)}
     return Trial(reference=ref, candidate=s.per_rank(f"logits.{layout}"), control=s.per_rank(f"control.{control}"),
                  position_dim=0, metrics=s.metrics(), bar=s.bar,
+                 layers=depth_order(s.single["captures"], s.ranks[0][f"captures.{layout}"]),
                  notes=[f"session layout tp={s.layout[0]} ep={s.layout[1]}; every rank's logits are compared "
                         f"(each must end with the whole [T, V]); packed prefill of {s.single['logits'].shape[0]} "
                         "tokens"])
@@ -113,6 +121,7 @@ def check_empty_rank(ctx: CheckContext) -> Trial:
     ctrl = {"logits": s.ranks[0]["control.stale_partial"], "collectives": calls}
     metrics = {**s.metrics(), **{f"last_rank_rows.moe{i}": float(n) for i, n in enumerate(last)}}
     return Trial(reference=ref, candidate=cand, control=ctrl, metrics=metrics, bar=s.bar,
+                 layers=depth_order(s.single["empty"]["captures"], s.ranks[0]["empty.captures"]),
                  notes=[f"the last rank's experts are unchoosable after the first MoE layer (bias {-1e4:g}), in the "
                         f"single-process reference too; its (token, expert) rows per MoE layer: {last}; every rank "
                         f"issued {int(calls[0])} collectives"])
