@@ -11,6 +11,11 @@
 #   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
 #                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
 #                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
+#   bash scripts/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
+#                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
+#                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
+#                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
+#                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -69,6 +74,16 @@ mxfp4)
     timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
         | quiet | tail -30
     ;;
+spec)
+    step "spec bench kl-48b-8l (fused KDA verify for the speed rows)"
+    timeout "${SPEC_S:-330}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
+        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec.json" 2>&1 >/dev/null \
+        | quiet | tail -45
+    step "spec.* checks, cuda, k3-syn-25 + gpu-marked spec tests"
+    timeout "${SPEC_PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec \
+        --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
+    ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
         preset=${run%%:*} dtype=${run##*:}
@@ -90,7 +105,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|endpoint|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|endpoint|plan" >&2
     exit 2
     ;;
 esac

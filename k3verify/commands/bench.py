@@ -35,6 +35,13 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="print the README results table of an earlier run's --json file and exit (no GPU)")
+    p.add_argument("--speculative", choices=("controlled", "ngram"), default=None,
+                   help="bench speculative decoding instead (controlled: the model's own continuation with a known "
+                        "fraction of drafts corrupted; ngram: prompt lookup)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (--speculative)")
+    p.add_argument("--spec-accept", default="0,0.5,0.8", help="controlled drafter: nominal acceptance levels")
+    p.add_argument("--kda-fused-verify", action="store_true", help="speed rows use the one-launch KDA verify")
+    p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer verify cost")
     p.set_defaults(func=run)
 
 
@@ -64,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
             from k3verify.bench.mxfp4_run import mxfp4_table
 
             print(mxfp4_table(data))
+        elif data.get("spec"):
+            from k3verify.bench.spec import markdown_table as spec_table
+
+            print(spec_table(data))
         else:
             print(markdown_table(data))
         return 0 if data.get("speeds_reported") else 1
@@ -79,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     profile = _ints(args.profile, "--profile") if args.profile else []
     if set(profile) - set(batches):
         raise UsageError(f"--profile {profile}: only batch sizes that are also benchmarked ({batches}) can be profiled")
+    if args.speculative is not None:
+        return _run_spec(args, batches)
     from k3verify.bench import run as b
 
     plan = b.BenchPlan(args.preset, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
@@ -107,6 +120,40 @@ def _run_mxfp4(args: argparse.Namespace, prefill_lens: list[int], batches: list[
     data = result.to_dict()
     print(json.dumps(data, indent=1))
     print(mxfp4_table(data), file=sys.stderr)
+    if args.json is not None:
+        _write_json(data, args.json)
+    return 0 if result.speeds_reported else 1
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{flag} takes comma-separated numbers; got {text!r}") from exc
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise UsageError(f"{flag} needs numbers in [0, 1]; got {text!r}")
+    return values
+
+
+def _run_spec(args: argparse.Namespace, batches: list[int]) -> int:
+    import torch
+
+    from k3verify.bench.spec import SpecPlan, markdown_table, run_spec_bench
+    from k3verify.presets import get_preset, preset_hf_config
+
+    if args.num_draft < 1:
+        raise UsageError(f"--num-draft must be >= 1; got {args.num_draft}")
+    plan = SpecPlan(args.preset, tuple(batches), args.num_draft, args.speculative,
+                    tuple(_floats(args.spec_accept, "--spec-accept")), args.new_tokens, args.prompt_len, args.seed,
+                    fused=args.kda_fused_verify, baseline=not args.no_baseline, parity_bar=args.parity_bar,
+                    layer_rows=tuple(_ints(args.spec_layer_rows, "--spec-layer-rows")), use_graphs=not args.no_graphs)
+    result = run_spec_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"))
+    data = result.to_dict()
+    print(json.dumps(data, indent=1))
+    for r in result.parity:
+        print(f"  parity {r['id']}: {r['status']} metric={r['metric']:.3g} control={r['control_metric']:.3g}",
+              file=sys.stderr)
+    print(markdown_table(data), file=sys.stderr)
     if args.json is not None:
         _write_json(data, args.json)
     return 0 if result.speeds_reported else 1
@@ -143,7 +190,7 @@ def _emit(result: BenchResult, path: Path | None) -> None:
 
 
 def _write_json(data: dict[str, Any], path: Path) -> None:
-    """Atomically: a reader never sees half a file."""
+    """Atomically: a run cut short never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as fh:

@@ -22,6 +22,8 @@ from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.runner import ModelRunner, build_runner
+from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -46,6 +48,13 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--speculative", choices=SPEC_DRAFTERS, default=None,
+                   help="speculative decoding with this drafter (default: off)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
+    p.add_argument("--spec-min-accept", type=float, default=0.25, metavar="X",
+                   help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
+    p.add_argument("--kda-fused-verify", action="store_true",
+                   help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
     serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -132,6 +141,9 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
     layout = serve_parallel.layout_of(args)
+    if layout.world > 1 and args.speculative is not None:
+        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+                         "ranks yet; serve a parallel layout without speculative decoding")
     if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
         args.serving_world = serve_parallel.start_world(target, args, layout)
         runner: ModelRunner = args.serving_world.runner
@@ -139,8 +151,25 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
         runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
                               device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
+                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, speculator=_speculator(args, runner))
     return engine, tokenizer
+
+
+def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
+    if args.speculative is None:
+        if args.kda_fused_verify:
+            raise UsageError("--kda-fused-verify only applies with --speculative")
+        return None
+    try:
+        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
+        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
+                                      fused=args.kda_fused_verify, policy=policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
+    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
+          f"KDA verify {path}", flush=True)
+    return step
 
 
 def run_serve(args: argparse.Namespace) -> int:
