@@ -5,6 +5,9 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
+#                                        per-GPU memory against the measured CUDA peak of the same prefill
+#                                        (passes within 10%); JSON under $OUT/plan-*.json
 #   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
 #                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
 #                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
@@ -52,6 +55,17 @@ bench)
     step "bench kl-48b-8l"
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
+    ;;
+plan)
+    rc=0
+    for spec in "kl-48b-8l 16384 8192" "k3-slice-4l 8192 4096"; do
+        set -- $spec
+        step "plan vs measured: $1, context $2, segment $3"
+        timeout "${PLAN_S:-200}" python3 -m k3verify plan --preset "$1" --gpus 1 --context "$2" --segment "$3" \
+            --measure --json "$OUT/plan-$1.json" 2>&1 | quiet | tail -14
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    echo "plan vs measured: $([ $rc -eq 0 ] && echo 'both within 10%' || echo 'NOT within 10% (see above)')"
     ;;
 mxfp4)
     step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
@@ -101,7 +115,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|realsize|endpoint" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|realsize|endpoint|plan" >&2
     exit 2
     ;;
 esac
