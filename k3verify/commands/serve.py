@@ -16,7 +16,7 @@ import torch
 
 import k3verify
 from k3verify.cli import Subparsers, UsageError
-from k3verify.commands import parity
+from k3verify.commands import parity, serve_parallel
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
@@ -43,6 +43,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
+                   help="serving dtype (default bfloat16); the gate report must have covered it")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
@@ -55,6 +57,7 @@ def register(subparsers: Subparsers) -> None:
                    help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
     p.add_argument("--kda-fused-verify", action="store_true",
                    help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
+    serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -77,7 +80,9 @@ def parity_command(args: argparse.Namespace) -> str:
     else:
         src = f"--preset {args.preset or DEFAULT_PRESET}"
     device = "" if args.device == "cpu" else f" --device {args.device}"
-    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+    dtype = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
+    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(args)))
+    return f"k3verify parity {src}{device}{dtype}{' ' + layout if layout else ''} --report-dir {args.report_dir}"
 
 
 def run_gates(args: argparse.Namespace) -> int:
@@ -85,9 +90,11 @@ def run_gates(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
-    argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
+    argv = ["parity", "--suite", "quick", "--device", args.device, "--dtype", args.dtype,
+            "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
+    argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
 
@@ -122,6 +129,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
                          f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
+    layout = serve_parallel.layout_of(args)
+    why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
+    if why is not None:
+        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(args)}` first")
     return GatedTarget(target, found.passing)
 
 
@@ -133,8 +144,16 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
-                          device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+    layout = serve_parallel.layout_of(args)
+    if layout.world > 1 and args.speculative is not None:
+        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+                         "ranks yet; serve a parallel layout without speculative decoding")
+    if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
+        args.serving_world = serve_parallel.start_world(target, args, layout)
+        runner: ModelRunner = args.serving_world.runner
+    else:
+        runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
+                              device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, speculator=_speculator(args, runner))
     return engine, tokenizer
@@ -172,4 +191,6 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.stop()
+        if getattr(args, "serving_world", None) is not None:
+            args.serving_world.close()
     return 0 if engine.health() in (None, "engine stopped") else 1
