@@ -4,8 +4,6 @@ norms and the fused Triton router vs the torch path."""
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
@@ -55,8 +53,7 @@ def check_mxfp4_dequant(ctx: CheckContext) -> Trial:
         for name in ("w1", "w2", "w3"):
             w: PackedWeight = getattr(expert, name)
             key = f"expert{e}.{name}"
-            packed, scales = cast(torch.Tensor, w.weight_packed), cast(torch.Tensor, w.weight_scale)
-            ref[key] = ckpt_mxfp4.dequantize(packed, scales, torch.float32, group)
+            ref[key] = ckpt_mxfp4.dequantize(w.weight_packed, w.weight_scale, torch.float32, group)
             cand[key] = w.dense(torch.float32)
             with fx.patched(mxfp4_ref, "codes_low_first", _high_nibble_first):
                 ctrl[key] = w.dense(torch.float32)
