@@ -21,6 +21,7 @@ from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
+from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import build_runner
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
@@ -46,6 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--nonfinite-threshold", type=int, default=HealthPolicy.max_nonfinite, metavar="N",
+                   help="requests failed by non-finite logits within --health-window after which /health answers "
+                        f"503 (default {HealthPolicy.max_nonfinite}; fewer make it 'degraded')")
+    p.add_argument("--max-restarts", type=int, default=HealthPolicy.max_restarts, metavar="N",
+                   help="engine restarts within --health-window before the supervisor gives up "
+                        f"(default {HealthPolicy.max_restarts})")
+    p.add_argument("--health-window", type=float, default=HealthPolicy.window_s, metavar="SECONDS",
+                   help=f"the window of the two counts above (default {HealthPolicy.window_s:g})")
     p.set_defaults(func=run_serve)
 
 
@@ -60,6 +69,14 @@ class GatedTarget:
 def _positive(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{name} must be >= 1; got {value}")
+
+
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    try:
+        return HealthPolicy(max_nonfinite=args.nonfinite_threshold, max_restarts=args.max_restarts,
+                            window_s=args.health_window)
+    except ValueError as exc:
+        raise UsageError(f"--nonfinite-threshold / --max-restarts / --health-window: {exc}") from exc
 
 
 def parity_command(args: argparse.Namespace) -> str:
@@ -94,6 +111,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
     for name in ("max_batch", "num_pages", "page_size", "max_prefill_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
+                         "leave it out to serve without authentication on loopback")
+    health_policy(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {args.port}")
     try:
@@ -127,7 +148,7 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
                           device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
+                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, health_policy=health_policy(args))
     return engine, tokenizer
 
 

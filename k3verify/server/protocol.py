@@ -6,33 +6,96 @@ is a 400 naming the field, never a silently reinterpreted value or a 500.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Literal, TypeVar, cast
+import re
+from typing import Annotated, Any, Literal, TypeVar, cast
 
+import torch
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from k3verify.server.errors import APIError
-from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.sampler import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 MAX_BODY_BYTES = 8 << 20
-MAX_LOGPROBS = 20
+MAX_JSON_DEPTH = 32  # a chat body nests 5 deep; Python's json would recurse until RecursionError
 MAX_STOP_SEQUENCES = 4
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_large(size: int | str) -> APIError:
+    return APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 as soon as the declared length or the bytes read pass MAX_BODY_BYTES
+    (never buffering more than the limit)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"invalid Content-Length header: {declared[:40]!r}")
+        if int(declared) > MAX_BODY_BYTES:
+            raise _too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large(f"more than {size - len(chunk)}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text (brackets inside strings do not count)."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = torch.frombuffer(bytearray(brackets), dtype=torch.uint8)
+    steps = ((codes == ord("[")) | (codes == ord("{"))).to(torch.int32) * 2 - 1  # only brackets are left
+    return int(steps.cumsum(0).max())
+
+
+def check_json_depth(raw: bytes) -> None:
+    """400 for a body nested deeper than MAX_JSON_DEPTH; a body with fewer opening brackets needs no scan."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"the JSON body nests {depth} levels deep; the limit is {MAX_JSON_DEPTH}")
 
 
 def parse_body(raw: bytes) -> Any:
-    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 when it is not JSON (NaN and Infinity
-    included, which Python's json would otherwise accept)."""
+    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 nested deeper than MAX_JSON_DEPTH, 400 when
+    it is not JSON (NaN and Infinity included, which Python's json would otherwise accept)."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+        raise _too_large(len(raw))
+    check_json_depth(raw)
 
     def reject_constant(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
         return json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+
+
+async def read_json(request: Request) -> Any:
+    """read_body then parse_body; a large body is parsed off the event loop (the depth scan and json.loads of
+    8 MiB take a fraction of a second that other clients must not wait for)."""
+    raw = await read_body(request)
+    return parse_body(raw) if len(raw) < (64 << 10) else await asyncio.to_thread(parse_body, raw)
 
 
 def _is_union_tag(part: object) -> bool:
@@ -76,14 +139,15 @@ class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="k3verify extension: -1 or 0 disables")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="k3verify extension: -1 or 0 disables")
     n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="k3verify extension")
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="k3verify extension; checked against the vocabulary too")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -120,17 +184,21 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none."""
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-            stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
-            ignore_eos=self.ignore_eos)
+        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none.
+        The fields' bounds mirror SamplingParams' own checks; a value they still refuse is a 400, never a 500."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+                stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+                ignore_eos=self.ignore_eos)
+        except ValueError as exc:
+            raise APIError(400, f"invalid sampling parameters: {exc}") from None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -172,8 +240,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

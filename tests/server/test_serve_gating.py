@@ -169,6 +169,9 @@ def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--preset", "k3"], "is a real shape with no data"),
     (["--checkpoint", "/nonexistent/ckpt"], "no config.json"),
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["--nonfinite-threshold", "0"], "max_nonfinite >= 1"),
 ])
 def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
