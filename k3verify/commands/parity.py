@@ -1,5 +1,6 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
-junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem).
+junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem). A setup problem
+with the target (a missing or unreadable shard, a bad config) still writes a report, with verdict "error".
 """
 
 from __future__ import annotations
@@ -7,15 +8,18 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from k3verify.cli import UsageError
+from k3verify.gates.binding import read_report_key
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
 from k3verify.gates.suite import (
+    RunResult,
     check_import_errors,
     collect_run_info,
     load_all_checks,
@@ -29,7 +33,7 @@ from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetEr
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("parity", help="run the parity gates and write reports",
                               description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--preset", metavar="NAME", help=f"synthetic preset (default {DEFAULT_PRESET})")
@@ -41,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--report-key", type=Path, metavar="FILE",
+                   help="sign report.json with this local key (HMAC-SHA256); `serve --report-key FILE` verifies")
     p.set_defaults(func=run_parity)
 
 
@@ -72,6 +78,24 @@ def target_for(preset: str | None, checkpoint: Path | None) -> Target:
     except TargetError as exc:
         flag = f"--checkpoint {checkpoint}" if checkpoint is not None else f"--preset {preset or DEFAULT_PRESET}"
         raise UsageError(f"{flag}: {exc}") from exc
+def report_key(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return read_report_key(path)
+    except ValueError as exc:
+        raise UsageError(f"--report-key: {exc}") from exc
+
+
+def write_setup_error_report(args: argparse.Namespace, device: torch.device, error: str, key: bytes | None) -> None:
+    """A report with verdict "error" and the reason, for a run that never got to its checks (so CI that reads
+    report.json sees the failure, and `serve` sees a newer non-passing run)."""
+    info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=args.preset,
+                            checkpoint=args.checkpoint, only=args.only)
+    info.started_at = datetime.now(UTC).isoformat(timespec="microseconds")
+    write_reports(RunResult(info, [], setup_error=error), args.report_dir, key=key)
+
+
 def _print_list(checks: list[Check]) -> None:
     for c in checks:
         bar = "-" if c.bar is None else f"{c.bar:g}"
@@ -92,7 +116,12 @@ def run_parity(args: argparse.Namespace) -> int:
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
-    target = target_for(args.preset, args.checkpoint)
+    key = report_key(args.report_key)
+    try:
+        target = target_for(args.preset, args.checkpoint)
+    except UsageError as exc:
+        write_setup_error_report(args, device, str(exc), key)
+        raise
     factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
@@ -100,6 +129,6 @@ def run_parity(args: argparse.Namespace) -> int:
     with progress_hooks(len(checks)) as hooks:
         run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                         import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
-    write_reports(run, args.report_dir)
+    write_reports(run, args.report_dir, key=key)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

@@ -1,8 +1,9 @@
 """`k3verify serve`: an OpenAI-compatible server that starts only behind a passing gate report.
 
-The gate is checked before any weight is loaded: no report.json under --report-dir for this exact
-checkpoint digest, k3verify version and device kind with verdict pass means exit 2 and a message
-naming the `k3verify parity` command to run (or `--run-gates` runs the quick suite first).
+The gate is checked before any weight is loaded: no report.json under --report-dir bound to this exact
+checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
+pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
+`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 
 import k3verify
+from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.cli import UsageError
 from k3verify.commands import parity
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.binding import read_report_key, source_digest
+from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
@@ -28,8 +31,10 @@ from k3verify.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
 
+SERVED_DTYPE = "bfloat16"  # the dtype the runner is built in; a report's run.dtypes must cover it
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -40,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--report-key", type=Path, metavar="FILE",
+                   help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
@@ -96,8 +103,18 @@ def run_gates(args: argparse.Namespace) -> int:
     argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
+    argv += ["--report-key", str(args.report_key)] if args.report_key is not None else []
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
+
+
+def report_key(args: argparse.Namespace) -> bytes | None:
+    if args.report_key is None:
+        return None
+    try:
+        return read_report_key(args.report_key)
+    except ValueError as exc:
+        raise UsageError(f"--report-key: {exc}") from exc
 
 
 def target_for(args: argparse.Namespace) -> Target:
@@ -121,13 +138,15 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
         device_kind = torch.device(args.device).type
     except RuntimeError as exc:
         raise UsageError(f"--device {args.device!r}: {exc}") from exc
+    key = report_key(args)
     target = target_for(args)
-    digest = target.digest
-    found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+    want = GateWant(target.digest, k3verify.__version__, device_kind, SERVED_DTYPE, source_digest(), target.preset,
+                    key)
+    found = lookup_report(args.report_dir, want)
     if found.passing is None and args.run_gates:
         print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
         code = run_gates(args)
-        found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+        found = lookup_report(args.report_dir, want)
         if found.passing is None:
             raise UsageError(f"the gates did not pass (parity exit code {code}): {found.reason}. "
                              f"Refusing to serve; see the report under {args.report_dir}")
@@ -145,8 +164,11 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
+    runner = build_runner(target.cfg, target.weights(), dtype=getattr(torch, SERVED_DTYPE),
                           device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+    if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
+        raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
+                         "(its digest no longer matches the gated one)")
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, health_policy=health_policy(args))
     return engine, tokenizer
