@@ -86,9 +86,16 @@ def parse_body(raw: bytes) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(raw, parse_constant=reject_constant)
+        data = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+    if b"\\u" in raw:  # only a \u escape can smuggle a lone UTF-16 surrogate, which no tokenizer can encode
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"the JSON body holds a lone UTF-16 surrogate ({exc.object[exc.start]!r}), "
+                                "which is not text") from None
+    return data
 
 
 async def read_json(request: Request) -> Any:

@@ -71,6 +71,15 @@ def test_brackets_in_a_prompt_string_are_just_text(tiny_server: RunningServer) -
     assert r.status_code == 200, r.text
 
 
+def test_lone_surrogate_is_400_and_a_surrogate_pair_is_text(tiny_server: RunningServer) -> None:
+    """A \\ud800 escape with no partner is not text (400, before any tokenizer sees it); an escaped pair is an emoji."""
+    url = f"{tiny_server.url}/v1/completions"
+    body = b'{"model": "k3-tiny", "max_tokens": 2, "prompt": "x\\ud800"}'
+    assert_envelope(httpx.post(url, content=body, timeout=10), 400, contains="lone UTF-16 surrogate")
+    pair = body.replace(b"\\ud800", b"\\ud83d\\ude00")
+    assert httpx.post(url, content=pair, timeout=60).status_code == 200
+
+
 @pytest.mark.parametrize(("ids", "contains"), [
     ([-1], "greater than or equal to 0"), ([4608], "stop_token_ids must be in [0, 4608)"),
     ([2**40], "less than 2147483648"), (list(range(65)), "at most 64"), (["7"], "valid integer"),
