@@ -8,7 +8,7 @@ MUTANTS = [
     Mutant(
         id="serving.sampler.temperature_ignored", quick=True,
         fault="sampled rows draw from softmax(z) whatever temperature the request asked for",
-        target="k3verify.serving.sampler:sample_tokens",
+        target="k3verify.serving.sampler:masked_scaled_logits",
         old="scaled = (z - z.max(dim=-1, keepdim=True).values) / _host_column(temps, torch.float32, z.device)",
         new="scaled = z - z.max(dim=-1, keepdim=True).values",
         killers=["serving.sampler.tempered_softmax"],
@@ -24,9 +24,9 @@ MUTANTS = [
     Mutant(
         id="serving.sampler.gumbel_negated",
         fault="the noise is a negated Gumbel (log(-log u)): argmax then favours the wrong tail",
-        target="k3verify.serving.sampler:sample_tokens",
-        old="gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, z.shape[-1])))",
-        new="gumbel = torch.log(-torch.log(uniform_noise(seeds, positions, z.shape[-1])))",
+        target="k3verify.serving.sampler:gumbel_noise",
+        old="return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))",
+        new="return torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))",
         killers=["serving.sampler.tempered_softmax"],
     ),
     Mutant(

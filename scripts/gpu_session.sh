@@ -5,6 +5,17 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
+#                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
+#                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
+#   bash scripts/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
+#                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
+#                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
+#                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
+#                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
+#   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
+#                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
+#                                        fp32; a table of every endpoint check at the end, reports under $OUT
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -39,8 +50,48 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+mxfp4)
+    step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
+    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
+        --only moe.module.packed --report-dir "$OUT/parity-mxfp4" 2>&1 | quiet | tail -12
+    timeout "${PYTEST_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
+        2>&1 | tail -3
+    step "bench --mxfp4 k3-slice-4l"
+    timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
+        | quiet | tail -30
+    ;;
+spec)
+    step "spec bench kl-48b-8l (fused KDA verify for the speed rows)"
+    timeout "${SPEC_S:-330}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
+        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec.json" 2>&1 >/dev/null \
+        | quiet | tail -45
+    step "spec.* checks, cuda, k3-syn-25 + gpu-marked spec tests"
+    timeout "${SPEC_PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec \
+        --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
+    ;;
+endpoint)
+    for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
+        preset=${run%%:*} dtype=${run##*:}
+        step "parity --endpoint self --device cuda --preset $preset --dtype $dtype"
+        timeout "${ENDPOINT_S:-180}" python3 -m k3verify parity --endpoint self --device cuda --preset "$preset" \
+            --dtype "$dtype" --report-dir "$OUT/endpoint-$preset-$dtype" 2>&1 | quiet | tail -3
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+print(f"{'run':24} {'check':28} {'status':8} {'metric':>10} {'bar':>10} {'control':>8}  note")
+for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
+    for r in json.loads(report.read_text())["results"]:
+        metric = "-" if r["metric"] is None else f"{float(r['metric']):.3g}"
+        bar = "-" if r["bar"] is None else f"{float(r['bar']):.3g}"
+        control = (r.get("control") or {}).get("status", "-")
+        note = (r["reason"] or (r["notes"] or [""])[0])[:70]
+        print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
+PY
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|endpoint" >&2
     exit 2
     ;;
 esac

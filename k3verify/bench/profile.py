@@ -107,10 +107,10 @@ def summarize(events: list[dict[str, Any]], steps: int, host_step_s: list[float]
         "steps": steps, "graph_steps_seen": len(step_groups) if launches else 0,
         "kernels_per_step": len(gpu) / n, "host_step_ms": host_ms, "gpu_span_ms": span_ms, "gpu_busy_ms": busy_ms,
         "idle_inside_step_ms": span_ms - busy_ms, "host_outside_gpu_ms": max(host_ms - span_ms, 0.0),
-        "by_category": sorted(({"category": k, "ms_per_step": v[0] / 1e3 / n, "kernels_per_step": v[1] / n}
-                               for k, v in per_cat.items()), key=lambda r: -r["ms_per_step"]),
-        "top_kernels": sorted(({"name": k, "ms_per_step": v[0] / 1e3 / n, "count_per_step": v[1] / n}
-                               for k, v in per_name.items()), key=lambda r: -r["ms_per_step"])[:15],
+        "by_category": [{"category": k, "ms_per_step": v[0] / 1e3 / n, "kernels_per_step": v[1] / n}
+                        for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1][0])],
+        "top_kernels": [{"name": k, "ms_per_step": v[0] / 1e3 / n, "count_per_step": v[1] / n}
+                        for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:15]],
     }
 
 
@@ -135,7 +135,11 @@ def profile_decode(runner: Any, graphs: Any, prompts: torch.Tensor, steps: int =
 
         for _ in range(steps):
             step(False)  # warm-up: capture, allocator, autotune
-        events = _trace(lambda: [step(True) for _ in range(steps)])
+        def recorded_steps() -> None:
+            for _ in range(steps):
+                step(True)
+
+        events = _trace(recorded_steps)
         out = summarize(events, steps, host)
         out["batch"] = B
         out["graphs"] = bool(graphs.use_graphs)

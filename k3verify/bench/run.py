@@ -54,7 +54,10 @@ def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> 
 
 def our_prefill_logits(runner: ModelRunner, ids: torch.Tensor) -> torch.Tensor:
     batch = PackedBatch.build(ids, [ids.numel()], device=runner.model.device)
-    return runner.model.prefill(batch, all_logits=True).all_logits
+    logits = runner.model.prefill(batch, all_logits=True).all_logits
+    if logits is None:
+        raise RuntimeError("prefill(all_logits=True) returned no per-token logits")
+    return logits
 
 
 def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: torch.Tensor, new_tokens: int,

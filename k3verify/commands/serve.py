@@ -17,7 +17,7 @@ import torch
 
 import k3verify
 from k3verify.checkpoint.digest import checkpoint_digest
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.commands import parity
 from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
@@ -25,7 +25,9 @@ from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.health import HealthPolicy
-from k3verify.serving.runner import build_runner
+from k3verify.serving.runner import ModelRunner, build_runner
+from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 SERVED_DTYPE = "bfloat16"  # the dtype the runner is built in; a report's run.dtypes must cover it
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -62,6 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {HealthPolicy.max_restarts})")
     p.add_argument("--health-window", type=float, default=HealthPolicy.window_s, metavar="SECONDS",
                    help=f"the window of the two counts above (default {HealthPolicy.window_s:g})")
+    p.add_argument("--speculative", choices=SPEC_DRAFTERS, default=None,
+                   help="speculative decoding with this drafter (default: off)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
+    p.add_argument("--spec-min-accept", type=float, default=0.25, metavar="X",
+                   help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
+    p.add_argument("--kda-fused-verify", action="store_true",
+                   help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
     p.set_defaults(func=run_serve)
 
 
@@ -170,8 +180,26 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
         raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
                          "(its digest no longer matches the gated one)")
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, health_policy=health_policy(args))
+                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, health_policy=health_policy(args),
+                    speculator=_speculator(args, runner))
     return engine, tokenizer
+
+
+def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
+    if args.speculative is None:
+        if args.kda_fused_verify:
+            raise UsageError("--kda-fused-verify only applies with --speculative")
+        return None
+    try:
+        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
+        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
+                                      fused=args.kda_fused_verify, policy=policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
+    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
+          f"KDA verify {path}", flush=True)
+    return step
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -6,7 +6,9 @@ the preset (when a preset is served), and its `dtypes` cover the dtype to be ser
 decides: a newer failing run shadows an older passing one, so a regression cannot be served on the strength
 of a stale green report. Its verdict is recomputed from its results (a summary that contradicts its results
 is refused), and with a report key only reports whose signature verifies are considered. A run narrowed
-with `--only` is not a gate and never counts. Unreadable or schema-invalid files are skipped with a warning.
+with `--only` is not a gate (it could have selected a single self-test) and never counts; neither does a
+`parity --endpoint` run (it judged some other server, not this one's model). Unreadable or schema-invalid
+files are skipped with a warning.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def lookup_report(report_dir: str | Path, want: GateWant) -> GateLookup:
             skipped.append(path)
             continue
         run = data["run"]
-        mismatch = "runs narrowed by --only" if run.get("only") else _mismatch(run, want)
+        narrowed = "runs narrowed by --only" if run.get("only") else "--endpoint runs" if run.get("endpoint") else None
+        mismatch = narrowed or _mismatch(run, want)
         if mismatch is None and want.dtype not in run["dtypes"]:
             dtypes_seen.update(run["dtypes"])
             mismatch = "other dtypes"

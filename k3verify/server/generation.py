@@ -18,7 +18,7 @@ from k3verify.server.errors import APIError, engine_unavailable
 from k3verify.server.render import SSE_DONE, Renderer, sse_event
 from k3verify.server.state import ServerState
 from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
-from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.sampler import SamplingParams, VocabError
 
 POLL_S = 0.25
 
@@ -72,8 +72,8 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, events
     """Hand the request to the engine; its refusals become 400 (naming `prompt_param`) or 503."""
     try:
         params.check_vocab(engine.vocab_size)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="stop_token_ids") from None
+    except VocabError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     try:
         return engine.submit(prompt_ids, params, events.put)
     except ContextLengthError as exc:

@@ -1,4 +1,5 @@
-"""OpenAI request bodies: JSON parsing and strict request models, each error a 400 naming the field.
+"""OpenAI request bodies: strict request models, each error a 400 naming the field (reading and parsing the
+body under limits: server/body.py).
 
 Requests are strict (no type coercion, no NaN/Inf, unknown fields rejected) so a client's mistake
 is a 400 naming the field, never a silently reinterpreted value or a 500.
@@ -6,17 +7,13 @@ is a 400 naming the field, never a silently reinterpreted value or a 500.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-import torch
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from k3verify.server.errors import APIError
 from k3verify.serving.sampler import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_NEW_TOKENS,
     MAX_STOP_TOKEN_IDS,
@@ -27,82 +24,7 @@ from k3verify.serving.sampler import (
     SamplingParams,
 )
 
-MAX_BODY_BYTES = 8 << 20
-MAX_JSON_DEPTH = 32  # a chat body nests 5 deep; Python's json would recurse until RecursionError
 MAX_STOP_SEQUENCES = 4
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _too_large(size: int | str) -> APIError:
-    return APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-
-
-async def read_body(request: Request) -> bytes:
-    """The request body, refused with 413 as soon as the declared length or the bytes read pass MAX_BODY_BYTES
-    (never buffering more than the limit)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"invalid Content-Length header: {declared[:40]!r}")
-        if int(declared) > MAX_BODY_BYTES:
-            raise _too_large(declared)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large(f"more than {size - len(chunk)}")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in a JSON text (brackets inside strings do not count)."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    codes = torch.frombuffer(bytearray(brackets), dtype=torch.uint8)
-    steps = ((codes == ord("[")) | (codes == ord("{"))).to(torch.int32) * 2 - 1  # only brackets are left
-    return int(steps.cumsum(0).max())
-
-
-def check_json_depth(raw: bytes) -> None:
-    """400 for a body nested deeper than MAX_JSON_DEPTH; a body with fewer opening brackets needs no scan."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return
-    depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise APIError(400, f"the JSON body nests {depth} levels deep; the limit is {MAX_JSON_DEPTH}")
-
-
-def parse_body(raw: bytes) -> Any:
-    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 nested deeper than MAX_JSON_DEPTH, 400 when
-    it is not JSON (NaN and Infinity included, which Python's json would otherwise accept)."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise _too_large(len(raw))
-    check_json_depth(raw)
-
-    def reject_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        data = json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
-    if b"\\u" in raw:  # only a \u escape can smuggle a lone UTF-16 surrogate, which no tokenizer can encode
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise APIError(400, f"the JSON body holds a lone UTF-16 surrogate ({exc.object[exc.start]!r}), "
-                                "which is not text") from None
-    return data
-
-
-async def read_json(request: Request) -> Any:
-    """read_body then parse_body; a large body is parsed off the event loop (the depth scan and json.loads of
-    8 MiB take a fraction of a second that other clients must not wait for)."""
-    raw = await read_body(request)
-    return parse_body(raw) if len(raw) < (64 << 10) else await asyncio.to_thread(parse_body, raw)
 
 
 def _is_union_tag(part: object) -> bool:
@@ -142,6 +64,26 @@ class _Unsupported(ValueError):
         self.param = param
 
 
+def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys are token ids written as digit strings, values in [-100, 100]."""
+    pairs = []
+    for key, value in (raw or {}).items():
+        if not key.isdigit():
+            raise _Unsupported("logit_bias", f"logit_bias keys must be token ids (digit strings); got {key!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise _Unsupported("logit_bias", f"logit_bias values must be between -100 and 100; got {value} "
+                                             f"for token {key}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """400 naming logit_bias when it biases a token id the model does not have."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}", param="logit_bias")
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -161,6 +103,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="k3verify extension: do not stop at eos ids")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprob tokens as 'token_id:N'")
 
     @model_validator(mode="after")
     def _check_supported(self) -> _SamplingFields:
@@ -171,8 +114,7 @@ class _SamplingFields(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise _Unsupported(name, f"{name}={getattr(self, name)} is not supported (only 0)")
-        if self.logit_bias:
-            raise _Unsupported("logit_bias", "logit_bias is not supported")
+        parse_logit_bias(self.logit_bias)
         stops = self.stop_list
         if len(stops) > MAX_STOP_SEQUENCES:
             raise _Unsupported("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
@@ -198,7 +140,7 @@ class _SamplingFields(_Strict):
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
                 stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
-                ignore_eos=self.ignore_eos)
+                ignore_eos=self.ignore_eos, logit_bias=parse_logit_bias(self.logit_bias))
         except ValueError as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from None
 
@@ -213,8 +155,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise _Unsupported("echo", "echo=true is not supported")
+        if self.echo and self.stream:
+            raise _Unsupported("echo", "echo=true is not supported with stream=true")
         if self.best_of not in (None, 1):
             raise _Unsupported("best_of", f"best_of={self.best_of} is not supported (only 1)")
         if self.suffix is not None:

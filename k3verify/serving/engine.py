@@ -21,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from k3verify.serving.admission import check_request_fits, longest_completion
 from k3verify.serving.events import (
     ContextLengthError,
     EngineDeadError,
@@ -40,6 +41,7 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import (
     SamplingParams,
     TokenLogprob,
+    apply_logit_bias,
     nonfinite_mask,
     request_seed,
     sample_tokens,
@@ -47,6 +49,9 @@ from k3verify.serving.sampler import (
 )
 from k3verify.serving.scheduler import ScheduledSeq, Scheduler
 from k3verify.tokenizer.streaming import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from k3verify.serving.spec.step import SpeculativeStep
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
                  observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05,
-                 health_policy: HealthPolicy | None = None) -> None:
+                 health_policy: HealthPolicy | None = None, speculator: SpeculativeStep | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         self.runner = runner
@@ -68,6 +73,7 @@ class Engine:
         self.scheduler = Scheduler(runner, max_prefill_tokens=max_prefill_tokens, max_running=max_running)
         self.debug = debug
         self.observer = observer
+        self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
@@ -113,30 +119,12 @@ class Engine:
         self._fault = InjectedFault(message)
 
     def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """Raise ValueError/ContextLengthError for a request that could never be served."""
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        total, limit = len(prompt_ids) + max_tokens, self.runner.max_context
-        if total > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-                f"({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.")
-        if not self.runner.can_ever_fit(total):
-            raise ContextLengthError(
-                f"The request needs {total} tokens of cache ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-                "completion), more than this server's KV cache holds even when empty. Reduce prompt or max_tokens.")
+        """Raise ValueError/ContextLengthError for a request that could never be served (serving/admission.py)."""
+        check_request_fits(self.runner, self.vocab_size, prompt_ids, max_tokens)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
-        lo, hi = 0, self.runner.max_context - prompt_len
-        while lo < hi:  # can_ever_fit is monotone in the token count
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.runner.can_ever_fit(prompt_len + mid) else (lo, mid - 1)
-        return max(lo, 0)
+        return longest_completion(self.runner, prompt_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
@@ -254,6 +242,8 @@ class Engine:
         if new:
             self._process(new, self.runner.prefill([(s.seq_id, s.prompt_ids) for s in new]))
         batch = self.scheduler.decode_batch(exclude=new)
+        if batch and self.speculator is not None:
+            batch = self.speculator.run(self, batch)  # verifies what it can; the rest decodes plainly
         if batch:
             self._process(batch, self.runner.decode([(s.seq_id, s.last_token) for s in batch]))
         if not new and not batch and self.scheduler.num_running == 0 and self.scheduler.waiting:
@@ -282,10 +272,11 @@ class Engine:
                 self._deliver(req, safe[i], int(tokens[i]), now)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Tokens for raw [n, V] logits: logit_bias steers the draw only (logprobs stay the model's)."""
+        params = [r.params for r in reqs]
         seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(logits.device)
-        positions = torch.tensor([len(r.prompt_ids) + len(r.output_ids) for r in reqs],
-                                 dtype=torch.int64).to(logits.device)
-        return sample_tokens(logits, [r.params for r in reqs], seeds, positions)
+        positions = torch.tensor([r.next_position for r in reqs], dtype=torch.int64).to(logits.device)
+        return sample_tokens(apply_logit_bias(logits, params), params, seeds, positions)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | None]:
         """One draw per row (each row's draw is the same as in the batch); a row that raises fails its request."""
@@ -336,6 +327,21 @@ class Engine:
             self._finish(req, event)
         else:
             self._emit(req, event)
+
+    # ---- what serving/spec/step.py (SpeculativeStep) calls back into ----
+    def spec_request(self, seq_id: int) -> Request:
+        return self._requests[seq_id]
+
+    def spec_emit(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
+        self._advance(req, token, lp, now)
+        return req.seq_id not in self._requests
+
+    def spec_fail(self, req: Request, message: str) -> None:
+        """Fail a request whose verify pass produced non-finite logits (counted like any other)."""
+        self.health_tracker.record_nonfinite()
+        if self.observer is not None:
+            self.observer.count_nonfinite()
+        self._fail_request(req, message, "nonfinite_logits")
 
     def _finish(self, req: Request, event: EngineEvent) -> None:
         self._requests.pop(req.seq_id, None)

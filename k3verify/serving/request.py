@@ -45,6 +45,11 @@ class Request(ScheduledSeq):
     sent: int = 0
     last_token_at: float | None = None
 
+    @property
+    def next_position(self) -> int:
+        """The position of the token to be sampled next (what the sampler's draws are keyed by with the seed)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     def append(self, token: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text now safe to send, finish_reason or None).
         A stop token adds no text; a stop string truncates the text before it."""

@@ -25,9 +25,12 @@ MAX_TOP_K = 1 << 20
 MAX_NEW_TOKENS = 1 << 20
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 forces it
+MAX_LOGIT_BIAS_TOKENS = 1024
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the OpenAI seed range; reduced to 64 bits for the hash
 
 _M32 = 0xFFFFFFFF
+ACCEPT_STREAM = 1
 _NOISE_BITS = 23  # uniforms (2 k + 1) / 2^24: odd integers below 2^24 are exact in fp32, so never 0 or 1
 
 
@@ -41,6 +44,14 @@ def _integer(name: str, value: object, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}]; got {value!r}")
     return value
+
+
+class VocabError(ValueError):
+    """A token id outside the model's vocabulary; `param` names the request field it came from."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token plus the top k
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS)
@@ -73,12 +85,19 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids; got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids[]", t, 0, 2**31 - 1)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} logit_bias entries; got {len(self.logit_bias)}")
+        for t, bias in self.logit_bias:
+            _integer("logit_bias token id", t, 0, 2**31 - 1)
+            if not -MAX_LOGIT_BIAS <= _finite_number("logit_bias value", bias) <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {bias}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError naming any stop token id outside the model's vocabulary."""
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}")
+        """Raise VocabError naming the field and any stop token id or logit_bias id outside the vocabulary."""
+        for param, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise VocabError(param, f"{param} token ids must be in [0, {vocab_size}); got {bad[:5]}")
 
     @property
     def is_greedy(self) -> bool:
@@ -115,12 +134,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] fp32 uniforms in (0, 1), a pure function of (seeds[b], positions[b], v): no generator state."""
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = 0) -> torch.Tensor:
+    """[B, V] fp32 uniforms in (0, 1), a pure function of (seeds[b], positions[b], v, stream): no generator state.
+    Stream 0 is the token draw; other streams are independent numbers for the same position (speculative
+    acceptance draws its coin from stream ACCEPT_STREAM)."""
     seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
     lo = seeds & _M32
     hi = (seeds >> 32) & _M32  # arithmetic shift, masked: the high word as unsigned
     key = _mix32(_mix32(hi ^ 0x9E3779B9) ^ lo)
+    if stream:
+        key = _mix32(key ^ ((stream * 0x27D4EB2F) & _M32))
     key = _mix32(key ^ (positions & _M32))[:, None]  # [B, 1]
     key2 = _mix32(key ^ 0x85EBCA6B)
     ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
@@ -151,6 +174,38 @@ def _filter_sorted(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return scaled.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
 
+def masked_scaled_logits(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[B, V] (z - max z) / T with tokens outside top-k / top-p at -inf: the log-weights a sampled row draws from."""
+    temps = [min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) for p in params]
+    scaled = (z - z.max(dim=-1, keepdim=True).values) / _host_column(temps, torch.float32, z.device)
+    if any(0 < p.top_k < z.shape[-1] or p.top_p < 1.0 for p in params):
+        scaled = _filter_sorted(scaled, params)
+    return scaled
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] standard Gumbel noise of the token draw (stream 0)."""
+    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
+
+
+def token_distribution(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[V] fp32 probabilities a sampled request draws its token from, for one logit row."""
+    return torch.softmax(masked_scaled_logits(row.float()[None], [params])[0], dim=-1)
+
+
+def draw_from(probs: torch.Tensor, seed: int, position: int) -> int:
+    """One token from a [V] distribution with the request's stream-0 noise at `position` (Gumbel-max): for
+    token_distribution(row) it is the token sample_tokens draws from that row."""
+    g = gumbel_noise(torch.tensor([seed], device=probs.device), torch.tensor([position], device=probs.device),
+                     probs.numel())[0]
+    return int(torch.argmax(torch.log(probs.float()) + g))
+
+
+def accept_coin(seed: int, position: int) -> float:
+    """The request's uniform in (0, 1) for accepting a draft at `position`, independent of its token draw there."""
+    return float(uniform_noise(torch.tensor([seed]), torch.tensor([position]), 1, stream=ACCEPT_STREAM)[0, 0])
+
+
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
     """Tokens [B] int64 for [B, V] finite logits, on the logits' device, with no host sync.
@@ -165,12 +220,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], seeds:
     greedy = torch.argmax(z, dim=-1)
     if all(p.is_greedy for p in params):
         return greedy
-    temps = [min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) for p in params]
-    scaled = (z - z.max(dim=-1, keepdim=True).values) / _host_column(temps, torch.float32, z.device)
-    if any(0 < p.top_k < z.shape[-1] or p.top_p < 1.0 for p in params):
-        scaled = _filter_sorted(scaled, params)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, z.shape[-1])))
-    drawn = torch.argmax(scaled + gumbel, dim=-1)
+    drawn = torch.argmax(masked_scaled_logits(z, params) + gumbel_noise(seeds, positions, z.shape[-1]), dim=-1)
     is_greedy = _host_column([p.is_greedy for p in params], torch.bool, z.device)[:, 0]
     return torch.where(is_greedy, greedy, drawn)
 
@@ -192,7 +242,25 @@ def token_logprobs(
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[n, V] logits with each row's logit_bias added: `logits` itself when no row has a bias, else a biased copy.
+    Logprobs stay those of the raw model distribution: only the choice of token is biased."""
+    rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    biased = logits.clone()
+    for i, pairs in rows:
+        ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+        biased[i, ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return biased
+
+
 def nonfinite_mask(logits: torch.Tensor) -> torch.Tensor:
     """[B] bool, on the logits' device: rows holding NaN or +inf (-inf is a legitimate mask value), or no
     finite value at all (nothing could be drawn)."""
     return torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+
+
+def nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """The indices of nonfinite_mask's rows (one host transfer)."""
+    return nonfinite_mask(logits).nonzero().flatten().tolist()

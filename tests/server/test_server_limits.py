@@ -14,8 +14,8 @@ from starlette.requests import Request
 from test_server_errors import assert_envelope
 
 from k3verify.server.app import create_app
+from k3verify.server.body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, read_body
 from k3verify.server.errors import APIError
-from k3verify.server.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, read_body
 
 GOOD = {"model": TINY, "prompt": "hi", "max_tokens": 4}
 MiB = 1 << 20
