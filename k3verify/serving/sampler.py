@@ -97,7 +97,7 @@ class SamplingParams:
         for param, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise VocabError(param, f"{param} token ids must be in [0, {vocab_size}); got {bad[:5]}")
+                raise VocabError(param, f"{param} must name token ids in [0, {vocab_size}); got {bad[:5]}")
 
     @property
     def is_greedy(self) -> bool:

@@ -81,7 +81,7 @@ def test_lone_surrogate_is_400_and_a_surrogate_pair_is_text(tiny_server: Running
 
 
 @pytest.mark.parametrize(("ids", "contains"), [
-    ([-1], "greater than or equal to 0"), ([4608], "stop_token_ids must be in [0, 4608)"),
+    ([-1], "greater than or equal to 0"), ([4608], "stop_token_ids must name token ids in [0, 4608)"),
     ([2**40], "less than 2147483648"), (list(range(65)), "at most 64"), (["7"], "valid integer"),
 ])
 def test_stop_token_ids_are_checked_against_the_vocabulary(tiny_server: RunningServer, ids: list[Any],
