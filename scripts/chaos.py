@@ -189,8 +189,9 @@ def verdicts(chaos: Chaos, restarts: int) -> str:
         chaos.failures.append(f"expected exactly 1 engine restart, saw {restarts}")
     return (f"sent {len(chaos.outcomes)}, 2xx {status[2]}, 4xx {status[4]}, 5xx {status[5]} "
             f"({sum((o.status or 0) >= 500 for o in at_fault)} at the injected fault, {len(fives_elsewhere)} other), "
-            f"engine restarts {restarts}, lost {len(lost)}; failed by the fault {len(at_fault)} (streams: error "
-            f"event), client hang-ups {sum(o.hung_up for o in chaos.outcomes)}")
+            f"engine restarts {restarts}, lost {len(lost)}; in flight at the fault {len(at_fault)} (HTTP 503 or, for "
+            f"streams already answered 200, an error event); client hang-ups {sum(o.hung_up for o in chaos.outcomes)} "
+            f"({status[0]} before the response headers)")
 
 
 def run_traffic(url: str, engine: Any, model: str, args: argparse.Namespace, chaos: Chaos) -> str:
