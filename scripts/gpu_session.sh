@@ -5,6 +5,9 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
 #                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
+#                                        per-GPU memory against the measured CUDA peak of the same prefill
+#                                        (passes within 10%); JSON under $OUT/plan-*.json
 #   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
 #                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
 #                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
@@ -13,6 +16,9 @@
 #                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
 #                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
 #                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
+#   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
+#                                        --checkpoint --device cuda -> serve answering one request (budgets
+#                                        MAKE_S=150 DIGEST_S=40 PARITY_S=270 SERVE_S=110)
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -50,6 +56,17 @@ bench)
     timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
         --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
     ;;
+plan)
+    rc=0
+    for spec in "kl-48b-8l 16384 8192" "k3-slice-4l 8192 4096"; do
+        set -- $spec
+        step "plan vs measured: $1, context $2, segment $3"
+        timeout "${PLAN_S:-200}" python3 -m k3verify plan --preset "$1" --gpus 1 --context "$2" --segment "$3" \
+            --measure --json "$OUT/plan-$1.json" 2>&1 | quiet | tail -14
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    echo "plan vs measured: $([ $rc -eq 0 ] && echo 'both within 10%' || echo 'NOT within 10% (see above)')"
+    ;;
 mxfp4)
     step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
     timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
@@ -69,6 +86,13 @@ spec)
     timeout "${SPEC_PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec \
         --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
     timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
+    ;;
+realsize)
+    # kl-48b-8l (27.7 GB bf16) made on disk, digested, gated by parity --device cuda (layer-by-layer module
+    # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
+    # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
+    step "realsize kl-48b-8l: make -> digest -> parity -> serve"
+    python3 scripts/gpu_realsize.py --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
     ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
@@ -91,7 +115,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|endpoint" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|mxfp4|spec|realsize|endpoint|plan" >&2
     exit 2
     ;;
 esac

@@ -18,7 +18,7 @@ import torch
 import k3verify
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.cli import Subparsers, UsageError
-from k3verify.commands import parity
+from k3verify.commands import parity, serve_parallel
 from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
@@ -33,7 +33,6 @@ from k3verify.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
 
-SERVED_DTYPE = "bfloat16"  # the dtype the runner is built in; a report's run.dtypes must cover it
 
 
 
@@ -52,6 +51,8 @@ def register(subparsers: Subparsers) -> None:
                    help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
+                   help="serving dtype (default bfloat16); the gate report must have covered it")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
@@ -72,6 +73,7 @@ def register(subparsers: Subparsers) -> None:
                    help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
     p.add_argument("--kda-fused-verify", action="store_true",
                    help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
+    serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -102,7 +104,9 @@ def parity_command(args: argparse.Namespace) -> str:
     else:
         src = f"--preset {args.preset or DEFAULT_PRESET}"
     device = "" if args.device == "cpu" else f" --device {args.device}"
-    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+    dtype = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
+    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(args)))
+    return f"k3verify parity {src}{device}{dtype}{' ' + layout if layout else ''} --report-dir {args.report_dir}"
 
 
 def run_gates(args: argparse.Namespace) -> int:
@@ -110,10 +114,12 @@ def run_gates(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
-    argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
+    argv = ["parity", "--suite", "quick", "--device", args.device, "--dtype", args.dtype,
+            "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
     argv += ["--report-key", str(args.report_key)] if args.report_key is not None else []
+    argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
 
@@ -150,7 +156,7 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
         raise UsageError(f"--device {args.device!r}: {exc}") from exc
     key = report_key(args)
     target = target_for(args)
-    want = GateWant(target.digest, k3verify.__version__, device_kind, SERVED_DTYPE, source_digest(), target.preset,
+    want = GateWant(target.digest, k3verify.__version__, device_kind, args.dtype, source_digest(), target.preset,
                     key)
     found = lookup_report(args.report_dir, want)
     if found.passing is None and args.run_gates:
@@ -163,6 +169,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
                          f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
+    layout = serve_parallel.layout_of(args)
+    why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
+    if why is not None:
+        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(args)}` first")
     return GatedTarget(target, found.passing)
 
 
@@ -174,8 +184,16 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=getattr(torch, SERVED_DTYPE),
-                          device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+    layout = serve_parallel.layout_of(args)
+    if layout.world > 1 and args.speculative is not None:
+        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+                         "ranks yet; serve a parallel layout without speculative decoding")
+    if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
+        args.serving_world = serve_parallel.start_world(target, args, layout)
+        runner: ModelRunner = args.serving_world.runner
+    else:
+        runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
+                              device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
     if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
         raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
                          "(its digest no longer matches the gated one)")
@@ -217,4 +235,6 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.stop()
+        if getattr(args, "serving_world", None) is not None:
+            args.serving_world.close()
     return 0 if engine.health() in (None, "engine stopped") else 1

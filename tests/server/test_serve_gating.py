@@ -48,7 +48,7 @@ def report_data(*, digest: str, version: str = k3verify.__version__, device: str
                 "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
                 "preset": preset, "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
                 "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {},
-                "dtypes": dtypes or ["bfloat16"], "source_digest": source or source_digest()},
+                "dtypes": dtypes or ["bfloat16", "float32"], "source_digest": source or source_digest()},
         "results": results,
         "summary": {"counts": counts, "total": len(results), "verdict": verdict},
     }
