@@ -19,9 +19,9 @@ def _parity(tmp_path: Path, *argv: str) -> dict:
 
 
 def test_served_model_check_runs_in_the_requested_dtype_and_the_run_records_it(tmp_path: Path) -> None:
-    """model.served.vs_gold alone: the dtypes covered are exactly the one asked for, default bfloat16."""
-    bf16 = _parity(tmp_path / "bf16", "--only", "model.served.vs_gold")
-    fp32 = _parity(tmp_path / "fp32", "--only", "model.served.vs_gold", "--dtype", "float32")
+    """served.vs_gold alone: the dtypes covered are exactly the one asked for, default bfloat16."""
+    bf16 = _parity(tmp_path / "bf16", "--only", "served.vs_gold")
+    fp32 = _parity(tmp_path / "fp32", "--only", "served.vs_gold", "--dtype", "float32")
     assert bf16["run"]["dtypes"] == ["bfloat16"] and fp32["run"]["dtypes"] == ["float32"]
     [r16], [r32] = bf16["results"], fp32["results"]
     assert r16["status"] == r32["status"] == "pass"
