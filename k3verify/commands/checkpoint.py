@@ -23,6 +23,8 @@ from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
 from k3verify.cli import Subparsers, UsageError
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.presets import PRESETS, get_preset
+from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
+from k3verify.serving.parallel.reconcile import reconcile_slices
 
 EXAMPLES_PER_BUCKET = 5
 
@@ -53,6 +55,8 @@ def register(subparsers: Subparsers) -> None:
                      help="the directory was written by transformers: map its tensor names (fused conv, merged "
                           "experts, forget_gate.*, the dense layer's block_sparse_moe.* spelling) to ours first")
     rec.add_argument("--json", action="store_true", help="print the full result as JSON")
+    rec.add_argument("--tp", type=int, default=1, metavar="N", help="also check every rank's slices (tensor parallel)")
+    rec.add_argument("--ep", type=int, default=1, metavar="M", help="also check every rank's slices (expert parallel)")
     rec.set_defaults(func=cmd_reconcile)
 
     ins = sub.add_parser("inspect", help="config summary, tensor/shard counts and digest")
@@ -133,7 +137,25 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         print(format_reconcile(result))
     if not result.ok and not args.hf_names and uses_transformers_names(cfg, read_index(args.dir).weight_map):
         print("  hint: these names are transformers' spellings; run again with --hf-names")
-    return 0 if result.ok else 1
+    slices_ok = _slices_ok(args, cfg)
+    return 0 if result.ok and slices_ok else 1
+
+
+def _slices_ok(args: argparse.Namespace, cfg: ModelConfig) -> bool:
+    """With --tp/--ep: every rank's slices against the shard headers (serving/parallel/reconcile.py)."""
+    try:
+        layout = ParallelLayout(args.tp, args.ep)
+        if layout.world == 1:
+            return True
+        check_layout(cfg, layout)
+        stored = {name: entry.shape for name, entry in CheckpointReader(args.dir).entries.items()}
+    except (LayoutError, CheckpointError) as exc:
+        raise UsageError(str(exc)) from exc
+    problems = reconcile_slices(cfg, layout, stored)
+    print(f"per-rank slices ({layout.describe()}): {'ok' if not problems else f'{len(problems)} problem(s)'}")
+    for p in problems:
+        print(f"  {p}")
+    return not problems
 
 
 def format_reconcile(result: ReconcileResult) -> str:

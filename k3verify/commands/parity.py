@@ -27,6 +27,7 @@ from k3verify.gates.suite import (
     select_checks,
 )
 from k3verify.oracle.pinning import report_pins
+from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -48,6 +49,8 @@ def register(subparsers: Subparsers) -> None:
                         "endpoint computes in (float16 too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
+    p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
     register_endpoint_args(p)
     p.set_defaults(func=run_parity)
@@ -87,12 +90,38 @@ def _print_list(checks: list[Check]) -> None:
         print(f"{c.id}\t{c.component}\t{c.level}\t{c.kind.value}\t{bar}\t{','.join(c.suites)}\t{c.control}")
 
 
+def parallel_layout(tp: int | None, ep: int | None) -> tuple[int, int] | None:
+    """(tp, ep) for the dist.* checks, or None when neither flag was given; a bad layout is a UsageError."""
+    if tp is None and ep is None:
+        return None
+    layout = (1 if tp is None else tp, 1 if ep is None else ep)
+    try:
+        ParallelLayout(*layout)
+    except LayoutError as exc:
+        raise UsageError(str(exc)) from None
+    return layout
+
+
+def choose_checks(suite: str, only: list[str], parallel: tuple[int, int] | None) -> list[Check]:
+    """The suite narrowed by --only; with --tp/--ep also the dist.* checks (they live in the full suite), all
+    of them unless --only names some."""
+    if parallel is None:
+        return select_checks(registered_checks(), suite, only)
+    dist = [p for p in only if p.startswith("dist")]
+    rest = [p for p in only if not p.startswith("dist")]
+    chosen = {c.id: c for c in select_checks(registered_checks(), "full", dist or ["dist"])}
+    if rest or not only:
+        chosen.update((c.id, c) for c in select_checks(registered_checks(), suite, rest))
+    return sorted(chosen.values(), key=lambda c: c.id)
+
+
 def run_parity(args: argparse.Namespace) -> int:
     if args.preset is not None and args.checkpoint is not None:
         raise UsageError("give --preset or --checkpoint, not both")
     device = validate_device(args.device)
+    parallel = parallel_layout(args.tp, args.ep)
     try:
-        checks = select_checks(registered_checks(), args.suite, args.only)
+        checks = choose_checks(args.suite, args.only, parallel)
     except UsageError as exc:
         broken = ", ".join(import_errors())
         raise UsageError(f"{exc}; check modules that failed to import: {broken}" if broken else str(exc)) from None
@@ -114,7 +143,7 @@ def run_parity(args: argparse.Namespace) -> int:
     cache: dict[str, object] = {}
     with endpoint_session(args, target, device) as endpoint:
         factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
-                                       cache=cache, endpoint=endpoint)
+                                       cache=cache, endpoint=endpoint, parallel=parallel)
         with progress_hooks(len(checks)) as hooks:
             run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)

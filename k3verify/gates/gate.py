@@ -92,6 +92,7 @@ class CheckContext:
     endpoint: EndpointSession | None = None  # `parity --endpoint`: the server under test
     dtype: torch.dtype = torch.bfloat16  # the serving dtype under test (`parity --dtype`)
     level: str = ""  # the running check's level: model/serving-level use of a serving model counts as coverage
+    parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
 
     @property
     def cfg(self) -> ModelConfig:

@@ -142,14 +142,16 @@ COVERED_DTYPES = "covered_dtypes"  # ctx.cache key: serving dtypes model/serving
 
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
                          dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None,
-                         endpoint: EndpointSession | None = None) -> ContextFactory:
+                         endpoint: EndpointSession | None = None,
+                         parallel: tuple[int, int] | None = None) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
-    generator per check."""
+    generator per check; `parallel` is the (tp, ep) layout the dist.* checks run."""
     shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level)
+        return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level,
+                            parallel=parallel)
 
     return factory
 

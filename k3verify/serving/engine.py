@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from k3verify.serving.sampler import (
 )
 from k3verify.serving.scheduler import ScheduledSeq, Scheduler
 from k3verify.tokenizer.streaming import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from k3verify.serving.spec.step import SpeculativeStep
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,8 @@ class _TokenText:
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
-                 observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05) -> None:
+                 observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05,
+                 speculator: SpeculativeStep | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         self.runner = runner
@@ -102,6 +106,7 @@ class Engine:
         self.scheduler = Scheduler(runner, max_prefill_tokens=max_prefill_tokens, max_running=max_running)
         self.debug = debug
         self.observer = observer
+        self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
         self.num_waiting = 0
@@ -238,6 +243,8 @@ class Engine:
         if new:
             self._process(new, self.runner.prefill([(s.seq_id, s.prompt_ids) for s in new]))
         batch = self.scheduler.decode_batch(exclude=new)
+        if batch and self.speculator is not None:
+            batch = self.speculator.run(self, batch)  # verifies what it can; the rest decodes plainly
         if batch:
             self._process(batch, self.runner.decode([(s.seq_id, s.last_token) for s in batch]))
         if not new and not batch and self.scheduler.num_running == 0 and self.scheduler.waiting:
@@ -281,6 +288,17 @@ class Engine:
             self._finish(req, event)
         else:
             self._emit(req, event)
+
+    # ---- what serving/spec/step.py (SpeculativeStep) calls back into ----
+    def spec_request(self, seq_id: int) -> Request:
+        return self._requests[seq_id]
+
+    def spec_emit(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
+        self._advance(req, token, lp, now)
+        return req.seq_id not in self._requests
+
+    def spec_fail(self, req: Request, message: str) -> None:
+        self._finish(req, EngineEvent(error=message, prompt_tokens=len(req.prompt_ids)))
 
     def _finish(self, req: Request, event: EngineEvent) -> None:
         self._requests.pop(req.seq_id, None)
