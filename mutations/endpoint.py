@@ -59,8 +59,8 @@ MUTANTS = [
         id="endpoint.engine.batch_rows_reversed",
         fault="with more than one sequence in a step, sampled tokens are handed to the requests in reverse order",
         target="k3verify.serving.engine:Engine._process",
-        old="for req, tok, lp in zip(reqs, tokens, lps, strict=True):",
-        new="for req, tok, lp in zip(reqs, tokens[::-1], lps[::-1], strict=True):",
+        old="self._deliver(req, safe[i], int(tokens[i]), now)",
+        new="self._deliver(req, safe[i], int(tokens[::-1][i]), now)",
         killers=["endpoint.batch.invariance"],
     ),
 ]

@@ -10,8 +10,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.scheduler import ScheduledSeq
 
@@ -39,13 +37,18 @@ class Request(ScheduledSeq):
 
     params: SamplingParams
     stop_ids: frozenset[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
-    generator: torch.Generator
+    seed: int  # int64 key of the counter-based sampler (serving/sampler.py)
     decoder: Any  # k3verify.tokenizer.IncrementalDecoder
     sink: Callable[[Any], None]  # called with each EngineEvent (serving/engine.py)
     arrival: float
     text: str = ""
     sent: int = 0
     last_token_at: float | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The position of the token to be sampled next (what the sampler's draws are keyed by with the seed)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def append(self, token: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text now safe to send, finish_reason or None).

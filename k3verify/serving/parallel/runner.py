@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
 
 log = logging.getLogger(__name__)
-MIRRORED = ("admit", "release", "prefill", "decode")
+MIRRORED = ("admit", "release", "prefill", "decode", "reset_caches")
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -73,6 +73,11 @@ class MirroredRunner(ModelRunner):
             raise ValueError("CUDA graphs over collectives need the multi-GPU run; a parallel runner decodes eagerly")
         self.channel.send(("decode", (seqs,)))
         return super().decode(seqs)
+
+    def reset_caches(self) -> None:
+        """The engine supervisor's restart: every rank drops its sequences and reallocates its caches."""
+        self.channel.send(("reset_caches", ()))
+        super().reset_caches()
 
     def shutdown(self) -> None:
         """Tell the followers to leave their loop."""
