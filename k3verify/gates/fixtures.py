@@ -64,7 +64,6 @@ def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
 # A whole model above this is not built for a check: a real-size target (kl-48b-8l: 27.7 GB in bf16) builds only
 # its served model; the oracle runs one layer at a time (model.layerwise.*) and the gold comes from transformers.
 WHOLE_MODEL_BYTES = 16 << 30
-SERVABLE_DTYPES = (torch.bfloat16, torch.float32)  # what `serve --dtype` can run, so what a run can cover
 
 
 @functools.cache
@@ -98,7 +97,8 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
     if dtype != ctx.dtype:
         require_whole_model(ctx, "a serving model", dtype)
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
-    if ctx.level in ("model", "serving") and dtype in SERVABLE_DTYPES:  # an fp64 model is an instrument
+    if ctx.level in ("model", "serving") and dtype in (torch.bfloat16, torch.float32):
+        # a float64 serving model is an instrument (a gold), not a dtype anything is served in
         ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
     if key not in ctx.cache:
         ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
