@@ -112,7 +112,8 @@ def session(ctx: CheckContext) -> Session:
     key = f"dist.session.tp{layout[0]}.ep{layout[1]}"
     if key not in ctx.cache:
         pack, prompts = _inputs(ctx)
-        ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "tp": layout[0], "ep": layout[1],
+        ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "names": ctx.target.names,
+                             "tp": layout[0], "ep": layout[1],
                              "pack": pack, "prompts": prompts, "steps": STEPS})
         model = fx.serving_model(ctx)
         captures: dict[str, torch.Tensor] = {}
