@@ -57,6 +57,8 @@ def _first_mla(cfg: ModelConfig) -> int:
 
 PERTURBATIONS: tuple[Perturbation, ...] = (
     _shape("model_type", lambda c: "kimi_linear", "a K3 checkpoint read as Kimi-Linear (A_log unpadded)"),
+    _shape("checkpoint_prefix", lambda c: "" if c.checkpoint_prefix else "language_model.",
+           "K3's language_model. prefix dropped from the checkpoint names"),
     _shape("vocab_size", lambda c: c.vocab_size + 8, "a padded vocabulary"),
     _shape("hidden_size", lambda c: c.hidden_size + 8, "a wrong hidden size"),
     _shape("num_hidden_layers", lambda c: c.num_hidden_layers - 1, "the last layer dropped"),
