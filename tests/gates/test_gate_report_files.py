@@ -122,6 +122,8 @@ def test_junit_parses_and_counts_match(mixed_run: RunResult, tmp_path: Path) -> 
 
 
 def _report_at(run: RunResult, root: Path, name: str, started: str, **run_fields: object) -> None:
+    """A report as a bf16 parity run writes it (these model-free runs cover no dtype of their own)."""
+    run_fields.setdefault("dtypes", ["bfloat16"])
     info = dataclasses.replace(run.run, started_at=started, **run_fields)  # type: ignore[arg-type]
     write_reports(RunResult(info, run.results), root / name)
 
