@@ -19,6 +19,7 @@ from k3verify.cli import UsageError
 from k3verify.commands import parity
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.serving.engine import Engine
+from k3verify.serving.graphs import graphs_for
 from k3verify.serving.metrics import ServerMetrics
 from k3verify.serving.runner import build_runner
 from k3verify.serving.server import create_app
@@ -28,7 +29,7 @@ from k3verify.tokenizer import KimiTokenizer
 log = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -44,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
+    p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
+                   help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.set_defaults(func=run_serve)
 
@@ -92,7 +94,7 @@ def target_for(args: argparse.Namespace) -> Target:
 
 def require_gate(args: argparse.Namespace) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
-    for name in ("max_batch", "num_pages", "page_size", "max_prefill_tokens"):
+    for name in ("max_batch", "num_pages", "page_size", "max_step_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {args.port}")
@@ -126,8 +128,9 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
     runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
                           device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+    graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug)
+                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug)
     return engine, tokenizer
 
 

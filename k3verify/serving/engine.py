@@ -3,6 +3,10 @@
 Callers `submit` a prompt with a `sink`; the engine thread calls the sink with one EngineEvent per
 generated token (text delta, logprobs) and a final event carrying finish_reason or error. A loop
 that dies fails every pending request and keeps /health red instead of hanging anyone.
+
+Each turn of the loop schedules step n+1 (decode rows + prompt chunks under max_step_tokens), launches
+it (serving/step_loop.py: sampling on the device, CUDA graphs when given) and only then collects step
+n's token ids: the host's bookkeeping overlaps the GPU's step instead of following it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -17,19 +22,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import (
-    SamplingParams,
-    TokenLogprob,
-    make_generator,
-    nonfinite_rows,
-    sample,
-    token_logprobs,
-)
-from k3verify.serving.scheduler import ScheduledSeq, Scheduler
+from k3verify.serving.sampler import SamplingParams, TokenLogprob
+from k3verify.serving.scheduler import Scheduler
+from k3verify.serving.step_loop import LaunchedStep, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -90,15 +88,20 @@ class _TokenText:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
-                 max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
-                 observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05) -> None:
+                 max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
+                 debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
+                 idle_wait_s: float = 0.05) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
+        if graphs is not None and graphs.buckets[-1] < runner.state_pool.num_slots:
+            raise ValueError(f"graph buckets {graphs.buckets} do not cover a decode batch of all "
+                             f"{runner.state_pool.num_slots} state slots")
         self.runner = runner
         self.token_text = _TokenText(tokenizer)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(runner, max_prefill_tokens=max_prefill_tokens, max_running=max_running)
+        self.scheduler = Scheduler(runner, max_step_tokens=max_step_tokens, max_running=max_running)
+        self.launcher = StepLauncher(runner, graphs)
         self.debug = debug
         self.observer = observer
         self.stall_timeout_s = stall_timeout_s
@@ -108,6 +111,7 @@ class Engine:
         self.num_steps = 0
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
+        self._in_flight: LaunchedStep | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._error: str | None = None
@@ -166,7 +170,8 @@ class Engine:
 
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
-                       params=params, sink=sink, stop_ids=frozenset(stop_ids), generator=make_generator(params.seed),
+                       params=params, sink=sink, stop_ids=frozenset(stop_ids),
+                      seed=secrets.randbits(63) if params.seed is None else params.seed,
                        decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
                        arrival=time.monotonic())
         with self._lock:
@@ -193,9 +198,9 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while self._handle_commands(block=self.scheduler.is_idle()):
+            while self._handle_commands(block=self._is_idle()):
                 self._heartbeat = time.monotonic()
-                if not self.scheduler.is_idle():
+                if not self._is_idle():
                     self._step()
                     if self.debug:
                         self.runner.check_integrity()
@@ -229,38 +234,33 @@ class Engine:
             except queue.Empty:
                 return True
 
+    def _is_idle(self) -> bool:
+        return self.scheduler.is_idle() and self._in_flight is None
+
     def _step(self) -> None:
-        new = self.scheduler.schedule_prefill()
-        if new:
-            self._process(new, self.runner.prefill([(s.seq_id, s.prompt_ids) for s in new]))
-        batch = self.scheduler.decode_batch(exclude=new)
-        if batch:
-            self._process(batch, self.runner.decode([(s.seq_id, s.last_token) for s in batch]))
-        if not new and not batch and self.scheduler.num_running == 0 and self.scheduler.waiting:
+        """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
+        plan = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
+        if previous is not None:
+            self._process(previous)
+        elif not plan and self.scheduler.num_running == 0 and self.scheduler.waiting:
             head = self.scheduler.waiting[0]
             self._finish(self._requests[head.seq_id], EngineEvent(
                 error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
                 prompt_tokens=len(head.prompt_ids)))
         self.num_steps += 1
 
-    def _process(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise RuntimeError(f"runner returned logits {tuple(logits.shape)} for {len(seqs)} sequences")
-        reqs = [self._requests[s.seq_id] for s in seqs]
-        bad = set(nonfinite_rows(logits))
-        for i in bad:
-            self._finish(reqs[i], EngineEvent(error=f"model produced non-finite logits (NaN/inf) at step "
-                                              f"{len(reqs[i].output_ids)}", prompt_tokens=len(reqs[i].prompt_ids)))
-        keep = [i for i in range(len(reqs)) if i not in bad]
-        if not keep:
-            return
-        reqs = [reqs[i] for i in keep]
-        logits = logits[keep] if bad else logits
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        lps = token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+    def _process(self, step: LaunchedStep) -> None:
         now = time.monotonic()
-        for req, tok, lp in zip(reqs, tokens, lps, strict=True):
-            self._advance(req, tok, lp, now)
+        for row in self.launcher.collect(step):
+            req = self._requests.get(row.seq_id)
+            if req is None:
+                continue  # finished (stop token, error) or aborted after this step was launched
+            if row.nonfinite:
+                self._finish(req, EngineEvent(error=f"model produced non-finite logits (NaN/inf) at step "
+                                              f"{len(req.output_ids)}", prompt_tokens=len(req.prompt_ids)))
+            else:
+                self._advance(req, row.token, row.logprob, now)
 
     def _advance(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         if self.observer is not None:
@@ -302,6 +302,7 @@ class Engine:
             self._error = reason
         pending = list(self._requests.values())
         self._requests.clear()
+        self._in_flight = None
         self.scheduler.drain()
         while True:
             try:

@@ -10,8 +10,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.scheduler import ScheduledSeq
 
@@ -39,7 +37,7 @@ class Request(ScheduledSeq):
 
     params: SamplingParams
     stop_ids: frozenset[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
-    generator: torch.Generator
+    seed: int  # the sampler's key with each token's position (the request's seed, else a random one)
     decoder: Any  # k3verify.tokenizer.IncrementalDecoder
     sink: Callable[[Any], None]  # called with each EngineEvent (serving/engine.py)
     arrival: float
