@@ -18,11 +18,11 @@ import k3verify
 from k3verify.cli import UsageError
 from k3verify.commands import parity
 from k3verify.gates.report_lookup import lookup_report
+from k3verify.server.app import create_app
+from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
-from k3verify.serving.metrics import ServerMetrics
 from k3verify.serving.runner import build_runner
-from k3verify.serving.server import create_app
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -136,7 +136,6 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
 
     gated = require_gate(args)
     target = gated.target

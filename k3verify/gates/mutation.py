@@ -30,8 +30,8 @@ from k3verify.gates.report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
 DEFAULT_CATALOG = PACKAGE_DIR.parent / "mutations"
-MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.kernels", "k3verify.tokenizer", "k3verify.checkpoint",
-                    "k3verify.config")
+MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.server", "k3verify.kernels", "k3verify.tokenizer",
+                    "k3verify.checkpoint", "k3verify.config")
 RED = ("fail", "vacuous", "error")
 CHILD_MARK = "k3verify-mutant-child: k3verify imported from "
 

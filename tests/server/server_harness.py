@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from k3verify.server.app import create_app
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
-from k3verify.serving.metrics import ServerMetrics
-from k3verify.serving.server import ServerThread, create_app
 
 TINY = "k3-tiny"
 DTYPE = torch.float32  # fp32 logits move by ~1e-5 with batch composition; greedy tests check for no near-ties

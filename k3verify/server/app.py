@@ -1,0 +1,117 @@
+"""OpenAI-compatible HTTP layer (FastAPI) over the Engine: completions, chat, models, health, metrics.
+
+Every error, including FastAPI's own validation/404/405 responses, leaves as the OpenAI envelope
+(k3verify.server.errors). The handlers are plain functions; what they share is `app.state.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from k3verify.server.errors import APIError, engine_unavailable, error_response, install_error_handlers
+from k3verify.server.generation import generate
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.middleware import CountRequests
+from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, parse_request
+from k3verify.server.render import ChatRenderer, CompletionRenderer, ModelCard, ModelList, make_id, unix_time
+from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
+from k3verify.serving.engine import Engine
+
+DEFAULT_COMPLETION_TOKENS = 16
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def check_auth(request: Request) -> None:
+    """401 unless the app has no API key or the request sends `Authorization: Bearer <key>`."""
+    api_key = state_of(request).api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                       type="invalid_request_error", code="invalid_api_key")
+
+
+async def completions(request: Request) -> Response:
+    """POST /v1/completions: one prompt (text or token ids), JSON or SSE."""
+    state = state_of(request)
+    req = parse_request(CompletionRequest, parse_body(await request.body()))
+    state.check_model(req.model)
+    prompt = req.single_prompt
+    ids = await asyncio.to_thread(state.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+    renderer = CompletionRenderer(make_id("cmpl"), unix_time(), state.model_name, state.engine.token_text,
+                                  want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    params = req.sampling_params(max_tokens, req.logprobs)
+    return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="prompt")
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions: messages rendered by the chat encoder; without max_tokens, what still fits
+    (capped at default_max_tokens: the runner reserves cache for prompt + max_tokens at admission)."""
+    state = state_of(request)
+    req = parse_request(ChatCompletionRequest, parse_body(await request.body()))
+    state.check_model(req.model)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        ids = await asyncio.to_thread(state.encode_chat, messages)
+    except ValueError as exc:
+        raise APIError(400, f"messages could not be rendered: {exc}", param="messages") from None
+    fits = state.engine.max_new_tokens_for(len(ids))
+    max_tokens = req.max_new_tokens or max(1, min(state.default_max_tokens, fits))
+    renderer = ChatRenderer(make_id("chatcmpl"), unix_time(), state.model_name, state.engine.token_text,
+                            want_logprobs=req.logprobs, include_usage=req.include_usage)
+    params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="messages")
+
+
+async def list_models(request: Request) -> JSONResponse:
+    """GET /v1/models: the one model this server serves."""
+    state = state_of(request)
+    card = ModelCard(id=state.model_name, created=unix_time(), max_model_len=state.engine.runner.max_context)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+async def health(request: Request) -> JSONResponse:
+    """GET /health: 200 with the engine's load, or 503 with the reason the engine is down."""
+    engine = state_of(request).engine
+    reason = engine.health()
+    if reason is not None:
+        return error_response(engine_unavailable(reason))
+    return JSONResponse({"status": "ok", "waiting": engine.num_waiting, "running": engine.num_running})
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    """GET /metrics: Prometheus text exposition."""
+    metrics = state_of(request).metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+               metrics: ServerMetrics | None = None, default_max_tokens: int = 1024,
+               encode_chat: ChatEncoder | None = None) -> FastAPI:
+    """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).
+    A chat request without max_tokens gets what still fits, capped at default_max_tokens: the runner reserves
+    cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests."""
+    metrics = metrics or ServerMetrics()
+    if encode_chat is None:
+        encode_chat = template_chat_encoder(tokenizer)
+    app = FastAPI(title="k3verify", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = ServerState(
+        engine=engine, tokenizer=tokenizer, encode_chat=encode_chat,
+        model_name=model_name, api_key=api_key, metrics=metrics, default_max_tokens=default_max_tokens)
+    install_error_handlers(app)
+    authorized = [Depends(check_auth)]
+    app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=authorized)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=authorized)
+    app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authorized)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
+    app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)
+    return app

@@ -1,0 +1,206 @@
+"""OpenAI request bodies: JSON parsing and strict request models, each error a 400 naming the field.
+
+Requests are strict (no type coercion, no NaN/Inf, unknown fields rejected) so a client's mistake
+is a 400 naming the field, never a silently reinterpreted value or a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from k3verify.server.errors import APIError
+from k3verify.serving.sampler import SamplingParams
+
+MAX_BODY_BYTES = 8 << 20
+MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def parse_body(raw: bytes) -> Any:
+    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 when it is not JSON (NaN and Infinity
+    included, which Python's json would otherwise accept)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic puts the union member it tried into `loc` ('str', 'list[int]', 'TextPart'): not a field name."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper())
+
+
+def validation_error_to_api_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field (dotted path) and value."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) if loc else None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if err["type"] == "missing":
+        return APIError(400, f"Missing required parameter: {param!r}", param=param)
+    value = repr(err.get("input"))
+    if len(value) > 80:
+        value = value[:77] + "..."
+    where = f"'{param}'" if param else "request body"
+    return APIError(400, f"Invalid value for {where}: {err['msg']} (got {value})", param=param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Unsupported(ValueError):
+    """Raised by model validators for a well-typed but unsupported value; carries the field name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="k3verify extension: -1 or 0 disables")
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="k3verify extension")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="k3verify extension: do not stop at eos ids")
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> _SamplingFields:
+        if self.n not in (None, 1):
+            raise _Unsupported("n", f"n={self.n} is not supported: this server returns exactly one choice (n=1)")
+        if self.stream_options is not None and not self.stream:
+            raise _Unsupported("stream_options", "stream_options is only allowed when stream is true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise _Unsupported(name, f"{name}={getattr(self, name)} is not supported (only 0)")
+        if self.logit_bias:
+            raise _Unsupported("logit_bias", "logit_bias is not supported")
+        stops = self.stop_list
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _Unsupported("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise _Unsupported("stop", "stop sequences must be non-empty strings")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+            ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.echo:
+            raise _Unsupported("echo", "echo=true is not supported")
+        if self.best_of not in (None, 1):
+            raise _Unsupported("best_of", f"best_of={self.best_of} is not supported (only 1)")
+        if self.suffix is not None:
+            raise _Unsupported("suffix", "suffix is not supported")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            if len(self.prompt) != 1:
+                raise _Unsupported("prompt", f"batched prompts are not supported: got {len(self.prompt)} prompts; "
+                                             "send one request per prompt")
+        return self
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]
+        # Not a batch: _check_completion leaves a string or a flat list of token ids.
+        return cast(str | list[int], p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _Unsupported("top_logprobs", "top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+RequestModel = TypeVar("RequestModel", bound=_Strict)
+
+
+def parse_request(model: type[RequestModel], data: Any) -> RequestModel:
+    """Validate `data` (parsed JSON) into `model`, raising APIError(400) naming the field on failure."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object; got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # A model_validator's _Unsupported arrives wrapped: recover its param and message.
+        for err in exc.errors(include_url=False):
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, _Unsupported):
+                raise APIError(400, str(cause), param=cause.param) from None
+        raise validation_error_to_api_error(exc) from None

@@ -1,0 +1,244 @@
+"""OpenAI response bodies: response and chunk models, renderers from engine events, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from k3verify.serving.engine import EngineEvent
+    from k3verify.serving.sampler import TokenLogprob
+
+FinishReason = Literal["stop", "length"]
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "k3verify"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def make_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def unix_time() -> int:
+    return int(time.time())
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying `payload` as compact JSON."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class TokenText(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class Renderer:
+    """Turns engine events into one response (add/response) or SSE chunk payloads (start/chunks)."""
+
+    chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
+
+    def __init__(self, id: str, created: int, model: str, token_text: TokenText, *, want_logprobs: bool,
+                 include_usage: bool) -> None:
+        self.id, self.created, self.model, self.token_text = id, created, model, token_text
+        self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+        self.offsets: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.token_text.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def add(self, event: EngineEvent) -> None:
+        for lp in event.logprobs:
+            self.logprobs.append(lp)
+            self.offsets.append(len(self.text))
+        self.text += event.text
+        if event.finished:
+            # The engine finishes with "stop" or "length" only (and pydantic checks it again on rendering).
+            self.finish_reason = cast(FinishReason | None, event.finish_reason)
+            self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                               total_tokens=event.prompt_tokens + event.completion_tokens)
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, event: EngineEvent) -> list[dict[str, Any]]:
+        start = len(self.logprobs)
+        self.add(event)
+        out = []
+        if event.text or event.logprobs or event.finished:
+            out.append(self._chunk(event.text, start))
+        if event.finished and self.include_usage:
+            out.append(self._envelope([], self.usage))
+        return out
+
+    def response(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _envelope(self, choices: list[Any], usage: Usage | None) -> dict[str, Any]:
+        out = self.chunk_model(id=self.id, created=self.created, model=self.model, choices=choices,
+                               usage=usage).model_dump()
+        if usage is None and not self.include_usage:
+            del out["usage"]
+        return out
+
+
+class CompletionRenderer(Renderer):
+    chunk_model = CompletionResponse
+
+    def _logprobs(self, start: int = 0) -> CompletionLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        entries = self.logprobs[start:]
+        return CompletionLogprobs(
+            tokens=[self.token(lp.token_id)[0] for lp in entries],
+            token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in entries],
+            top_logprobs=[{self.token(t)[0]: max(v, LOGPROB_FLOOR) for t, v in lp.top} for lp in entries],
+            text_offset=self.offsets[start:])
+
+    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=self.finish_reason, logprobs=self._logprobs(first_logprob))
+        return self._envelope([choice], None)
+
+    def response(self) -> dict[str, Any]:
+        choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason, logprobs=self._logprobs())
+        return self._envelope([choice], self.usage)
+
+
+class ChatRenderer(Renderer):
+    chunk_model = ChatCompletionChunk
+
+    def _logprobs(self, start: int = 0) -> ChatLogprobs | None:
+        if not self.want_logprobs:
+            return None
+
+        def top(token_id: int, logprob: float) -> dict[str, Any]:
+            text, raw = self.token(token_id)
+            return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(raw)}
+
+        return ChatLogprobs(content=[
+            ChatLogprobEntry(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(t, v)) for t, v in lp.top])
+            for lp in self.logprobs[start:]])
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)]
+
+    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
+        delta = ChatDelta(content=text) if text else ChatDelta()
+        return self._envelope([ChatChunkChoice(delta=delta, finish_reason=self.finish_reason,
+                                               logprobs=self._logprobs(first_logprob))], None)
+
+    def response(self) -> dict[str, Any]:
+        if self.usage is None:
+            raise RuntimeError("ChatRenderer.response() called before the final event")
+        choice = ChatChoice(message=AssistantMessage(content=self.text), finish_reason=self.finish_reason,
+                            logprobs=self._logprobs())
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=self.usage).model_dump()

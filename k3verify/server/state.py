@@ -1,0 +1,53 @@
+"""What every handler of one app shares: engine, tokenizer, chat encoder, model name, API key, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from k3verify.server.errors import APIError
+from k3verify.server.metrics import ServerMetrics
+from k3verify.serving.engine import Engine
+
+ChatEncoder = Callable[[list[dict[str, Any]]], list[int]]
+
+
+class PromptTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+def template_chat_encoder(tokenizer: Any) -> ChatEncoder:
+    """Chat messages → prompt ids under the tokenizer's own chat template (k3verify.tokenizer)."""
+    from k3verify.tokenizer import encode_chat
+
+    def encode(messages: list[dict[str, Any]]) -> list[int]:
+        return encode_chat(tokenizer, messages)
+
+    return encode
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """One app's shared state, kept on `app.state.server` (default_max_tokens: see create_app)."""
+
+    engine: Engine
+    tokenizer: PromptTokenizer
+    encode_chat: ChatEncoder
+    model_name: str
+    api_key: str | None
+    metrics: ServerMetrics
+    default_max_tokens: int
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+
+def state_of(request: Request) -> ServerState:
+    """The shared state of the app serving `request`."""
+    state: ServerState = request.app.state.server
+    return state
