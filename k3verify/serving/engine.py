@@ -93,10 +93,13 @@ class Engine:
                  idle_wait_s: float = 0.05) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
-        if graphs is not None and graphs.buckets[-1] < runner.state_pool.num_slots:
-            raise ValueError(f"graph buckets {graphs.buckets} do not cover a decode batch of all "
-                             f"{runner.state_pool.num_slots} state slots")
+        if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
+            raise ValueError(f"graph buckets {graphs.buckets} do not cover a decode batch of "
+                             f"{max_running or runner.state_pool.num_slots} sequences (max_running, else every "
+                             f"state slot)")
         self.runner = runner
+        # Decoding through graphs, a sequence's whole budget must fit their (possibly shorter) context.
+        self.max_context = runner.max_context if graphs is None else min(runner.max_context, graphs.max_context)
         self.token_text = _TokenText(tokenizer)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
@@ -145,7 +148,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        total, limit = len(prompt_ids) + max_tokens, self.runner.max_context
+        total, limit = len(prompt_ids) + max_tokens, self.max_context
         if total > limit:
             raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
@@ -158,7 +161,7 @@ class Engine:
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
-        lo, hi = 0, self.runner.max_context - prompt_len
+        lo, hi = 0, self.max_context - prompt_len
         while lo < hi:  # can_ever_fit is monotone in the token count
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.runner.can_ever_fit(prompt_len + mid) else (lo, mid - 1)

@@ -92,13 +92,14 @@ class StaticInputs:
         n, B, P = len(slots), self.size, self.page_table.shape[1]
         if n > B or len(positions) != n:
             raise ValueError(f"{n} slots / {len(positions)} positions for a bucket of {B}")
-        if pages_by_slot.shape[1] != P:
-            raise ValueError(f"per-slot page tables are {pages_by_slot.shape[1]} pages wide; this bucket was "
-                             f"captured {P} wide (build the GraphDecoder with the runner's max_context)")
+        if pages_by_slot.shape[1] < P:
+            raise ValueError(f"per-slot page tables are {pages_by_slot.shape[1]} pages wide; this bucket reads {P}")
         pad = B - n
         staging.copy_into(self.meta, [*slots, *[SCRATCH] * pad, *positions, *[0] * pad])
         torch.index_select(tokens_by_slot, 0, self.slots, out=self.input_ids)
-        torch.index_select(pages_by_slot, 0, self.slots, out=self.page_table)
+        # Wider tables (a runner sized for long prefills) are cut to the captured context: the runner only
+        # sends sequences whose whole budget fits it (ModelRunner.decode_next), so the cut drops no page.
+        torch.index_select(pages_by_slot[:, :P], 0, self.slots, out=self.page_table)
 
 
 def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -> torch.Tensor:
