@@ -28,8 +28,9 @@ def markdown_table(data: dict[str, Any]) -> str:
     rows = [f"| hardware | workload | ours | baseline ({baseline}) | ratio | % of floor |",
             "|---|---|---|---|---|---|"]
     for r in data["prefill"]:
+        base, ratio = _baseline_cells(r)
         rows.append(f"| {hw} | {data['preset']} prefill {r['tokens']:,} tokens | {r['ours_tok_s']:,.0f} tok/s | "
-                    f"{_num(r.get('baseline_tok_s'), ',.0f')} tok/s | {_num(r.get('ratio'), '.2f')}x | – |")
+                    f"{base} | {ratio} | – |")
     for r in data["decode"]:
         base, ratio = _baseline_cells(r)
         rows.append(f"| {hw} | {data['preset']} decode batch {r['batch']} | {r['ours_tok_s']:,.0f} tok/s "

@@ -112,3 +112,13 @@ def test_readme_table_from_the_json(dry_run, tmp_path, capsys: pytest.CaptureFix
     path.write_text(json.dumps(withheld))
     assert main(["bench", "--table", str(path)]) == 1
     assert "No speeds" in capsys.readouterr().out
+
+
+def test_k3_preset_is_gated_on_the_k3_reference_gold() -> None:
+    """transformers has no K3: the fp32 K3 reference is the gold, the bf16 reference the baseline distance."""
+    plan = BenchPlan("k3-tiny", prefill_lens=(32,), batches=(1,), new_tokens=3, prompt_len=4, parity_len=48)
+    result = run_bench(plan, get_preset("k3-tiny"), preset_hf_config("k3-tiny"), torch.device("cpu"), 1e10)
+    assert [p["id"] for p in result.parity] == ["bench.prefill_logits_vs_fp32_gold",
+                                                "bench.decode_logits_vs_fp32_gold"]
+    assert all(p["status"] == "pass" and p["baseline_vs_gold_rms"] > 0 for p in result.parity)
+    assert result.speeds_reported and result.baseline_name == "K3 reference (bf16)"
