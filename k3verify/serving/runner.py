@@ -142,7 +142,8 @@ class ModelRunner:
         states = self._decodable(seq_ids)
         slots, positions = [s.slot for s in states], [s.cached for s in states]
         if graphs is not None:
-            longer = [(sid, st.budget) for sid, st in zip(seq_ids, states, strict=True) if st.budget > graphs.max_context]
+            limit = graphs.max_context
+            longer = [(sid, st.budget) for sid, st in zip(seq_ids, states, strict=True) if st.budget > limit]
             if longer:
                 raise CacheError(f"sequence(s) {longer} (id, budget) exceed the graphs' context {graphs.max_context}")
             logits = graphs.decode_slots(slots, positions, self.tokens_by_slot, self.pages_by_slot)
