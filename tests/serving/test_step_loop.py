@@ -138,3 +138,40 @@ def test_overlapped_chunked_engine_equals_offline_greedy() -> None:
     assert got == want
     assert max(calls) <= 16 and len(calls) >= len(PROMPTS[-1]) // 16
     assert runner.active_ids == []
+
+
+@pytest.mark.gpu
+def test_cuda_decode_launch_never_waits_for_the_gpu() -> None:
+    """On CUDA an engine decode step (graph replay, sampling, token store, readback) issues no synchronising
+    call: torch's sync debug mode raises on any. (Token parity on CUDA: serving.engine.step_loop_* checks.)"""
+    from k3verify.serving.scheduler import Scheduler
+    from k3verify.serving.step_loop import StepLauncher
+
+    cfg = get_preset("k3-tiny")
+    runner = build_runner(cfg, synthetic_tensors(cfg), dtype=torch.bfloat16, device="cuda", num_pages=64,
+                          page_size=16, num_slots=4, max_context=128)
+    graphs = GraphDecoder(runner.model, runner.max_context, buckets=engine_buckets(4))
+    for bucket in graphs.buckets:
+        graphs.capture(bucket)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    from k3verify.serving.request import Request
+
+    reqs = {i: Request(seq_id=i, prompt_ids=p, max_new_tokens=8, params=params, stop_ids=frozenset(), seed=0,
+                       decoder=None, sink=lambda e: None, arrival=0.0) for i, p in enumerate(PROMPTS)}
+    sched = Scheduler(runner, max_step_tokens=512)
+    for r in reqs.values():
+        sched.add(r)
+    launcher = StepLauncher(runner, graphs)
+    flight = launcher.launch(sched.schedule(), reqs)  # the prefill step may synchronise (packing metadata)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            nxt = launcher.launch(sched.schedule(), reqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert flight is not None
+        launcher.collect(flight)
+        flight = nxt
+    for sid in reqs:
+        sched.finish(sid)
