@@ -89,4 +89,13 @@ MUTANTS = [
         new="plan.prefill.append(PrefillChunk(seq, start + (start > 0), start + n))",
         killers=["serving.engine.step_loop_vs_offline"],
     ),
+    Mutant(
+        id="serving.fused.weights_not_aliased",
+        fault="a fused projection's members get copies of their blocks: loading fills the copies and the one GEMM "
+              "reads a weight nothing wrote",
+        target="k3verify.serving.layers.fused:FusedLinears.__init__",
+        old="lin.weight = nn.Parameter(block, requires_grad=False)",
+        new="lin.weight = nn.Parameter(block.clone(), requires_grad=False)",
+        killers=["kda.module.bf16", "mla.module.bf16"],
+    ),
 ]

@@ -64,7 +64,7 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: object,
 
 
 def _beta_twice(layer: torch.nn.Module) -> object:
-    return fx.patched(layer, "beta", lambda x: torch.sigmoid(torch.sigmoid(layer.b_proj(x).float())))
+    return fx.patched(layer, "beta", lambda b_logits: torch.sigmoid(torch.sigmoid(b_logits.float())))
 
 
 @register_check(
