@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.kernels.attn import causal_attention
+from k3verify.kernels.attn import causal_attention_packed
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
@@ -122,13 +122,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = keys_lat[:, None, self.rank:].expand(-1, self.heads, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)  # [Tk, nh, nope + rope]
-        b = ctx.batch
-        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
-        for i, (k0, k1, offset) in enumerate(key_ranges(b, key_cu)):
-            q0, q1 = b.cu_list[i], b.cu_list[i + 1]
-            out[q0:q1] = causal_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
-                                          v[k0:k1].transpose(0, 1), offset, self.scale).transpose(0, 1)
-        return out
+        return causal_attention_packed(q, k, v, ctx.batch.cu_list, key_ranges(ctx.batch, key_cu), self.scale)
 
     def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One query per sequence against its whole cached context, in the latent space.
