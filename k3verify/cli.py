@@ -10,8 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TypeAlias
 
 COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench")
+
+
+# What each command's `register` receives (a string alias: the class is not subscriptable at run time).
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class UsageError(Exception):

@@ -198,6 +198,25 @@ class ModelConfig:
     def experts_quantized(self) -> bool:
         return self.quant is not None
 
+    # Values that exist only for some configs: read through these, which name what is missing.
+    @property
+    def mxfp4_group_size(self) -> int:
+        if self.quant is None:
+            raise ValueError("this config's experts are not quantized: it has no MXFP4 group size")
+        return self.quant.group_size
+
+    @property
+    def latent_size(self) -> int:
+        if self.routed_expert_hidden_size is None:
+            raise ValueError("this config has no LatentMoE (routed_expert_hidden_size is unset)")
+        return self.routed_expert_hidden_size
+
+    @property
+    def residual_block_size(self) -> int:
+        if self.attn_res_block_size is None:
+            raise ValueError("this config has no Block Attention Residuals (attn_res_block_size is unset)")
+        return self.attn_res_block_size
+
     @property
     def eos_token_id(self) -> int:
         return self.eos_token_ids[0]

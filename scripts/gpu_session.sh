@@ -11,6 +11,9 @@
 #   bash scripts/gpu_session.sh bench-k3 the k3-slice-4l bench alone (when `bench` left it no time)
 #   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
 #                                        Triton kernels, fla flags, graph signature/padding, the engine step)
+#   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
+#                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
+#                                        fp32; a table of every endpoint check at the end, reports under $OUT
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
@@ -75,8 +78,28 @@ mutate-cuda)
         --report-dir "$OUT/mutate-cuda" --only 'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
         'kernel.router.triton*' 'serving.graph.*' 'serving.step.*' 'serving.sched.*' 2>&1 | quiet | tail -40
     ;;
+endpoint)
+    for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
+        preset=${run%%:*} dtype=${run##*:}
+        step "parity --endpoint self --device cuda --preset $preset --dtype $dtype"
+        timeout "${ENDPOINT_S:-180}" python3 -m k3verify parity --endpoint self --device cuda --preset "$preset" \
+            --dtype "$dtype" --report-dir "$OUT/endpoint-$preset-$dtype" 2>&1 | quiet | tail -3
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+print(f"{'run':24} {'check':28} {'status':8} {'metric':>10} {'bar':>10} {'control':>8}  note")
+for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
+    for r in json.loads(report.read_text())["results"]:
+        metric = "-" if r["metric"] is None else f"{float(r['metric']):.3g}"
+        bar = "-" if r["bar"] is None else f"{float(r['bar']):.3g}"
+        control = (r.get("control") or {}).get("status", "-")
+        note = (r["reason"] or (r["notes"] or [""])[0])[:70]
+        print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
+PY
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|bench-k3|mutate-cuda" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|bench-k3|mutate-cuda|endpoint" >&2
     exit 2
     ;;
 esac

@@ -34,7 +34,8 @@ def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> 
 def our_prefill_logits(runner: ModelRunner, ids: torch.Tensor) -> torch.Tensor:
     batch = PackedBatch.build(ids, [ids.numel()], device=runner.model.device)
     logits = runner.model.prefill(batch, all_logits=True).all_logits
-    assert logits is not None  # asked for
+    if logits is None:
+        raise RuntimeError("prefill(all_logits=True) returned no per-token logits")
     return logits
 
 

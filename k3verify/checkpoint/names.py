@@ -110,14 +110,14 @@ def _moe_specs(cfg: ModelConfig, p: str) -> dict[str, TensorSpec]:
         for w, shape, role in (("w1", (Ie, Din), f"glu_gate_{act}"), ("w3", (Ie, Din), f"glu_up_{act}"),
                                ("w2", (Din, Ie), "glu_down")):
             if cfg.experts_quantized:
-                gs = cfg.quant.group_size
+                gs = cfg.mxfp4_group_size
                 specs[f"{q}{w}.weight_packed"] = TensorSpec((shape[0], shape[1] // 2), torch.uint8, f"mxfp4:{role}")
                 specs[f"{q}{w}.weight_scale"] = TensorSpec((shape[0], shape[1] // gs), torch.uint8, f"mxfp4:{role}")
             else:
                 specs[f"{q}{w}.weight"] = TensorSpec(shape, bf, role)
     specs.update(_glu_specs(f"{p}shared_experts.", H, cfg.shared_intermediate_size, act))
     if cfg.uses_latent_moe:
-        L = cfg.routed_expert_hidden_size
+        L = cfg.latent_size
         specs[f"{p}routed_expert_down_proj.weight"] = TensorSpec((L, H), bf, "linear")
         if cfg.latent_moe_use_norm:
             specs[f"{p}routed_expert_norm.weight"] = TensorSpec((L,), bf, "norm")

@@ -100,7 +100,7 @@ def synthetic_tensors(cfg: ModelConfig, seed: int = 0, device: torch.device | st
             dense_shape = (packed_spec.shape[0], packed_spec.shape[1] * 2)
             dense = _dense_value(cfg, TensorSpec(dense_shape, torch.float32, spec.role[6:]), spec.role[6:],
                                  _gen(seed, f"{base}.weight", device))
-            packed, scale = mxfp4.quantize(dense, cfg.quant.group_size)
+            packed, scale = mxfp4.quantize(dense, cfg.mxfp4_group_size)
             out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = packed, scale
             continue
         value = _dense_value(cfg, spec, spec.role, _gen(seed, name, device))

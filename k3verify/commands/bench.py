@@ -10,13 +10,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
+
+if TYPE_CHECKING:  # bench code imports CUDA-side modules lazily: `--table` runs without them
+    from k3verify.bench.run import BenchResult
 
 if TYPE_CHECKING:
     from k3verify.bench.run import BenchResult
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
     p.add_argument("--preset", default="kl-48b-8l")
     p.add_argument("--prefill", default="1024,8192", help="prompt lengths for the prefill measurement")

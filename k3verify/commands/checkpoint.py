@@ -6,20 +6,19 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
 from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.presets import PRESETS, SYNTHETIC_PRESETS
 
 EXAMPLES_PER_BUCKET = 5
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("checkpoint", help="write, reconcile and inspect checkpoints",
                                    description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import k3verify.gates.checks  # noqa: F401  (registration happens on import)
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.gates import REGISTRY
 from k3verify.gates.html import render_html
 from k3verify.gates.junit import render_junit
@@ -40,7 +40,7 @@ from k3verify.gates.report import MUTATION_STATUSES, atomic_write_text, validate
 from k3verify.gates.suite import collect_run_info
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("mutate", help="prove every gate bites: run the mutation catalog",
                        description=__doc__.splitlines()[0])
     p.add_argument("--only", action="extend", nargs="+", default=[], metavar="PATTERN",
@@ -158,7 +158,7 @@ def write_reports(outcomes: Sequence[Outcome], clean: dict[str, dict[str, Any]],
     presets = sorted({o.preset for o in outcomes})
     for preset in presets:
         rows = [o.record() for o in sorted(outcomes, key=lambda o: o.mutant.id) if o.preset == preset]
-        data = dict(clean[preset]) if preset in clean else {
+        data: dict[str, Any] = dict(clean[preset]) if preset in clean else {
             "schema_version": 1, "results": [],
             "run": asdict(collect_run_info(device=device, seed=seed, suite="full", preset=preset)),
             "summary": {"counts": dict.fromkeys(("pass", "fail", "vacuous", "error", "skipped"), 0), "total": 0,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
+from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
@@ -29,7 +30,7 @@ from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetEr
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("parity", help="run the parity gates and write reports",
                               description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--preset", metavar="NAME", help=f"synthetic preset (default {DEFAULT_PRESET})")
@@ -41,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    register_endpoint_args(p)
     p.set_defaults(func=run_parity)
 
 
@@ -87,19 +89,23 @@ def run_parity(args: argparse.Namespace) -> int:
     except UsageError as exc:
         broken = ", ".join(import_errors())
         raise UsageError(f"{exc}; check modules that failed to import: {broken}" if broken else str(exc)) from None
+    checks = select_endpoint_checks(checks, args)
     if args.list:
         _print_list(checks)
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
     target = target_for(args.preset, args.checkpoint)
-    factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite)
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
-    with progress_hooks(len(checks)) as hooks:
-        run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
-                        import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+    with endpoint_session(args, target, device) as endpoint:
+        factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, endpoint=endpoint)
+        with progress_hooks(len(checks)) as hooks:
+            run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
+                            import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
+        if endpoint is not None:
+            run.run.endpoint = endpoint.record()
     write_reports(run, args.report_dir)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import k3verify
-from k3verify.cli import UsageError
+from k3verify.cli import Subparsers, UsageError
 from k3verify.commands import parity
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.app import create_app
@@ -29,7 +29,7 @@ from k3verify.tokenizer import KimiTokenizer
 log = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (gated)",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()

@@ -138,31 +138,30 @@ def _compare_tensors(
     if bool(bad_r.any()) or bool(bad_c.any()):
         # Point at the candidate's first non-finite element if it has one: that is usually the bug.
         flat = int((bad_c if bool(bad_c.any()) else bad_r).reshape(-1).nonzero()[0, 0])
-        reason = (f"non-finite values{where}: reference {int(r.isnan().sum())} NaN / {int(r.isinf().sum())} Inf, "
+        nonfinite = (f"non-finite values{where}: reference {int(r.isnan().sum())} NaN / {int(r.isinf().sum())} Inf, "
                   f"candidate {int(c.isnan().sum())} NaN / {int(c.isinf().sum())} Inf")
-        return Comparison(kind, False, math.inf, bar, math.inf, True, shapes, dtypes, reason=reason,
+        return Comparison(kind, False, math.inf, bar, math.inf, True, shapes, dtypes, reason=nonfinite,
                           worst=_worst(key, flat, ref.shape, r, c))
     diff = (c - r).abs()
     n = diff.numel()
     max_abs = float(diff.max()) if n else 0.0
     if kind is Kind.BITEXACT:
         mismatches = int((ref != cand).sum())
-        passed = torch.equal(ref, cand)
-        worst = _worst(key, int(diff.reshape(-1).argmax()), ref.shape, r, c) if mismatches else None
-        reason = None if passed else f"{mismatches} of {n} elements differ{where}"
-        return Comparison(kind, passed, float(mismatches), None, max_abs, False, shapes, dtypes,
-                          reason=reason, worst=worst)
+        equal = torch.equal(ref, cand)
+        return Comparison(kind, equal, float(mismatches), None, max_abs, False, shapes, dtypes,
+                          reason=None if equal else f"{mismatches} of {n} elements differ{where}",
+                          worst=_worst(key, int(diff.reshape(-1).argmax()), ref.shape, r, c) if mismatches else None)
     if kind is Kind.BF16:
         tol = BF16_ATOL + BF16_RTOL * r.abs()
         fails = int((diff > tol).sum())
         fraction = fails / n if n else 0.0
-        ratio = diff / tol
-        worst = _worst(key, int(ratio.reshape(-1).argmax()), ref.shape, r, c) if n else None
-        passed = fraction < BF16_MAX_FAIL_FRACTION
-        reason = None if passed else (f"{fails} of {n} elements{where} outside |c-r| <= {BF16_ATOL:g} + "
-                                      f"{BF16_RTOL:g}|r| (fraction {fraction:.3g} >= {BF16_MAX_FAIL_FRACTION:g})")
-        return Comparison(kind, passed, fraction, bar, max_abs, False, shapes, dtypes, reason=reason,
-                          fail_fraction=fraction, max_tol_ratio=float(ratio.max()) if n else 0.0, worst=worst)
+        tol_ratio = diff / tol
+        within = fraction < BF16_MAX_FAIL_FRACTION
+        why = None if within else (f"{fails} of {n} elements{where} outside |c-r| <= {BF16_ATOL:g} + "
+                                   f"{BF16_RTOL:g}|r| (fraction {fraction:.3g} >= {BF16_MAX_FAIL_FRACTION:g})")
+        return Comparison(kind, within, fraction, bar, max_abs, False, shapes, dtypes, reason=why,
+                          fail_fraction=fraction, max_tol_ratio=float(tol_ratio.max()) if n else 0.0,
+                          worst=_worst(key, int(tol_ratio.reshape(-1).argmax()), ref.shape, r, c) if n else None)
     ratio = _rel_rms(diff, r)
     assert bar is not None  # RMS always has a bar: default_bar or the registered override
     passed = ratio < bar

@@ -29,11 +29,12 @@ from k3verify.gates.compare import (
 
 if TYPE_CHECKING:  # the check engine itself runs without a model (gates/suite.py)
     from k3verify.config import ModelConfig
+    from k3verify.endpoint.session import EndpointSession
     from k3verify.target import Target
 
 COMPONENTS = frozenset({
     "kda", "mla", "moe", "mlp", "attn_res", "router", "norm", "tokenizer", "weights", "model", "serving",
-    "kernel", "oracle", "gates",
+    "kernel", "oracle", "gates", "endpoint",
 })
 LEVELS = frozenset({"module", "model", "serving", "kernel"})
 SUITES = frozenset({"quick", "full"})
@@ -73,6 +74,7 @@ class Trial:
     control_layers: LayerTrace | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    bar: float | None = None  # RMS only: a bar measured in this run (see evaluate_trial); the registered bar caps it
 
 
 @dataclass
@@ -86,6 +88,7 @@ class CheckContext:
     generator: torch.Generator
     suite: str
     cache: dict[str, Any] = field(default_factory=dict)
+    endpoint: EndpointSession | None = None  # `parity --endpoint`: the server under test
 
     @property
     def cfg(self) -> ModelConfig:
@@ -262,13 +265,16 @@ def evaluate_trial(check: Check, trial: Trial) -> Result:
     if not isinstance(trial, Trial):
         raise TypeError(f"check {check.id} returned {type(trial).__name__}; it must return a Trial")
     rms_bar = check.bar if check.kind is Kind.RMS else None
+    if trial.bar is not None:
+        rms_bar = measured_bar(check, trial.bar)
     comp = compare(check.kind, trial.reference, trial.candidate, rms_bar)
     ctrl = compare(check.kind, trial.reference, trial.control, rms_bar)
     control = ControlOutcome("pass" if ctrl.passed else "fail", check.control, ctrl.metric,
                              comparison_metrics(ctrl), ctrl.reason)
     result = Result(
-        id=check.id, component=check.component, level=check.level, kind=check.kind.value, bar=check.bar,
-        bar_reason=check.bar_reason, status=Status.PASS, metric=comp.metric,
+        id=check.id, component=check.component, level=check.level, kind=check.kind.value,
+        bar=check.bar if rms_bar is None else rms_bar, bar_reason=check.bar_reason, status=Status.PASS,
+        metric=comp.metric,
         metrics={**comparison_metrics(comp), **{k: float(v) for k, v in trial.metrics.items()}},
         per_key={k: {"passed": c.passed, "metric": c.metric, **comparison_metrics(c)} for k, c in comp.per_key.items()},
         control=control, margin=comp.margin, worst=comp.worst, shapes=comp.shapes, dtypes=comp.dtypes,
@@ -293,6 +299,17 @@ def evaluate_trial(check: Check, trial: Trial) -> Result:
     if trial.control_layers:
         control.first_divergent_layer = localize_layers(check.kind, trial.control_layers, rms_bar)[1]
     return result
+
+
+def measured_bar(check: Check, bar: float) -> float:
+    """A bar measured at run time (e.g. the oracle's own distance at the candidate's precision): RMS only, and
+    never above the registered bar, so a noisy measurement cannot loosen the check past what was justified."""
+    if check.kind is not Kind.RMS or check.bar is None:
+        raise ValueError(f"check {check.id}: only RMS checks take a measured bar; this one is {check.kind.value}")
+    if not 0.0 < bar <= check.bar:
+        raise ValueError(f"check {check.id}: measured bar {bar:.3g} is outside (0, {check.bar:g}], the registered "
+                         f"cap ({check.bar_reason})")
+    return bar
 
 
 def comparison_metrics(comp: Comparison) -> dict[str, float]:

@@ -132,7 +132,7 @@ def load_catalog(catalog_dir: Path = DEFAULT_CATALOG) -> list[Mutant]:
 def select(mutants: Iterable[Mutant], *, only: Sequence[str] = (), suite: str = "full",
            preset: str | None = None, device: str = "cpu") -> list[tuple[Mutant, str]]:
     """(mutant, preset) pairs chosen by id globs, the quick flag, a preset filter and the device kind."""
-    pairs = []
+    pairs: list[tuple[Mutant, str]] = []
     for m in mutants:
         if only and not any(fnmatch.fnmatchcase(m.id, p) for p in only):
             continue
@@ -237,6 +237,9 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                "--report-dir", str(report_dir)]
         for check_id in check_ids:
             cli += ["--only", check_id]
+        if any(c.startswith("endpoint.") for c in check_ids):
+            # Endpoint checks judge a server: the (mutated) package's own, in fp32 where the bars are tightest.
+            cli += ["--endpoint", "self", "--dtype", "float32"]
         opts = ["--root", str(root)]
         if mutant is not None and mutant.kind == "patch":
             opts += ["--catalog", str(catalog_dir.resolve()), "--mutant", mutant.id]
@@ -251,7 +254,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                                   capture_output=True, text=True, timeout=timeout_s)
             rc, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
-            rc, output = -9, f"timed out after {timeout_s:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            rc, output = -9, f"timed out after {timeout_s:.0f} s\n{_text(exc.stdout)}{_text(exc.stderr)}"
         report = None
         if (report_dir / "report.json").is_file():
             try:
@@ -297,6 +300,13 @@ def classify(mutant: Mutant, preset: str, expected: Sequence[str], child: ChildR
     out.status = "killed" if hits else "survived"
     out.reason = f"red: {', '.join(hits)}" if hits else f"every expected killer stayed green: {', '.join(expected)}"
     return out
+
+
+def _text(captured: str | bytes | None) -> str:
+    """What a timed-out child printed (subprocess hands back bytes there even with text=True)."""
+    if captured is None:
+        return ""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured
 
 
 def red_summary(report: dict[str, Any]) -> list[str]:

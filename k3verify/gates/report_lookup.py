@@ -2,7 +2,8 @@
 
 The newest report for the (digest, version, device) triple decides: a newer failing run shadows an
 older passing one, so a regression cannot be served on the strength of a stale green report. A run
-narrowed with `--only` is not a gate (it could have selected a single self-test) and never counts.
+narrowed with `--only` is not a gate (it could have selected a single self-test) and never counts; neither does a
+`parity --endpoint` run (it judged some other server, not this one's model).
 Unreadable or schema-invalid files (e.g. half-written) are skipped with a warning naming them.
 """
 
@@ -53,7 +54,7 @@ def lookup_report(report_dir: str | Path, digest: str, version: str, device_kind
             skipped.append(path)
             continue
         run = data["run"]
-        if run.get("only"):
+        if run.get("only") or run.get("endpoint"):
             narrowed += 1
             continue
         if (run["checkpoint_digest"], run["k3verify_version"], run["device"]) == (digest, version, device_kind):
@@ -62,7 +63,8 @@ def lookup_report(report_dir: str | Path, digest: str, version: str, device_kind
             others += 1
     if not matches:
         why = f"no report for checkpoint {digest} with k3verify {version} on {device_kind}"
-        detail = f" ({others} report(s) for other checkpoints/versions/devices, {narrowed} narrowed by --only"
+        detail = (f" ({others} report(s) for other checkpoints/versions/devices, {narrowed} narrowed by --only or "
+                  "--endpoint")
         detail += f", {len(skipped)} invalid file(s) ignored)" if skipped else ")"
         return GateLookup(None, None, why + detail, tuple(skipped))
     _, _, newest, data = max(matches, key=lambda m: (m[0], m[1]))

@@ -50,11 +50,25 @@ class PinStats:
         return out
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """`model.model.layers` of either stack (serving model or a reference), in order."""
+    return list(model.get_submodule("model.layers").children())
+
+
+def tensor_attr(module: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer of `module` by name; a TypeError naming it if it is something else."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, not a tensor")
+    return value
+
+
 def choice_scores(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """sigmoid(x W^T) + correction bias in fp32 (the quantity top-k ranks)."""
-    w = gate.weight.float() if x.dtype != torch.float64 else gate.weight.double()
+    weight = tensor_attr(gate, "weight")
+    w = weight.float() if x.dtype != torch.float64 else weight.double()
     logits = (x.float() if x.dtype != torch.float64 else x) @ w.t()
-    return torch.sigmoid(logits) + gate.e_score_correction_bias.to(logits.dtype)
+    return torch.sigmoid(logits) + tensor_attr(gate, "e_score_correction_bias").to(logits.dtype)
 
 
 def boundary_gap(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -84,7 +98,7 @@ def record_routes(model: nn.Module) -> Iterator[RouteRecord]:
     """Record (x, weights, idx) of every `block_sparse_moe.gate` call of `model` (either stack)."""
     record = RouteRecord()
     handles = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(decoder_layers(model)):
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is None:
             continue
@@ -107,11 +121,12 @@ def pin_routes(model: nn.Module, reference: RouteRecord, ref_model: nn.Module, c
     drift-explained flips to the reference decision (see module doc). Calls are matched in order."""
     cursors: dict[int, int] = {}
     originals = []
-    for i, layer in enumerate(model.model.layers):
+    ref_layers = decoder_layers(ref_model)
+    for i, layer in enumerate(decoder_layers(model)):
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is None or i not in reference.calls:
             continue
-        gate, ref_gate = moe.gate, ref_model.model.layers[i].block_sparse_moe.gate
+        gate, ref_gate = moe.gate, ref_layers[i].get_submodule("block_sparse_moe.gate")
         plain = gate.forward
 
         def pinned(x: torch.Tensor, i: int = i, gate: nn.Module = gate, ref_gate: nn.Module = ref_gate,

@@ -28,6 +28,7 @@ from k3verify.cli import UsageError
 from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
 
 if TYPE_CHECKING:
+    from k3verify.endpoint.session import EndpointSession
     from k3verify.target import Target
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
@@ -58,6 +59,7 @@ class RunInfo:
     wall_time_s: float = 0.0
     oracle: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    endpoint: dict[str, Any] | None = None  # `parity --endpoint`: which server answered, its features, the traffic
 
 
 @dataclass
@@ -134,13 +136,14 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str) -> ContextFactory:
+def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
+                         endpoint: EndpointSession | None = None) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
     cache: dict[str, Any] = {}
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, cache)
+        return CheckContext(target, dev, seed, generator, suite, cache, endpoint)
 
     return factory
 

@@ -202,8 +202,9 @@ def _probe_kwargs_engaged(fn: Callable[..., Any], name: str, device_index: int) 
         return torch.randn(*shape, generator=gen).to(dev)
 
     q, k, v = (F.normalize(rnd(1, T, h, d), dim=-1) for _ in range(3))
-    base = dict(q=q, k=k, v=v, g=rnd(1, T, h, d), beta=torch.rand(1, T, h, generator=gen).to(dev),
-                A_log=torch.zeros(h, device=dev), dt_bias=torch.zeros(h * d, device=dev), use_gate_in_kernel=True)
+    base: dict[str, Any] = dict(q=q, k=k, v=v, g=rnd(1, T, h, d), beta=torch.rand(1, T, h, generator=gen).to(dev),
+                                A_log=torch.zeros(h, device=dev), dt_bias=torch.zeros(h * d, device=dev),
+                                use_gate_in_kernel=True)
     out0, _ = fn(**base)
     moved = dict(base)
     moved[name] = base[name] + 1.0

@@ -173,7 +173,9 @@ def build_hf_model(cfg: ModelConfig, hf_dict: Mapping[str, Any], tensors: Mappin
     """KimiLinearForCausalLM from a kl config dict and our checkpoint tensors (strict both ways)."""
     from transformers import KimiLinearForCausalLM
 
-    model = KimiLinearForCausalLM(hf_config(hf_dict)).to(dtype=dtype).eval()
+    model = KimiLinearForCausalLM(hf_config(hf_dict))
+    # nn.Module.to directly: transformers wraps `.to` with functools.wraps, which mypy reads as unbound
+    nn.Module.to(model, dtype=dtype).eval()
     if model.config._attn_implementation != "eager" or model.config._experts_implementation != "eager":
         raise RuntimeError(f"transformers did not keep eager paths: attn={model.config._attn_implementation} "
                            f"experts={model.config._experts_implementation}")
@@ -202,10 +204,10 @@ def hf_forward(model: nn.Module, input_ids: torch.Tensor,
             def record(_mod: nn.Module, _inp: Any, out: Any) -> None:
                 captures[name] = (out[0] if isinstance(out, tuple) else out)[0]  # MLA returns (out, weights)
             return record
-        for i, layer in enumerate(model.model.layers):
-            handles.append(layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out")))
-            handles.append(layer.mlp.register_forward_hook(hook(f"layers.{i}.ffn_out")))
-        handles.append(model.model.norm.register_forward_hook(hook("final_hidden")))
+        for i, layer in enumerate(model.get_submodule("model.layers").children()):
+            handles.append(layer.get_submodule("self_attn").register_forward_hook(hook(f"layers.{i}.attn_out")))
+            handles.append(layer.get_submodule("mlp").register_forward_hook(hook(f"layers.{i}.ffn_out")))
+        handles.append(model.get_submodule("model.norm").register_forward_hook(hook("final_hidden")))
     try:
         device = next(model.parameters()).device
         with torch_kda_paths(device):

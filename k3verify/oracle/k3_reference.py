@@ -86,9 +86,15 @@ class Model(nn.Module):
             captures["final_hidden"] = out
         return out
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        if len(layers) != len(self.layers):
+            raise TypeError("Model.layers holds a module that is not a DecoderLayer")
+        return layers
+
     def _pre_norm(self, h: torch.Tensor, captures: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """Kimi-Linear: plain pre-norm residual, h += a; h += f."""
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             a = layer.attn_sublayer(h)
             h = h + a
             f = layer.ffn_sublayer(h)
@@ -100,10 +106,10 @@ class Model(nn.Module):
         """K3 Block Attention Residuals (SPEC §5): p is the running partial sum of the current block,
         blocks the finished block sums. The mixed h feeds only norms, never p. Returns the mixed
         output h (mix-then-norm: the caller applies the final norm)."""
-        block_size = self.cfg.attn_res_block_size
+        block_size = self.cfg.residual_block_size
         blocks: list[torch.Tensor] = []
         partial: torch.Tensor | None = p
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             assert partial is not None  # only None between the append and the attention output
             h = layer.mix("self_attention_res", partial, blocks) if blocks else partial
             if i % block_size == 0:

@@ -17,13 +17,21 @@ from k3verify.server.errors import APIError, engine_unavailable, error_response,
 from k3verify.server.generation import generate
 from k3verify.server.metrics import ServerMetrics
 from k3verify.server.middleware import CountRequests
-from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, parse_request
+from k3verify.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_logit_bias,
+    parse_body,
+    parse_request,
+)
 from k3verify.server.render import ChatRenderer, CompletionRenderer, ModelCard, ModelList, make_id, unix_time
+from k3verify.server.scoring import prompt_logprobs
 from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
+from k3verify.server.tokenize import detokenize, tokenize
 from k3verify.serving.engine import Engine
 
 DEFAULT_COMPLETION_TOKENS = 16
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 def check_auth(request: Request) -> None:
@@ -39,16 +47,24 @@ def check_auth(request: Request) -> None:
 
 
 async def completions(request: Request) -> Response:
-    """POST /v1/completions: one prompt (text or token ids), JSON or SSE."""
+    """POST /v1/completions: one prompt (text or token ids), JSON or SSE; echo=true starts the answer with the
+    prompt (and, with logprobs, the prompt's own logprobs)."""
     state = state_of(request)
     req = parse_request(CompletionRequest, parse_body(await request.body()))
     state.check_model(req.model)
     prompt = req.single_prompt
     ids = await asyncio.to_thread(state.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
     renderer = CompletionRenderer(make_id("cmpl"), unix_time(), state.model_name, state.engine.token_text,
-                                  want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
+                                  want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+                                  token_ids_as_text=req.return_tokens_as_token_ids)
     max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens, req.logprobs)
+    check_logit_bias(params, state.engine.vocab_size)
+    if req.echo:
+        scored = [] if req.logprobs is None else await prompt_logprobs(state.engine, ids, req.logprobs, max_tokens)
+        text = prompt if isinstance(prompt, str) else \
+            b"".join(state.engine.token_text.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+        renderer.echo(ids, text, scored)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="prompt")
 
 
@@ -66,8 +82,10 @@ async def chat_completions(request: Request) -> Response:
     fits = state.engine.max_new_tokens_for(len(ids))
     max_tokens = req.max_new_tokens or max(1, min(state.default_max_tokens, fits))
     renderer = ChatRenderer(make_id("chatcmpl"), unix_time(), state.model_name, state.engine.token_text,
-                            want_logprobs=req.logprobs, include_usage=req.include_usage)
+                            want_logprobs=req.logprobs, include_usage=req.include_usage,
+                            token_ids_as_text=req.return_tokens_as_token_ids)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    check_logit_bias(params, state.engine.vocab_size)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="messages")
 
 
@@ -111,6 +129,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=authorized)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=authorized)
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=authorized)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)

@@ -17,6 +17,7 @@ from k3verify.serving.sampler import SamplingParams
 MAX_BODY_BYTES = 8 << 20
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 forces it
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -72,6 +73,26 @@ class _Unsupported(ValueError):
         self.param = param
 
 
+def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys are token ids written as digit strings, values in [-100, 100]."""
+    pairs = []
+    for key, value in (raw or {}).items():
+        if not key.isdigit():
+            raise _Unsupported("logit_bias", f"logit_bias keys must be token ids (digit strings); got {key!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise _Unsupported("logit_bias", f"logit_bias values must be between -100 and 100; got {value} "
+                                             f"for token {key}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """400 naming logit_bias when it biases a token id the model does not have."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}", param="logit_bias")
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -90,6 +111,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="k3verify extension: do not stop at eos ids")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprob tokens as 'token_id:N'")
 
     @model_validator(mode="after")
     def _check_supported(self) -> _SamplingFields:
@@ -100,8 +122,7 @@ class _SamplingFields(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise _Unsupported(name, f"{name}={getattr(self, name)} is not supported (only 0)")
-        if self.logit_bias:
-            raise _Unsupported("logit_bias", "logit_bias is not supported")
+        parse_logit_bias(self.logit_bias)
         stops = self.stop_list
         if len(stops) > MAX_STOP_SEQUENCES:
             raise _Unsupported("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}")
@@ -125,7 +146,7 @@ class _SamplingFields(_Strict):
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, logit_bias=parse_logit_bias(self.logit_bias))
 
 
 class CompletionRequest(_SamplingFields):
@@ -138,8 +159,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise _Unsupported("echo", "echo=true is not supported")
+        if self.echo and self.stream:
+            raise _Unsupported("echo", "echo=true is not supported with stream=true")
         if self.best_of not in (None, 1):
             raise _Unsupported("best_of", f"best_of={self.best_of} is not supported (only 1)")
         if self.suffix is not None:

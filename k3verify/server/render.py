@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from pydantic import BaseModel
@@ -26,8 +27,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: the first echoed prompt token (nothing precedes it)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -139,9 +140,10 @@ class Renderer:
     chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
     def __init__(self, id: str, created: int, model: str, token_text: TokenText, *, want_logprobs: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, token_ids_as_text: bool = False) -> None:
         self.id, self.created, self.model, self.token_text = id, created, model, token_text
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.token_ids_as_text = token_ids_as_text
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
         self.offsets: list[int] = []
@@ -149,8 +151,11 @@ class Renderer:
         self.usage: Usage | None = None
 
     def token(self, token_id: int) -> tuple[str, bytes]:
+        """(name, bytes) of a token in logprobs: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids),
+        which tells apart byte tokens that decode to the same replacement character."""
         raw = self.token_text.token_bytes(token_id)
-        return raw.decode("utf-8", errors="replace"), raw
+        name = f"token_id:{token_id}" if self.token_ids_as_text else raw.decode("utf-8", errors="replace")
+        return name, raw
 
     def add(self, event: EngineEvent) -> None:
         for lp in event.logprobs:
@@ -190,18 +195,43 @@ class Renderer:
         return out
 
 
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """The prompt an echo=true completion starts with: ids, text offsets and (with logprobs) each prompt token
+    scored given the tokens before it; the first has nothing before it (None, rendered as null)."""
+
+    ids: list[int]
+    offsets: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 class CompletionRenderer(Renderer):
     chunk_model = CompletionResponse
+    echoed: EchoedPrompt | None = None
+
+    def echo(self, prompt_ids: list[int], prompt_text: str, prompt_logprobs: list[TokenLogprob | None]) -> None:
+        """Start the response with the prompt (echo=true; non-streamed responses only)."""
+        offsets = [0]
+        for token_id in prompt_ids[:-1]:
+            offsets.append(offsets[-1] + len(self.token_text.token_bytes(token_id).decode(errors="replace")))
+        self.text = prompt_text
+        self.echoed = EchoedPrompt(prompt_ids, offsets, prompt_logprobs)
 
     def _logprobs(self, start: int = 0) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
+        prompt = self.echoed if start == 0 and self.echoed is not None else EchoedPrompt([], [], [])
         entries = self.logprobs[start:]
+
+        def top(lp: TokenLogprob | None) -> dict[str, float] | None:
+            return None if lp is None else {self.token(t)[0]: max(v, LOGPROB_FLOOR) for t, v in lp.top}
+
         return CompletionLogprobs(
-            tokens=[self.token(lp.token_id)[0] for lp in entries],
-            token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in entries],
-            top_logprobs=[{self.token(t)[0]: max(v, LOGPROB_FLOOR) for t, v in lp.top} for lp in entries],
-            text_offset=self.offsets[start:])
+            tokens=[self.token(t)[0] for t in prompt.ids] + [self.token(lp.token_id)[0] for lp in entries],
+            token_logprobs=[None if lp is None else max(lp.logprob, LOGPROB_FLOOR) for lp in prompt.logprobs]
+            + [max(lp.logprob, LOGPROB_FLOOR) for lp in entries],
+            top_logprobs=[top(lp) for lp in prompt.logprobs] + [top(lp) for lp in entries],
+            text_offset=prompt.offsets + self.offsets[start:])
 
     def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
         choice = CompletionChoice(text=text, finish_reason=self.finish_reason, logprobs=self._logprobs(first_logprob))

@@ -170,6 +170,9 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
         self.validate(prompt_ids, params.max_tokens)
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad_bias[:5]}")
 
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,

@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token plus the top k
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -109,6 +110,19 @@ def token_logprobs(
         pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         out[i] = TokenLogprob(tokens[i], float(logp[j, tokens[i]]), pairs)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[n, V] logits with each row's logit_bias added: `logits` itself when no row has a bias, else a biased copy.
+    Logprobs stay those of the raw model distribution: only the choice of token is biased."""
+    rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    biased = logits.clone()
+    for i, pairs in rows:
+        ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+        biased[i, ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return biased
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:

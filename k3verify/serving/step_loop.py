@@ -23,7 +23,7 @@ import torch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import TokenLogprob
+from k3verify.serving.sampler import TokenLogprob, apply_logit_bias
 from k3verify.serving.sampling_adapter import sample_tokens
 from k3verify.serving.scheduler import StepPlan
 from k3verify.serving.staging import HostStaging, PinnedReadback
@@ -88,7 +88,9 @@ class StepLauncher:
         tokens, bad, start = [], [], 0
         for part in parts:
             k = part.shape[0]
-            tokens.append(sample_tokens(part, [r.params for r in rows[start:start + k]], keys[start:start + k],
+            params = [r.params for r in rows[start:start + k]]
+            # logit_bias moves the choice only: logprobs and the non-finite check see the raw model logits
+            tokens.append(sample_tokens(apply_logit_bias(part, params), params, keys[start:start + k],
                                         keys[n + start:n + start + k]))
             bad.append(nonfinite_rows(part))
             start += k

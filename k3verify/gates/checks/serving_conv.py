@@ -87,7 +87,9 @@ def _expected(case: Case, slots: torch.Tensor, keep: torch.Tensor) -> dict[str, 
 def check_conv_decode(ctx: CheckContext) -> Trial:
     slots = torch.tensor(SLOTS, device=ctx.device)
     keep = torch.tensor(KEEP, device=ctx.device)
-    ref, cand, ctrl = {}, {}, {}
+    ref: dict[str, torch.Tensor] = {}
+    cand: dict[str, torch.Tensor] = {}
+    ctrl: dict[str, torch.Tensor] = {}
     for dtype in (torch.bfloat16, torch.float32):
         case = _case(ctx, dtype)
         tag = str(dtype).removeprefix("torch.")

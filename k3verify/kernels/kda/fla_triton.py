@@ -39,6 +39,14 @@ def _fla_ops() -> tuple[Any, Any] | str:
     return chunk_kda, fused_recurrent_kda_fwd
 
 
+def _loaded_ops() -> tuple[Any, Any]:
+    """(chunk_kda, fused_recurrent_kda_fwd); only called after `available()` said yes."""
+    ops = _fla_ops()
+    if isinstance(ops, str):
+        raise RuntimeError(ops)
+    return ops
+
+
 def available() -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available"
@@ -73,7 +81,7 @@ def accepts_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
                     lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    chunk_kda, _ = _fla_ops()  # type: ignore[misc]
+    chunk_kda, _ = _loaded_ops()
     cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
     dt = q.dtype
     o, final = chunk_kda(
@@ -97,7 +105,7 @@ def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """fused_recurrent_kda's continuous-batching form: each row reads and writes its state in the pool
     by slot index, in place (no gather, no scatter, no copy of the state)."""
-    _, fwd = _fla_ops()  # type: ignore[misc]
+    _, fwd = _loaded_ops()
     dt = q.dtype
     o, _ = fwd(
         q=q[:, None], k=k[:, None].to(dt), v=v[:, None].to(dt), g=g[:, None].float(), beta=beta[:, None].float(),

@@ -1,0 +1,89 @@
+"""`k3verify parity --endpoint URL`: verify a running OpenAI-compatible server against the oracle.
+
+The oracle runs here on the checkpoint (--device); the server is driven through the OpenAI API only. Without
+--only, such a run selects just the endpoint.* checks; without --endpoint, those checks are left out of a parity
+run (they need a server). `--endpoint self` starts this package's own server on 127.0.0.1 for the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from k3verify.cli import UsageError
+from k3verify.endpoint.client import EndpointError, Limits
+from k3verify.endpoint.local import SELF, serve_locally
+from k3verify.endpoint.probe import SetupError
+from k3verify.endpoint.session import DTYPES, EndpointSession, open_session
+from k3verify.gates.gate import Check
+from k3verify.target import Target, TargetError
+
+PREFIX = "endpoint."
+
+
+def register_endpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoint (verify a running server)")
+    g.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server (http://host:port[/v1]); "
+                   "`self` serves this package's own engine for the target on 127.0.0.1")
+    g.add_argument("--model", metavar="NAME", help="the served model name (default: the first in /v1/models)")
+    g.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the precision the endpoint computes in (default bfloat16): the logprob bars and near-tie "
+                        "margins are measured with the oracle at it; with --endpoint self, the served dtype too")
+    g.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default 4)")
+    g.add_argument("--max-requests", type=int, default=400, metavar="N",
+                   help="requests sent at most, retries included (default 400)")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per request, seconds (default 120)")
+
+
+def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> list[Check]:
+    """Without --endpoint, drop the endpoint checks (refusing an --only that selected nothing else); with it and
+    no --only, keep only them."""
+    ours = [c for c in checks if c.id.startswith(PREFIX)]
+    if args.endpoint is None:
+        for flag in ("model", "api_key", "dtype"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --endpoint runs only")
+        rest = [c for c in checks if not c.id.startswith(PREFIX)]
+        if ours and not rest:
+            raise UsageError(f"--only selects only endpoint checks ({', '.join(c.id for c in ours[:3])}), which need "
+                             "--endpoint URL (or --endpoint self)")
+        return rest
+    if not ours:
+        raise UsageError("--endpoint given but no endpoint check is selected (see --list)")
+    return checks if args.only else ours
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    try:
+        return Limits(concurrency=args.concurrency, max_requests=args.max_requests, timeout_s=args.timeout)
+    except ValueError as exc:
+        raise UsageError(f"endpoint limits: {exc}") from exc
+
+
+@contextmanager
+def endpoint_session(args: argparse.Namespace, target: Target, device: torch.device) -> \
+        Iterator[EndpointSession | None]:
+    """The session for --endpoint (None without it); `self` serves the target here for the run's duration."""
+    if args.endpoint is None:
+        yield None
+        return
+    dtype = args.dtype or "bfloat16"
+    with ExitStack() as stack:
+        url, note = args.endpoint, ""
+        try:
+            tokenizer = target.tokenizer()
+            if url == SELF:
+                url = stack.enter_context(serve_locally(target, DTYPES[dtype], device))
+                note = f"--endpoint self: k3verify's own server for {target.name} in {dtype} on {device}"
+            plain = tokenizer.num_base_tokens
+            session = open_session(url, vocab=tokenizer, probe_prompt=[(97 * k + 11) % plain for k in range(1, 6)],
+                                   eos_token=min(target.cfg.eos_token_ids), dtype=dtype, model=args.model,
+                                   api_key=args.api_key, limits=_limits(args), note=note)
+        except (SetupError, EndpointError, TargetError, ValueError) as exc:
+            raise UsageError(f"--endpoint {args.endpoint}: {exc}") from exc
+        stack.callback(session.client.close)
+        yield session

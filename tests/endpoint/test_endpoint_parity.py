@@ -1,0 +1,133 @@
+"""`k3verify parity --endpoint`: green against our own server (k3-tiny, kl-tiny, fp32), red against faulty ones with
+the check and position named, and skipped-with-reason where a stub lacks a feature."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from endpoint_fakes import WrongTokenAt, proxy_app
+
+import k3verify
+from k3verify.cli import main
+from k3verify.endpoint.local import serve_locally
+from k3verify.gates.report import load_report
+from k3verify.gates.report_lookup import lookup_report
+from k3verify.server.thread import ServerThread
+from k3verify.target import resolve_target
+
+ENDPOINT_CHECKS = {"endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt",
+                   "endpoint.chat.template", "endpoint.stop.strings", "endpoint.stop.eos",
+                   "endpoint.stream.identity", "endpoint.batch.invariance"}
+
+
+def parity(report: Path, *args: str, preset: str = "k3-tiny") -> tuple[int, dict[str, Any]]:
+    code = main(["parity", "--preset", preset, "--dtype", "float32", "--report-dir", str(report), *args])
+    return code, load_report(report)
+
+
+def by_id(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["id"]: r for r in data["results"]}
+
+
+@contextmanager
+def served(preset: str = "k3-tiny", **kw: Any) -> Iterator[str]:
+    with serve_locally(resolve_target(preset), torch.float32, torch.device("cpu"), **kw) as url:
+        yield url
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
+def test_endpoint_parity_is_green_against_our_server(preset: str, tmp_path: Path) -> None:
+    """Every endpoint check passes against `k3verify serve`'s engine in fp32, each control fails, the report says
+    which server answered, and such a report never opens the serve gate."""
+    code, data = parity(tmp_path, "--endpoint", "self", preset=preset)
+    results = by_id(data)
+    assert code == 0 and set(results) == ENDPOINT_CHECKS
+    for r in results.values():
+        assert r["status"] == "pass" and r["control"]["status"] == "fail", (r["id"], r["reason"])
+    endpoint = data["run"]["endpoint"]
+    assert endpoint["model"] == preset and endpoint["declared_dtype"] == "float32"
+    assert endpoint["server"]["models"][0]["id"] == preset and endpoint["server"]["headers"]["server"] == "uvicorn"
+    assert all(f["available"] for f in endpoint["capabilities"].values() if isinstance(f, dict))
+    assert 0 < endpoint["requests"]["sent"] <= 400 and endpoint["requests"]["by_status"] == {
+        "200": endpoint["requests"]["sent"]}
+    assert results["endpoint.logprobs.topk"]["bar"] < 1e-5, "an fp32 endpoint is held to fp32 noise"
+    gate = lookup_report(tmp_path, resolve_target(preset).digest, k3verify.__version__, "cpu")
+    assert gate.passing is None and "--endpoint" in gate.reason
+
+
+def test_wrong_token_at_one_step_fails_naming_check_and_position(tmp_path: Path) -> None:
+    """A server whose model picks the runner-up token at decode step 3 fails endpoint.greedy.tokens at position 3
+    of every prompt (and its logprobs there fail endpoint.logprobs.topk)."""
+    with served(wrap_runner=lambda runner: WrongTokenAt(runner, step=3)) as url:
+        code, data = parity(tmp_path, "--endpoint", url, "--only", "endpoint.greedy.tokens",
+                            "--only", "endpoint.logprobs.topk")
+    results = by_id(data)
+    greedy = results["endpoint.greedy.tokens"]
+    assert code == 1 and greedy["status"] == "fail" and greedy["control"]["status"] == "fail"
+    named = [n for n in greedy["notes"] if "where the oracle's greedy token is" in n]
+    assert named and all(" position 3:" in n for n in named), named
+    assert {n.split(" position")[0] for n in named} == {"prompt 0", "prompt 1", "prompt 2"}
+    topk = results["endpoint.logprobs.topk"]
+    assert topk["status"] == "fail" and any("largest deviation at prompt" in n and "position 3:" in n
+                                            for n in topk["notes"]), topk["notes"]
+
+
+def shift_prompt_logprob(path: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """Perturb one echoed prompt logprob (position 5) by 0.01 nats."""
+    if path == "v1/completions" and request.get("echo"):
+        values = answer["choices"][0]["logprobs"]["token_logprobs"]
+        values[5] += 0.01
+    return answer
+
+
+def test_proxy_perturbing_one_prompt_logprob_fails_naming_it(tmp_path: Path) -> None:
+    """0.01 nats on one prompt position is far outside fp32 noise: endpoint.logprobs.prompt fails and names it."""
+    with served() as url, ServerThread(proxy_app(url, perturb=shift_prompt_logprob)) as proxy:
+        code, data = parity(tmp_path, "--endpoint", proxy.url, "--only", "endpoint.logprobs.prompt")
+    result = by_id(data)["endpoint.logprobs.prompt"]
+    assert code == 1 and result["status"] == "fail"
+    assert any("largest deviation at scored prompt 0 position 5:" in n for n in result["notes"]), result["notes"]
+
+
+def refuse_echo_and_tokenize(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    if path == "v1/completions" and body.get("echo"):
+        return 400, {"object": "error", "message": "echo is not supported", "type": "BadRequestError",
+                     "param": None, "code": 400}
+    if path in ("tokenize", "v1/tokenize"):
+        return 404, {"detail": "Not Found"}
+    return None
+
+
+def test_stub_without_prompt_logprobs_skips_those_checks_with_reason(tmp_path: Path) -> None:
+    """No echo, no tokenize endpoint: prompt logprobs are skipped with the server's answer as the reason, the chat
+    check falls back to prompt-token counts; nothing fails."""
+    with served() as url, ServerThread(proxy_app(url, refuse=refuse_echo_and_tokenize)) as proxy:
+        code, data = parity(tmp_path, "--endpoint", proxy.url, "--only", "endpoint.logprobs.prompt",
+                            "--only", "endpoint.chat.template")
+    results = by_id(data)
+    assert code == 0
+    prompt = results["endpoint.logprobs.prompt"]
+    assert prompt["status"] == "skipped" and "echo is not supported" in prompt["reason"]
+    chat = results["endpoint.chat.template"]
+    assert chat["status"] == "pass" and any("prompt token counts only" in n for n in chat["notes"])
+    assert not any(k.endswith(".ids") for k in chat["per_key"])
+    capabilities = data["run"]["endpoint"]["capabilities"]
+    assert not capabilities["echo_logprobs"]["available"] and not capabilities["tokenize"]["available"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only", "endpoint.greedy.tokens"], "need --endpoint"),
+    (["--dtype", "float32"], "--dtype applies to --endpoint runs only"),
+    (["--endpoint", "http://127.0.0.1:9", "--timeout", "2"], "--endpoint http://127.0.0.1:9"),
+    (["--endpoint", "ftp://x"], "must start with http"),
+])
+def test_endpoint_usage_errors_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Endpoint checks without an endpoint, endpoint flags without one, an unreachable or malformed URL: exit 2."""
+    assert main(["parity", "--report-dir", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
