@@ -49,9 +49,18 @@ async def client_loop(client: httpx.AsyncClient, model: str, prompts: list[list[
         out.append(await stream_one(client, model, prompt, new_tokens))
 
 
+async def prompt_tokens_accepted(client: httpx.AsyncClient) -> float:
+    """The server's count of prompt tokens its engine accepted (k3v_prompt_tokens_total on /metrics)."""
+    text = (await client.get("/metrics")).text
+    return next((float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("k3v_prompt_tokens_total")), 0.0)
+
+
 async def run_clients(url: str, model: str, waves: list[list[list[int]]], new_tokens: int,
-                      timeout_s: float = 300.0) -> dict[str, Any]:
-    """len(waves[0]) clients; client i sends waves[0][i], then waves[1][i], ... back to back."""
+                      timeout_s: float = 300.0, ordered: bool = False) -> dict[str, Any]:
+    """len(waves[0]) clients; client i sends waves[0][i], then waves[1][i], ... back to back. `ordered` (one
+    wave): client i starts only once the engine accepted client i-1's prompt, so submissions follow the
+    prompts' order (a held engine then admits them in that order)."""
     n = len(waves[0])
     if any(len(w) != n for w in waves):
         raise ValueError(f"every wave needs one prompt per client ({n}); got {[len(w) for w in waves]}")
@@ -59,8 +68,16 @@ async def run_clients(url: str, model: str, waves: list[list[list[int]]], new_to
     records: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(
-            client_loop(client, model, [w[i] for w in waves], new_tokens, records[i]) for i in range(n))), timeout_s)
+        tasks = []
+        accepted = await prompt_tokens_accepted(client) if ordered else 0.0
+        for i in range(n):
+            tasks.append(asyncio.create_task(client_loop(client, model, [w[i] for w in waves], new_tokens,
+                                                         records[i])))
+            if ordered:
+                accepted += len(waves[0][i])
+                while await prompt_tokens_accepted(client) < accepted:
+                    await asyncio.sleep(0.002)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
         wall = time.perf_counter() - start
     return {"wall_s": wall, "requests": [r for per_client in records for r in per_client],
             "order": [[i, r] for i in range(n) for r in range(len(waves))]}
@@ -69,7 +86,7 @@ async def run_clients(url: str, model: str, waves: list[list[list[int]]], new_to
 def main() -> int:
     spec = json.load(sys.stdin)
     result = asyncio.run(run_clients(spec["url"], spec["model"], spec["waves"], spec["new_tokens"],
-                                     spec.get("timeout_s", 300.0)))
+                                     spec.get("timeout_s", 300.0), spec.get("ordered", False)))
     json.dump(result, sys.stdout)
     return 0
 

@@ -6,11 +6,11 @@ context; the server is k3verify.server's app on 127.0.0.1; the clients run in a 
 (bench/clients.py). Token ids travel as text: the bench tokenizer renders id i as " i", so every generated
 token is one SSE chunk and the streamed text names the ids exactly.
 
-Parity (gates every speed of the run): at each concurrency c, c prompts are sent over HTTP while the engine
-is held (an engine.call that waits until all c were submitted), so its first step admits all of them: the
-same packed prefill and the same decode bucket as the bench path's greedy generate of those prompts, whose
-ids the streamed ids must equal bit for bit (at c = 1 two requests, one after the other). Control: each
-request's ids against the bench ids of the next prompt.
+Parity (gates every speed of the run): at each concurrency c, c prompts are sent over HTTP (in order)
+while the engine is held (an engine.call that waits until all c were submitted), so its first step admits
+all of them: the same packed prefill (same order) and the same decode bucket as the bench path's greedy
+generate of those prompts, whose ids the streamed ids must equal bit for bit (at c = 1 two requests, one
+after the other). Control: each request's ids against the bench ids of the next prompt.
 
 Speeds: c clients each send `requests_per_client` requests back to back (free-running arrivals): generated
 tokens per second of wall time, time to first token and inter-token latency (per token chunk, p50/p99).
@@ -117,11 +117,13 @@ def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int
         raise RuntimeError(f"the served engine failed: {engine.health()}")
 
 
-def _client_process(url: str, waves: list[list[list[int]]], new_tokens: int) -> subprocess.Popen[str]:
+def _client_process(url: str, waves: list[list[list[int]]], new_tokens: int, ordered: bool = False
+                    ) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-m", "k3verify.bench.clients"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdin is not None
-    proc.stdin.write(json.dumps({"url": url, "model": MODEL_NAME, "waves": waves, "new_tokens": new_tokens}))
+    proc.stdin.write(json.dumps({"url": url, "model": MODEL_NAME, "waves": waves, "new_tokens": new_tokens,
+                                 "ordered": ordered}))
     proc.stdin.close()
     proc.stdin = None  # written and closed: communicate() must not flush it again
     return proc
@@ -144,12 +146,13 @@ def _client_result(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dic
 
 def held_wave(stack: ServedStack, prompts: list[list[int]], new_tokens: int, timeout_s: float = 120.0
               ) -> dict[str, Any]:
-    """Send one request per prompt concurrently while the engine waits, so one step admits them all."""
+    """Send one request per prompt while the engine waits, each once the previous one was accepted (so the
+    engine admits them in the prompts' order, as the bench path packs them), then let one step admit them all."""
     release = threading.Event()
     holder = threading.Thread(target=stack.engine.call, args=(lambda: release.wait(timeout_s),),
                               kwargs={"timeout": timeout_s + 10}, daemon=True)
     holder.start()
-    proc = _client_process(stack.url, [prompts], new_tokens)
+    proc = _client_process(stack.url, [prompts], new_tokens, ordered=True)
     want = float(sum(len(p) for p in prompts))
     deadline = time.monotonic() + timeout_s
     try:
