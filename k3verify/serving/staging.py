@@ -26,8 +26,8 @@ class _Ring:
         i = self.next
         self.next = (i + 1) % len(self.buffers)
         event = self.events[i]
-        if event is not None:
-            event.synchronize()  # normally long done: the copy was issued `depth` calls ago
+        if event is not None and not event.query():  # normally long done: issued `depth` calls ago
+            event.synchronize()
         nbytes = n * dtype.itemsize
         if self.buffers[i].numel() < nbytes:
             self.buffers[i] = torch.empty(max(nbytes, 2 * self.buffers[i].numel()), dtype=torch.uint8,
