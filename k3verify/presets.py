@@ -6,6 +6,8 @@ Synthetic presets (small enough for CPU) go through the same strict parser as re
 - k3-skew-10  every pair of dims that production ties together is decoupled (latent != hidden/2,
               v_head != qk_nope, KDA head dim != MLA dims, rms eps 2e-5, grouped top-k), odd widths.
 - kl-tiny     Kimi-Linear features only (transformers' KimiLinear can run it).
+- k3-tp4      k3-tiny with every count a parallel layout splits (KDA and MLA heads, experts, vocab, FFN and
+              latent widths) divisible by 2 and 4, so tensor/expert parallel worlds of 2 and 4 split evenly.
 Real shapes (`k3`, `kimi-linear-48b`) are for meta-device builds, planning and reconciling only.
 """
 
@@ -247,8 +249,13 @@ def _k3_slice_4l() -> dict[str, Any]:
     return cfg
 
 
+def _tp4() -> dict[str, Any]:
+    return _k3(_k3_text(linear_attn_config={"num_heads": 4}))
+
+
 _BUILDERS = {
     "k3-tiny": lambda: _k3(_k3_text()),
+    "k3-tp4": _tp4,
     "k3-syn-25": _syn25,
     "k3-skew-10": _skew10,
     "kl-tiny": _kimi_linear,
@@ -258,7 +265,7 @@ _BUILDERS = {
     "k3-slice-4l": _k3_slice_4l,
 }
 
-SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny")
+SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny", "k3-tp4")
 PRESETS = tuple(_BUILDERS)
 
 

@@ -2,19 +2,25 @@
 
 `resolve_target` is used by parity, serve, mutate and bench: the config always comes from the checkpoint's own
 config.json + generation_config.json (`ModelConfig.from_file`), so every command sees the same eos ids; a synthetic
-preset is first written once to the checkpoint cache, so a preset and a checkpoint travel the same road. Every
-problem is a `TargetError` naming the value; commands turn it into exit code 2.
+preset is first written once to the checkpoint cache, so a preset and a checkpoint travel the same road. A directory
+written by transformers (its tensor spellings, every one of them placed by checkpoint/hf_interop.py) is read
+through that name map and says so (`Target.names`). Every problem is a `TargetError` naming the value; commands
+turn it into exit code 2.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from k3verify.checkpoint.digest import checkpoint_digest
-from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
+from k3verify.checkpoint.hf_interop import normalize_hf_names, uses_transformers_names
+from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
 from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
 from k3verify.config import ModelConfig
 from k3verify.presets import PRESETS, SYNTHETIC_PRESETS
@@ -37,15 +43,18 @@ class Target:
     preset: str | None
     checkpoint_dir: Path
     digest: str
+    names: str = "published"  # "transformers": the dir uses transformers' tensor spellings (hf_interop maps them)
 
     def hf_config(self) -> dict[str, Any]:
         """The config.json dict as written (transformers' model is built from it)."""
         result: dict[str, Any] = json.loads((self.checkpoint_dir / "config.json").read_text(encoding="utf-8"))
         return result
 
-    def weights(self) -> CheckpointReader:
-        """The checkpoint's tensors, read lazily by name: the one source of weights for every stack."""
-        return CheckpointReader(self.checkpoint_dir)
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The checkpoint's tensors by our checkpoint names, read lazily: the one source of weights for every
+        stack (a transformers-written dir is seen through hf_interop's name map, which places every name)."""
+        reader = CheckpointReader(self.checkpoint_dir)
+        return normalize_hf_names(self.cfg, reader) if self.names == "transformers" else reader
 
     def tokenizer(self) -> KimiTokenizer:
         """The checkpoint's own tokenizer (a checkpoint must ship its tokenizer files)."""
@@ -86,6 +95,8 @@ def _from_dir(ckpt: Path, *, preset: str | None, name: str) -> Target:
         raise TargetError(f"{config_path}: {exc}") from exc
     try:
         digest = checkpoint_digest(ckpt)
+        names = list(read_index(ckpt).weight_map)
     except (CheckpointError, OSError) as exc:
         raise TargetError(f"{ckpt}: cannot digest the checkpoint: {exc}") from exc
-    return Target(cfg, name, preset, ckpt, digest)
+    spelling = "transformers" if uses_transformers_names(cfg, names) else "published"
+    return Target(cfg, name, preset, ckpt, digest, spelling)

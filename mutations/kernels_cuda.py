@@ -1,6 +1,7 @@
 """Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
 kernels/norm/triton_kernels.py, our Triton conv decode in kernels/conv/decode_kernel.py, the fused Triton router
-selection in kernels/router/triton_kernels.py). They only run with
+selection in kernels/router/triton_kernels.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py).
+They only run with
 `k3verify mutate --device cuda`: on CPU the registry routes
 to the torch reference and they cannot matter."""
 
@@ -12,6 +13,8 @@ FLA = "k3verify.kernels.kda.fla_triton"
 NORM = "k3verify.kernels.norm.triton_kernels"
 CONV = "k3verify.kernels.conv.decode_kernel"
 ROUTER = "k3verify.kernels.router.triton_kernels"
+MXFP4 = "k3verify.kernels.mxfp4.grouped_kernel"
+MXFP4_KILLERS = ["kernel.mxfp4.*", "moe.module.packed"]
 
 MUTANTS = [
     Mutant(
@@ -108,5 +111,40 @@ MUTANTS = [
         old="fresh_square = len(set(q_lens)) == 1 and k_lens == q_lens and all(r[2] == 0 for r in ranges)",
         new="fresh_square = len(set(q_lens)) == 1",
         killers=["kernel.attn.packed_vs_torch"],
+    ),
+    Mutant(
+        id="kernel.mxfp4.triton_nibbles_high_first", devices=("cuda",),
+        fault="the Triton MXFP4 GEMM decodes each byte's high nibble as the earlier input column",
+        target=f"{MXFP4}:mxfp4_grouped_mm_kernel",
+        old="w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))",
+        new="w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K))",
+        killers=MXFP4_KILLERS,
+    ),
+    Mutant(
+        id="kernel.mxfp4.triton_scale_bias_off_by_one", devices=("cuda",),
+        fault="the Triton MXFP4 GEMM decodes E8M0 scales as 2^(e - 126) instead of 2^(e - 127)",
+        target=f"{MXFP4}:_e8m0",
+        old="tl.where(s == 0, 0x00400000, s << 23)",
+        new="tl.where(s == 0, 0x00400000, (s + 1) << 23)",
+        killers=MXFP4_KILLERS,
+    ),
+    Mutant(
+        id="kernel.mxfp4.triton_scale_group_off_by_one", devices=("cuda",),
+        fault="the Triton MXFP4 GEMM scales each 32-value group by the previous group's E8M0 byte (the first "
+              "group by 2^0): scale group boundaries one group late",
+        target=f"{MXFP4}:mxfp4_grouped_mm_kernel",
+        old="s = tl.load(s_rows + group[None, :], mask=col_ok[:, None] & g_ok[None, :], other=127)",
+        new="s = tl.load(s_rows + group[None, :] - 1, mask=col_ok[:, None] & g_ok[None, :] & (group > 0)[None, :], "
+            "other=127)",
+        killers=MXFP4_KILLERS,
+    ),
+    Mutant(
+        id="kernel.mxfp4.triton_wrong_expert_offset", devices=("cuda",),
+        fault="the Triton MXFP4 GEMM multiplies each expert's rows by the previous expert's weights (expert "
+              "offset into the stack off by one)",
+        target=f"{MXFP4}:mxfp4_grouped_mm_kernel",
+        old="w_expert = expert.to(tl.int64)",
+        new="w_expert = tl.maximum(expert - 1, 0).to(tl.int64)",
+        killers=MXFP4_KILLERS,
     ),
 ]

@@ -116,4 +116,20 @@ MUTANTS = [
         new="scale.to(torch.int32) - 128",
         killers=["moe.*", "kernel.mxfp4*"],
     ),
+    Mutant(
+        id="moe.packed_up_rows_first",
+        fault="the packed experts stack w3 (up) rows before w1 (gate) rows: gate and up swapped in the GLU",
+        target=f"{MOE}:SparseMoE.packed_experts",
+        old='_stack([[_packed_weight(ex, "w1"), _packed_weight(ex, "w3")] for ex in self.experts])',
+        new='_stack([[_packed_weight(ex, "w3"), _packed_weight(ex, "w1")] for ex in self.experts])',
+        killers=["moe.module.packed"], presets=("k3-tiny", "k3-skew-10"),
+    ),
+    Mutant(
+        id="mxfp4.grouped_previous_expert",
+        fault="the packed grouped GEMM's torch path multiplies each expert's rows by the previous expert's weights",
+        target=f"{MXFP4_KERNEL}:grouped_mm_torch",
+        old="w = dequantize_torch(codes[e], scales[e], x.dtype, group)",
+        new="w = dequantize_torch(codes[max(e - 1, 0)], scales[max(e - 1, 0)], x.dtype, group)",
+        killers=["moe.module.packed"], presets=("k3-tiny", "k3-skew-10"),
+    ),
 ]

@@ -11,6 +11,20 @@
 #   bash scripts/gpu_session.sh bench-k3 the k3-slice-4l bench alone (when `bench` left it no time)
 #   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
 #                                        Triton kernels, fla flags, graph signature/padding, the engine step)
+#   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
+#                                        per-GPU memory against the measured CUDA peak of the same prefill
+#                                        (passes within 10%); JSON under $OUT/plan-*.json
+#   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
+#                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
+#                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
+#   bash scripts/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
+#                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
+#                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
+#                                        k=4, acceptance 0/50/80%, and the per-KDA-layer verify cost; then the
+#                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
+#   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
+#                                        --checkpoint --device cuda -> serve answering one request (budgets
+#                                        MAKE_S=150 DIGEST_S=40 PARITY_S=270 SERVE_S=110)
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -76,7 +90,46 @@ mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
     timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout 300 \
         --report-dir "$OUT/mutate-cuda" --only 'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
-        'kernel.router.triton*' 'serving.graph.*' 'serving.step.*' 'serving.sched.*' 2>&1 | quiet | tail -40
+        'kernel.router.triton*' 'kernel.mxfp4.triton*' 'kernel.attn.*' 'serving.graph.*' 'serving.step.*' \
+        'serving.sched.*' 2>&1 | quiet | tail -40
+    ;;
+plan)
+    rc=0
+    for spec in "kl-48b-8l 16384 8192" "k3-slice-4l 8192 4096"; do
+        set -- $spec
+        step "plan vs measured: $1, context $2, segment $3"
+        timeout "${PLAN_S:-200}" python3 -m k3verify plan --preset "$1" --gpus 1 --context "$2" --segment "$3" \
+            --measure --json "$OUT/plan-$1.json" 2>&1 | quiet | tail -14
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    echo "plan vs measured: $([ $rc -eq 0 ] && echo 'both within 10%' || echo 'NOT within 10% (see above)')"
+    ;;
+mxfp4)
+    step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
+    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
+        --only moe.module.packed --report-dir "$OUT/parity-mxfp4" 2>&1 | quiet | tail -12
+    timeout "${PYTEST_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
+        2>&1 | tail -3
+    step "bench --mxfp4 k3-slice-4l"
+    timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
+        | quiet | tail -30
+    ;;
+spec)
+    step "spec bench kl-48b-8l (fused KDA verify for the speed rows)"
+    timeout "${SPEC_S:-330}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
+        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec.json" 2>&1 >/dev/null \
+        | quiet | tail -45
+    step "spec.* checks, cuda, k3-syn-25 + gpu-marked spec tests"
+    timeout "${SPEC_PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec \
+        --report-dir "$OUT/parity-spec" 2>&1 | quiet | tail -14
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_kda_verify.py 2>&1 | tail -3
+    ;;
+realsize)
+    # kl-48b-8l (27.7 GB bf16) made on disk, digested, gated by parity --device cuda (layer-by-layer module
+    # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
+    # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
+    step "realsize kl-48b-8l: make -> digest -> parity -> serve"
+    python3 scripts/gpu_realsize.py --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
     ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
@@ -99,7 +152,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|bench-k3|mutate-cuda|endpoint" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
     exit 2
     ;;
 esac

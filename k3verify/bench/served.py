@@ -76,7 +76,7 @@ class IdTokenizer:
         return [int(t) for t in text.split()]
 
 
-def no_chat(messages: list[dict[str, Any]]) -> list[int]:
+def no_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     raise ValueError("the bench server answers /v1/completions with token-id prompts only")
 
 

@@ -76,6 +76,15 @@ def hf_name_plan(cfg: ModelConfig, names: Iterable[str]) -> dict[str, Source]:
     """{our checkpoint name: Source} for every transformers-written (or already-ours) name.
 
     Raises HfNameError listing every name that lands nowhere, and any two sources for one target."""
+    plan, leftover, collisions = partial_name_plan(cfg, names)
+    if leftover or collisions:
+        raise HfNameError(f"{len(leftover)} tensor name(s) have no place in the {cfg.model_type} name map: "
+                          f"{sorted(leftover)[:8]}; {len(collisions)} collision(s): {collisions[:4]}")
+    return plan
+
+
+def partial_name_plan(cfg: ModelConfig, names: Iterable[str]) -> tuple[dict[str, Source], list[str], list[str]]:
+    """(plan, names it cannot place, collisions): the reconciler reports the last two in its buckets."""
     expected = set(checkpoint_specs(cfg))
     prefix = cfg.checkpoint_prefix
     plan: dict[str, Source] = {}
@@ -96,10 +105,24 @@ def hf_name_plan(cfg: ModelConfig, names: Iterable[str]) -> dict[str, Source]:
             if target in plan:
                 collisions.append(f"{target} <- {plan[target].name} and {source.name}")
             plan[target] = source
-    if leftover or collisions:
-        raise HfNameError(f"{len(leftover)} tensor name(s) have no place in the {cfg.model_type} name map: "
-                          f"{sorted(leftover)[:8]}; {len(collisions)} collision(s): {collisions[:4]}")
-    return plan
+    return plan, leftover, collisions
+
+
+def uses_transformers_names(cfg: ModelConfig, names: Iterable[str]) -> bool:
+    """True when some names are transformers' spellings and every name has a place through the plan."""
+    names = list(names)
+    expected = set(checkpoint_specs(cfg))
+    if all(n in expected or ignorable_reason(n) is not None for n in names):
+        return False
+    _, leftover, collisions = partial_name_plan(cfg, names)
+    return not leftover and not collisions
+
+
+def source_shape(shape: tuple[int, ...], source: Source) -> tuple[int, ...]:
+    """The shape `source` selects from a stored tensor of `shape` (no data touched)."""
+    if source.index is None:
+        return tuple(shape)
+    return tuple(torch.empty(shape, device="meta")[source.index].shape)
 
 
 class NormalizedTensors(Mapping[str, torch.Tensor]):

@@ -1,7 +1,8 @@
 """Strict loading of checkpoint tensors into a module through the one name map.
 
 Every module parameter/buffer must get a source, every checkpoint tensor must land somewhere or be
-declared ignorable (with a reason), and shapes must match; anything else raises naming the tensor.
+declared ignorable (with a reason), and shapes must match; anything else raises naming the tensor. The one
+shape exception is a named rule (checkpoint/tolerances.py: `a_log_padding`); dtypes are cast to the module's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from k3verify.checkpoint import mxfp4
 from k3verify.checkpoint.names import quantized_pair, to_module_name
+from k3verify.checkpoint.tolerances import A_LOG_PADDING, fit_a_log, shape_rule
 from k3verify.config import ModelConfig
 
 
@@ -69,8 +71,20 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
         else:
             value = tensors[sources[0]]
         if tuple(value.shape) != tuple(dest.shape):
-            raise WeightLoadError(f"shape mismatch for {sources[0]}: checkpoint {tuple(value.shape)} vs module "
-                                  f"{mod_name} {tuple(dest.shape)}")
+            value = _fit_shape(cfg, sources[0], mod_name, value, tuple(dest.shape))
         if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
             raise WeightLoadError(f"{sources[0]} must be uint8 for {mod_name}; got {value.dtype}")
         dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
+def _fit_shape(cfg: ModelConfig, source: str, mod_name: str, value: torch.Tensor,
+               dest_shape: tuple[int, ...]) -> torch.Tensor:
+    """A shape the module does not hold is accepted only under a named rule; otherwise raise naming both."""
+    if shape_rule(cfg, mod_name, tuple(value.shape), dest_shape) is not None or (
+            A_LOG_PADDING.applies_to.search(mod_name) and value.dim() == 1 and len(dest_shape) == 1):
+        try:
+            return fit_a_log(cfg, source, value, dest_shape)  # raises for an A_log shorter than the heads
+        except ValueError as exc:
+            raise WeightLoadError(str(exc)) from exc
+    raise WeightLoadError(f"shape mismatch for {source}: checkpoint {tuple(value.shape)} vs module "
+                          f"{mod_name} {dest_shape}")

@@ -180,7 +180,7 @@ class CheckpointReader(Mapping[str, torch.Tensor]):
     def total_data_bytes(self) -> int:
         return sum(e.end - e.begin for e in self.entries.values())
 
-    def get(self, name: str, default: Any = _MISSING) -> torch.Tensor:  # type: ignore[override]
+    def get(self, name: str, default: Any = _MISSING) -> torch.Tensor:
         """Load one tensor; KeyError naming the checkpoint if absent (unlike dict.get, unless a default is given)."""
         entry = self.entries.get(name)
         if entry is None:
@@ -194,6 +194,24 @@ class CheckpointReader(Mapping[str, torch.Tensor]):
             return handle.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{self.path / entry.file}: cannot read tensor {name!r}: {exc}") from exc
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Entries [start, stop) of tensor `name` along `dim`, read from the shard without the rest of the
+        tensor (a tensor-parallel rank loads only its slice)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path}")
+        if not 0 <= dim < len(entry.shape) or not 0 <= start < stop <= entry.shape[dim]:
+            raise CheckpointError(f"{self.path / entry.file}: tensor {name!r} {list(entry.shape)} has no slice "
+                                  f"[{start}, {stop}) along dim {dim}")
+        handle = self._handles.get(entry.file)
+        try:
+            if handle is None:
+                handle = self._handles[entry.file] = safe_open(str(self.path / entry.file), framework="pt")
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return handle.get_slice(name)[index]
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{self.path / entry.file}: cannot read a slice of tensor {name!r}: {exc}") from exc
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.get(name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -88,21 +89,27 @@ def synthetic_tensors(cfg: ModelConfig, seed: int = 0, device: torch.device | st
     Values depend on the device's generator: a CUDA build (used for GPU-sized benchmarks) gives other
     values than the CPU build, which is the one checkpoints and CPU checks use."""
     specs = checkpoint_specs(cfg)
+    return synthetic_group(cfg, specs, list(specs), seed, device)
+
+
+def synthetic_group(cfg: ModelConfig, specs: Mapping[str, TensorSpec], names: Sequence[str], seed: int = 0,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The synthetic values of `names` only (each depends on (seed, name) alone, so a checkpoint can be written
+    shard by shard with the same bytes as all at once). An MXFP4 half is quantized from its pair's dense draw."""
     out: dict[str, torch.Tensor] = {}
-    done_quant: set[str] = set()
-    for name, spec in specs.items():
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # both halves come from one quantization
+    for name in names:
+        spec = specs[name]
         if spec.role.startswith("mxfp4:"):
-            base = name.rsplit(".", 1)[0]
-            if base in done_quant:
-                continue
-            done_quant.add(base)
-            packed_spec = specs[f"{base}.weight_packed"]
-            dense_shape = (packed_spec.shape[0], packed_spec.shape[1] * 2)
-            dense = _dense_value(cfg, TensorSpec(dense_shape, torch.float32, spec.role[6:]), spec.role[6:],
-                                 _gen(seed, f"{base}.weight", device))
-            packed, scale = mxfp4.quantize(dense, cfg.mxfp4_group_size)
-            out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = packed, scale
+            base, part = name.rsplit(".", 1)
+            if base not in pairs:
+                packed_spec = specs[f"{base}.weight_packed"]
+                dense_shape = (packed_spec.shape[0], packed_spec.shape[1] * 2)
+                dense = _dense_value(cfg, TensorSpec(dense_shape, torch.float32, spec.role[6:]), spec.role[6:],
+                                     _gen(seed, f"{base}.weight", device))
+                pairs[base] = mxfp4.quantize(dense, cfg.mxfp4_group_size)
+            out[name] = pairs[base][0] if part == "weight_packed" else pairs[base][1]
             continue
         value = _dense_value(cfg, spec, spec.role, _gen(seed, name, device))
         out[name] = value.to(spec.dtype).contiguous()
-    return {name: out[name] for name in specs}
+    return out

@@ -22,7 +22,7 @@ import re
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +119,9 @@ def build_header(entries: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[by
     return struct.pack("<Q", len(text)) + text, order, offset
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a view (no copy beyond the move to host: a real-size shard is 4 GiB)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _dtype_tag(name: str, dtype: torch.dtype) -> str:
@@ -129,15 +130,10 @@ def _dtype_tag(name: str, dtype: torch.dtype) -> str:
     return ST_DTYPES[dtype]
 
 
-def _write_common(tmp: Path, cfg_dict: dict[str, Any], generation_config: dict[str, Any] | None,
-                  tokenizer_dir: Path | None) -> None:
+def _write_common(tmp: Path, cfg_dict: dict[str, Any], generation_config: dict[str, Any] | None) -> None:
     (tmp / "config.json").write_bytes(stable_json(cfg_dict))
     if generation_config is not None:
         (tmp / "generation_config.json").write_bytes(stable_json(generation_config))
-    if tokenizer_dir is not None:
-        for src in sorted(Path(tokenizer_dir).iterdir()):
-            if src.is_file() and not src.name.startswith(".") and src.suffix != ".py":
-                shutil.copyfile(src, tmp / src.name)
 
 
 def _write_index(tmp: Path, shards: list[list[str]], total: int) -> tuple[str, ...]:
@@ -191,22 +187,64 @@ def write_checkpoint(cfg_dict: dict[str, Any], tensors: Mapping[str, torch.Tenso
     """Write a complete checkpoint directory; identical inputs give byte-identical files.
 
     `extra_files` ({relative name: bytes}) are written after everything else, just before the rename."""
-    entries = {name: (_dtype_tag(name, t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    tokenizer = None if tokenizer_dir is None else _copy_tokenizer(Path(tokenizer_dir))
+    return write_streamed_checkpoint(cfg_dict, specs, lambda names: {n: tensors[n] for n in names}, out_dir,
+                                     shard_max_bytes=shard_max_bytes, generation_config=generation_config,
+                                     tokenizer=tokenizer, overwrite=overwrite, extra_files=extra_files)
+
+
+Produce = Callable[[list[str]], Mapping[str, torch.Tensor]]  # the tensors of one shard, by name
+
+
+def write_streamed_checkpoint(cfg_dict: dict[str, Any], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                              produce: Produce, out_dir: str | Path, *, shard_max_bytes: int,
+                              generation_config: dict[str, Any] | None,
+                              tokenizer: Callable[[Path], None] | None = None, overwrite: bool = False,
+                              extra_files: Mapping[str, bytes] | None = None,
+                              on_shard: Callable[[str, int], None] | None = None) -> WrittenCheckpoint:
+    """Write a checkpoint whose tensors exist one shard at a time: the layout comes from `specs`, then
+    `produce(names)` makes each shard's tensors, which are written and dropped before the next shard (memory
+    bounded by one shard). Same bytes as writing the same tensors all at once. `tokenizer(dir)` writes the
+    tokenizer files; `on_shard(file, bytes)` is told after each shard (progress)."""
+    entries = {name: (_dtype_tag(name, dtype), tuple(shape)) for name, (shape, dtype) in specs.items()}
     sizes = {name: math.prod(shape) * ITEM_SIZES[tag] for name, (tag, shape) in entries.items()}
 
     def fill(tmp: Path) -> tuple[tuple[str, ...], int, int, Mapping[str, bytes]]:
-        _write_common(tmp, cfg_dict, generation_config, Path(tokenizer_dir) if tokenizer_dir else None)
+        _write_common(tmp, cfg_dict, generation_config)
+        if tokenizer is not None:
+            tokenizer(tmp)
         shards = plan_shards(sizes, shard_max_bytes)
         files = _write_index(tmp, shards, sum(sizes.values()))
         for file, names in zip(files, shards, strict=True):
-            header, order, _ = build_header({n: entries[n] for n in names})
+            header, order, data_len = build_header({n: entries[n] for n in names})
+            tensors = produce(list(names))
             with open(tmp / file, "wb") as fh:
                 fh.write(header)
                 for name in order:
+                    _check_produced(name, tensors[name], entries[name])
                     fh.write(_tensor_bytes(tensors[name]))
+            del tensors
+            if on_shard is not None:
+                on_shard(file, data_len)
         return files, len(entries), sum(sizes.values()), extra_files or {}
 
     return _atomic_write(out_dir, overwrite, fill)
+
+
+def _check_produced(name: str, value: torch.Tensor, entry: tuple[str, tuple[int, ...]]) -> None:
+    tag, shape = entry
+    if _dtype_tag(name, value.dtype) != tag or tuple(value.shape) != shape:
+        raise ValueError(f"tensor {name!r}: produced {value.dtype} {tuple(value.shape)}, the layout says {tag} "
+                         f"{shape}")
+
+
+def _copy_tokenizer(src: Path) -> Callable[[Path], None]:
+    def copy(tmp: Path) -> None:
+        for path in sorted(src.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.suffix != ".py":
+                shutil.copyfile(path, tmp / path.name)
+    return copy
 
 
 def write_sparse_checkpoint(cfg_dict: dict[str, Any], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
@@ -217,7 +255,7 @@ def write_sparse_checkpoint(cfg_dict: dict[str, Any], specs: Mapping[str, tuple[
     sizes = {name: math.prod(shape) * ITEM_SIZES[tag] for name, (tag, shape) in entries.items()}
 
     def fill(tmp: Path) -> tuple[tuple[str, ...], int, int, Mapping[str, bytes]]:
-        _write_common(tmp, cfg_dict, generation_config, None)
+        _write_common(tmp, cfg_dict, generation_config)
         shards = plan_shards(sizes, shard_max_bytes)
         files = _write_index(tmp, shards, sum(sizes.values()))
         for file, names in zip(files, shards, strict=True):

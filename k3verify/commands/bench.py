@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k3verify.cli import Subparsers, UsageError
 
@@ -21,9 +21,13 @@ if TYPE_CHECKING:
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
-    p.add_argument("--preset", default="kl-48b-8l")
-    p.add_argument("--prefill", default="1024,8192", help="prompt lengths for the prefill measurement")
-    p.add_argument("--batch", default="1,16,64", help="decode batch sizes")
+    p.add_argument("--preset", default=None, help="default kl-48b-8l (k3-slice-4l with --mxfp4)")
+    p.add_argument("--prefill", default=None, help="prompt lengths for the prefill measurement "
+                   "(default 1024,8192; 8192 with --mxfp4)")
+    p.add_argument("--batch", default=None, help="decode batch sizes (default 1,16,64; 1,64 with --mxfp4)")
+    p.add_argument("--mxfp4", action="store_true", help="MXFP4 experts served packed vs dequantized to bf16 "
+                   "(weights memory, MoE layer, decode, prefill; parity vs an fp32 gold in the same run)")
+    p.add_argument("--moe-tokens", default="1,64", help="--mxfp4: token counts for the per-layer MoE time")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -38,6 +42,13 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="print the README results table of an earlier run's --json file and exit (no GPU)")
+    p.add_argument("--speculative", choices=("controlled", "ngram"), default=None,
+                   help="bench speculative decoding instead (controlled: the model's own continuation with a known "
+                        "fraction of drafts corrupted; ngram: prompt lookup)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (--speculative)")
+    p.add_argument("--spec-accept", default="0,0.5,0.8", help="controlled drafter: nominal acceptance levels")
+    p.add_argument("--kda-fused-verify", action="store_true", help="speed rows use the one-launch KDA verify")
+    p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer verify cost")
     p.set_defaults(func=run)
 
 
@@ -63,16 +74,31 @@ def run(args: argparse.Namespace) -> int:
             data = json.loads(args.table.read_text())
         except (OSError, ValueError) as exc:
             raise UsageError(f"--table {args.table}: cannot read a bench JSON: {exc}") from exc
-        print(markdown_table(data))
+        if data.get("kind") == "mxfp4":
+            from k3verify.bench.mxfp4_run import mxfp4_table
+
+            print(mxfp4_table(data))
+        elif data.get("spec"):
+            from k3verify.bench.spec import markdown_table as spec_table
+
+            print(spec_table(data))
+        else:
+            print(markdown_table(data))
         return 0 if data.get("speeds_reported") else 1
     if not torch.cuda.is_available():
         raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
+    args.preset = args.preset or ("k3-slice-4l" if args.mxfp4 else "kl-48b-8l")
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-    prefill_lens, batches = _ints(args.prefill, "--prefill"), _ints(args.batch, "--batch")
+    prefill_lens = _ints(args.prefill or ("8192" if args.mxfp4 else "1024,8192"), "--prefill")
+    batches = _ints(args.batch or ("1,64" if args.mxfp4 else "1,16,64"), "--batch")
+    if args.mxfp4:
+        return _run_mxfp4(args, prefill_lens, batches)
     profile = _ints(args.profile, "--profile") if args.profile else []
     if set(profile) - set(batches):
         raise UsageError(f"--profile {profile}: only batch sizes that are also benchmarked ({batches}) can be profiled")
+    if args.speculative is not None:
+        return _run_spec(args, batches)
     served = _ints(args.served, "--served") if args.served else []
     if set(served) - set(batches):
         raise UsageError(f"--served {served}: each concurrency must be a benchmarked batch ({batches}): the served "
@@ -88,6 +114,62 @@ def run(args: argparse.Namespace) -> int:
     result = b.run_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"),
                          b.measure_bandwidth())
     _emit(result, args.json)
+    return 0 if result.speeds_reported else 1
+
+
+def _run_mxfp4(args: argparse.Namespace, prefill_lens: list[int], batches: list[int]) -> int:
+    import torch
+
+    from k3verify.bench import mxfp4
+    from k3verify.bench.mxfp4_run import mxfp4_table, run_mxfp4_bench
+    from k3verify.bench.run import measure_bandwidth
+    from k3verify.presets import get_preset
+
+    plan = mxfp4.Mxfp4Plan(args.preset, tuple(prefill_lens), tuple(batches), tuple(_ints(args.moe_tokens,
+                           "--moe-tokens")), args.new_tokens, args.prompt_len, args.seed, parity_bar=args.parity_bar)
+    try:
+        result = run_mxfp4_bench(plan, get_preset(args.preset), torch.device("cuda"), measure_bandwidth())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    data = result.to_dict()
+    print(json.dumps(data, indent=1))
+    print(mxfp4_table(data), file=sys.stderr)
+    if args.json is not None:
+        _write_json(data, args.json)
+    return 0 if result.speeds_reported else 1
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{flag} takes comma-separated numbers; got {text!r}") from exc
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise UsageError(f"{flag} needs numbers in [0, 1]; got {text!r}")
+    return values
+
+
+def _run_spec(args: argparse.Namespace, batches: list[int]) -> int:
+    import torch
+
+    from k3verify.bench.spec import SpecPlan, markdown_table, run_spec_bench
+    from k3verify.presets import get_preset, preset_hf_config
+
+    if args.num_draft < 1:
+        raise UsageError(f"--num-draft must be >= 1; got {args.num_draft}")
+    plan = SpecPlan(args.preset, tuple(batches), args.num_draft, args.speculative,
+                    tuple(_floats(args.spec_accept, "--spec-accept")), args.new_tokens, args.prompt_len, args.seed,
+                    fused=args.kda_fused_verify, baseline=not args.no_baseline, parity_bar=args.parity_bar,
+                    layer_rows=tuple(_ints(args.spec_layer_rows, "--spec-layer-rows")), use_graphs=not args.no_graphs)
+    result = run_spec_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"))
+    data = result.to_dict()
+    print(json.dumps(data, indent=1))
+    for r in result.parity:
+        print(f"  parity {r['id']}: {r['status']} metric={r['metric']:.3g} control={r['control_metric']:.3g}",
+              file=sys.stderr)
+    print(markdown_table(data), file=sys.stderr)
+    if args.json is not None:
+        _write_json(data, args.json)
     return 0 if result.speeds_reported else 1
 
 
@@ -123,10 +205,15 @@ def _emit(result: BenchResult, path: Path | None) -> None:
 
     print(markdown_table(data), file=sys.stderr)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        _write_json(data, path)
+
+
+def _write_json(data: dict[str, Any], path: Path) -> None:
+    """Atomically: a run cut short never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -13,21 +13,25 @@ import torch
 
 from k3verify.cli import Subparsers, UsageError
 from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
+from k3verify.endpoint.session import DTYPES
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
 from k3verify.gates.suite import (
     check_import_errors,
     collect_run_info,
+    covered_dtypes,
     load_all_checks,
     make_context_factory,
     run_suite,
     select_checks,
 )
 from k3verify.oracle.pinning import report_pins
+from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def register(subparsers: Subparsers) -> None:
@@ -39,8 +43,14 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--only", action="append", default=[], metavar="PATTERN",
                    help="glob over check ids, or an id prefix such as 'kda.conv' (repeatable)")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the serving dtype (default bfloat16): the served-model checks run in it and the report "
+                        "records the dtypes covered (bfloat16 or float32); with --endpoint, the precision the "
+                        "endpoint computes in (float16 too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
+    p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
     register_endpoint_args(p)
     p.set_defaults(func=run_parity)
@@ -80,16 +90,47 @@ def _print_list(checks: list[Check]) -> None:
         print(f"{c.id}\t{c.component}\t{c.level}\t{c.kind.value}\t{bar}\t{','.join(c.suites)}\t{c.control}")
 
 
+def parallel_layout(tp: int | None, ep: int | None) -> tuple[int, int] | None:
+    """(tp, ep) for the dist.* checks, or None when neither flag was given; a bad layout is a UsageError."""
+    if tp is None and ep is None:
+        return None
+    layout = (1 if tp is None else tp, 1 if ep is None else ep)
+    try:
+        ParallelLayout(*layout)
+    except LayoutError as exc:
+        raise UsageError(str(exc)) from None
+    return layout
+
+
+def choose_checks(suite: str, only: list[str], parallel: tuple[int, int] | None) -> list[Check]:
+    """The suite narrowed by --only; with --tp/--ep also the dist.* checks (they live in the full suite), all
+    of them unless --only names some."""
+    if parallel is None:
+        return select_checks(registered_checks(), suite, only)
+    dist = [p for p in only if p.startswith("dist")]
+    rest = [p for p in only if not p.startswith("dist")]
+    chosen = {c.id: c for c in select_checks(registered_checks(), "full", dist or ["dist"])}
+    if rest or not only:
+        chosen.update((c.id, c) for c in select_checks(registered_checks(), suite, rest))
+    return sorted(chosen.values(), key=lambda c: c.id)
+
+
 def run_parity(args: argparse.Namespace) -> int:
     if args.preset is not None and args.checkpoint is not None:
         raise UsageError("give --preset or --checkpoint, not both")
     device = validate_device(args.device)
+    parallel = parallel_layout(args.tp, args.ep)
     try:
-        checks = select_checks(registered_checks(), args.suite, args.only)
+        checks = choose_checks(args.suite, args.only, parallel)
     except UsageError as exc:
         broken = ", ".join(import_errors())
         raise UsageError(f"{exc}; check modules that failed to import: {broken}" if broken else str(exc)) from None
     checks = select_endpoint_checks(checks, args)
+    dtype_name = args.dtype or "bfloat16"
+    if args.endpoint is None and dtype_name not in SERVING_DTYPES:
+        raise UsageError(f"--dtype {dtype_name} applies to --endpoint runs only; a served model is one of "
+                         f"{', '.join(SERVING_DTYPES)}")
+    dtype = SERVING_DTYPES.get(dtype_name, torch.bfloat16)
     if args.list:
         _print_list(checks)
         for module, tb in import_errors().items():
@@ -99,13 +140,16 @@ def run_parity(args: argparse.Namespace) -> int:
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
+    cache: dict[str, object] = {}
     with endpoint_session(args, target, device) as endpoint:
-        factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, endpoint=endpoint)
+        factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
+                                       cache=cache, endpoint=endpoint, parallel=parallel)
         with progress_hooks(len(checks)) as hooks:
             run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
         if endpoint is not None:
             run.run.endpoint = endpoint.record()
+    run.run.dtypes = covered_dtypes(cache)
     write_reports(run, args.report_dir)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

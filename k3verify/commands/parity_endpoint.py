@@ -25,14 +25,13 @@ PREFIX = "endpoint."
 
 
 def register_endpoint_args(p: argparse.ArgumentParser) -> None:
+    """The endpoint flags; `--dtype` (shared with local runs) is parity's own: for an endpoint it is the precision
+    the endpoint computes in, the logprob bars and near-tie margins are measured with the oracle at it."""
     g = p.add_argument_group("endpoint (verify a running server)")
     g.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server (http://host:port[/v1]); "
                    "`self` serves this package's own engine for the target on 127.0.0.1")
     g.add_argument("--model", metavar="NAME", help="the served model name (default: the first in /v1/models)")
     g.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="the precision the endpoint computes in (default bfloat16): the logprob bars and near-tie "
-                        "margins are measured with the oracle at it; with --endpoint self, the served dtype too")
     g.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default 4)")
     g.add_argument("--max-requests", type=int, default=400, metavar="N",
                    help="requests sent at most, retries included (default 400)")
@@ -44,7 +43,7 @@ def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> lis
     no --only, keep only them."""
     ours = [c for c in checks if c.id.startswith(PREFIX)]
     if args.endpoint is None:
-        for flag in ("model", "api_key", "dtype"):
+        for flag in ("model", "api_key"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --endpoint runs only")
         rest = [c for c in checks if not c.id.startswith(PREFIX)]

@@ -16,13 +16,15 @@ import torch
 
 import k3verify
 from k3verify.cli import Subparsers, UsageError
-from k3verify.commands import parity
+from k3verify.commands import parity, serve_parallel
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
-from k3verify.serving.runner import build_runner
+from k3verify.serving.runner import ModelRunner, build_runner
+from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -42,12 +44,22 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
+    p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
+                   help="serving dtype (default bfloat16); the gate report must have covered it")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
     p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
                    help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--speculative", choices=SPEC_DRAFTERS, default=None,
+                   help="speculative decoding with this drafter (default: off)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
+    p.add_argument("--spec-min-accept", type=float, default=0.25, metavar="X",
+                   help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
+    p.add_argument("--kda-fused-verify", action="store_true",
+                   help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
+    serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -70,7 +82,9 @@ def parity_command(args: argparse.Namespace) -> str:
     else:
         src = f"--preset {args.preset or DEFAULT_PRESET}"
     device = "" if args.device == "cpu" else f" --device {args.device}"
-    return f"k3verify parity {src}{device} --report-dir {args.report_dir}"
+    dtype = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
+    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(args)))
+    return f"k3verify parity {src}{device}{dtype}{' ' + layout if layout else ''} --report-dir {args.report_dir}"
 
 
 def run_gates(args: argparse.Namespace) -> int:
@@ -78,9 +92,11 @@ def run_gates(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
-    argv = ["parity", "--suite", "quick", "--device", args.device, "--report-dir", str(args.report_dir)]
+    argv = ["parity", "--suite", "quick", "--device", args.device, "--dtype", args.dtype,
+            "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
+    argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
 
@@ -115,6 +131,10 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
                          f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
+    layout = serve_parallel.layout_of(args)
+    why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
+    if why is not None:
+        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(args)}` first")
     return GatedTarget(target, found.passing)
 
 
@@ -126,12 +146,39 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
     cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    runner = build_runner(target.cfg, target.weights(), dtype=torch.bfloat16,
-                          device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
-    graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
+    layout = serve_parallel.layout_of(args)
+    if layout.world > 1 and args.speculative is not None:
+        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+                         "ranks yet; serve a parallel layout without speculative decoding")
+    graphs = None
+    if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
+        args.serving_world = serve_parallel.start_world(target, args, layout)
+        runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
+    else:
+        runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
+                              device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+        graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug)
+                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
+                    speculator=_speculator(args, runner))
     return engine, tokenizer
+
+
+def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
+    if args.speculative is None:
+        if args.kda_fused_verify:
+            raise UsageError("--kda-fused-verify only applies with --speculative")
+        return None
+    try:
+        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
+        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
+                                      fused=args.kda_fused_verify, policy=policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
+    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
+          f"KDA verify {path}", flush=True)
+    return step
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -149,4 +196,6 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.stop()
+        if getattr(args, "serving_world", None) is not None:
+            args.serving_world.close()
     return 0 if engine.health() in (None, "engine stopped") else 1

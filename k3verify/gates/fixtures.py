@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -15,8 +16,11 @@ import torch
 from torch import nn
 
 from k3verify.checkpoint.loader import load_into
+from k3verify.checkpoint.names import module_specs
+from k3verify.config import ModelConfig
 from k3verify.gates.gate import CheckContext, SkipCheck
 from k3verify.gates.route_pin import RouteRecord, record_routes
+from k3verify.gates.suite import COVERED_DTYPES
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
@@ -57,10 +61,44 @@ def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
     return _cached(ctx, "tensors", ctx.target.weights)
 
 
+# A whole model above this is not built for a check: a real-size target (kl-48b-8l: 27.7 GB in bf16) builds only
+# its served model; the oracle runs one layer at a time (model.layerwise.*) and the gold comes from transformers.
+WHOLE_MODEL_BYTES = 16 << 30
+
+
+@functools.cache
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the text model, MXFP4 experts counted dense (two values per packed byte)."""
+    total = 0
+    for name, spec in module_specs(cfg).items():
+        if name.endswith(".weight_scale"):
+            continue
+        total += math.prod(spec.shape) * (2 if name.endswith(".weight_packed") else 1)
+    return total
+
+
+def whole_model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
+
+
+def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> None:
+    """Skip (with the sizes printed) a check that would build `what` whole in `dtype` at real size."""
+    need = whole_model_bytes(ctx.cfg, dtype)
+    if need > WHOLE_MODEL_BYTES:
+        raise SkipCheck(f"real size: {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
+                        f"{WHOLE_MODEL_BYTES / 1e9:.1f} GB a check may build whole); model.layerwise.sublayers checks "
+                        "every layer against the oracle one layer at a time instead")
+
+
 def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
     """ServingModel(ctx.cfg, dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
-    Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check)."""
+    Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check).
+    At real size only the served model (ctx.dtype) is built; any other is a skip naming the sizes."""
+    if dtype != ctx.dtype:
+        require_whole_model(ctx, "a serving model", dtype)
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
+    if ctx.level in ("model", "serving"):
+        ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
     if key not in ctx.cache:
         ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
@@ -69,8 +107,15 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
     return model
 
 
+def served_model(ctx: CheckContext, mxfp4_mode: str = "cached") -> ServingModel:
+    """The serving model in the run's serving dtype (`parity --dtype`): what `serve --dtype` will run."""
+    return serving_model(ctx, ctx.dtype, mxfp4_mode)
+
+
 def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Reference:
     """K3Reference(ctx.cfg, dtype) with the checkpoint loaded strictly, on ctx.device, cached per dtype."""
+    require_whole_model(ctx, "the whole-model oracle", dtype)
+
     def build() -> K3Reference:
         ref = K3Reference(ctx.cfg, dtype)
         load_into(ref, ctx.cfg, checkpoint_tensors(ctx))
@@ -80,6 +125,8 @@ def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3
 
 def hf_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> nn.Module:
     """transformers' KimiLinearForCausalLM with the same weights (Kimi-Linear configs only)."""
+    require_whole_model(ctx, "transformers' model", dtype)
+
     def build() -> nn.Module:
         return build_hf_model(ctx.cfg, ctx.target.hf_config(), checkpoint_tensors(ctx), dtype=dtype,
                               device=ctx.device)

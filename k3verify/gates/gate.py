@@ -80,7 +80,8 @@ class Trial:
 @dataclass
 class CheckContext:
     """Everything a check may use. `generator` is a CPU generator, fresh per check and seeded from
-    (seed, check id): draw inputs on CPU, then move them to `device`, so inputs match across devices."""
+    (seed, check id): draw inputs on CPU, then move them to `device`, so inputs match across devices.
+    `dtype` is the serving dtype the run covers; checks of the served model use it (fixtures.served_model)."""
 
     target: Target
     device: torch.device
@@ -89,6 +90,9 @@ class CheckContext:
     suite: str
     cache: dict[str, Any] = field(default_factory=dict)
     endpoint: EndpointSession | None = None  # `parity --endpoint`: the server under test
+    dtype: torch.dtype = torch.bfloat16  # the serving dtype under test (`parity --dtype`)
+    level: str = ""  # the running check's level: model/serving-level use of a serving model counts as coverage
+    parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
 
     @property
     def cfg(self) -> ModelConfig:

@@ -60,6 +60,7 @@ class RunInfo:
     oracle: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     endpoint: dict[str, Any] | None = None  # `parity --endpoint`: which server answered, its features, the traffic
+    dtypes: list[str] = field(default_factory=list)  # serving-model dtypes model/serving-level checks ran in
 
 
 @dataclass
@@ -136,16 +137,28 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
+COVERED_DTYPES = "covered_dtypes"  # ctx.cache key: serving dtypes model/serving-level checks ran (fixtures)
+
+
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
-                         endpoint: EndpointSession | None = None) -> ContextFactory:
-    """The hook `parity` uses: one shared cache per run, a fresh generator per check."""
-    cache: dict[str, Any] = {}
+                         dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None,
+                         endpoint: EndpointSession | None = None,
+                         parallel: tuple[int, int] | None = None) -> ContextFactory:
+    """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
+    generator per check; `parallel` is the (tp, ep) layout the dist.* checks run."""
+    shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
-        return CheckContext(target, dev, seed, generator, suite, cache, endpoint)
+        return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level,
+                            parallel=parallel)
 
     return factory
+
+
+def covered_dtypes(cache: Mapping[str, Any]) -> list[str]:
+    """The serving dtypes a run's model/serving-level checks built their serving model in, sorted."""
+    return sorted(cache.get(COVERED_DTYPES, ()))
 
 
 def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind: str) -> Result:

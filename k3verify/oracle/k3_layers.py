@@ -72,12 +72,14 @@ class Expert(GLU):
 
 
 class Router(nn.Module):
-    """`block_sparse_moe.gate`: weight [E, H], e_score_correction_bias [E]."""
+    """`block_sparse_moe.gate`: weight [E, H], e_score_correction_bias [E]. Held in at least fp32, as transformers
+    keeps them (`_keep_in_fp32_modules_strict`): an fp32 checkpoint's router is not rounded to bf16."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(cfg.num_experts, cfg.hidden_size, dtype=dtype)
-        self.e_score_correction_bias = _param(cfg.num_experts, dtype=dtype)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        self.weight = _param(cfg.num_experts, cfg.hidden_size, dtype=wide)
+        self.e_score_correction_bias = _param(cfg.num_experts, dtype=wide)
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from k3verify.server.chat_render import ChatRenderer
 from k3verify.server.errors import APIError, engine_unavailable, error_response, install_error_handlers
 from k3verify.server.generation import generate
 from k3verify.server.metrics import ServerMetrics
@@ -24,11 +25,12 @@ from k3verify.server.protocol import (
     parse_body,
     parse_request,
 )
-from k3verify.server.render import ChatRenderer, CompletionRenderer, ModelCard, ModelList, make_id, unix_time
+from k3verify.server.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
 from k3verify.server.scoring import prompt_logprobs
 from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
 from k3verify.server.tokenize import detokenize, tokenize
 from k3verify.serving.engine import Engine
+from k3verify.tokenizer.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_TOKENS = 16
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
@@ -75,15 +77,17 @@ async def chat_completions(request: Request) -> Response:
     req = parse_request(ChatCompletionRequest, parse_body(await request.body()))
     state.check_model(req.model)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
     try:
-        ids = await asyncio.to_thread(state.encode_chat, messages)
+        ids = await asyncio.to_thread(state.encode_chat, messages, tools)
     except ValueError as exc:
         raise APIError(400, f"messages could not be rendered: {exc}", param="messages") from None
     fits = state.engine.max_new_tokens_for(len(ids))
     max_tokens = req.max_new_tokens or max(1, min(state.default_max_tokens, fits))
     renderer = ChatRenderer(make_id("chatcmpl"), unix_time(), state.model_name, state.engine.token_text,
                             want_logprobs=req.logprobs, include_usage=req.include_usage,
-                            token_ids_as_text=req.return_tokens_as_token_ids)
+                            token_ids_as_text=req.return_tokens_as_token_ids,
+                            tool_parser=state.tool_parser if req.parse_tool_calls else None)
     params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     check_logit_bias(params, state.engine.vocab_size)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="messages")
@@ -123,7 +127,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     app = FastAPI(title="k3verify", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(
         engine=engine, tokenizer=tokenizer, encode_chat=encode_chat,
-        model_name=model_name, api_key=api_key, metrics=metrics, default_max_tokens=default_max_tokens)
+        model_name=model_name, api_key=api_key, metrics=metrics, default_max_tokens=default_max_tokens,
+        tool_parser=ToolCallParser.for_tokenizer(tokenizer))
     install_error_handlers(app)
     authorized = [Depends(check_auth)]
     app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=authorized)

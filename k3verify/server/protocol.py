@@ -185,10 +185,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_message(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _Unsupported("content", "content is missing: it may be null only in an assistant message with "
+                                          "tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _Unsupported("tool_calls", f"only assistant messages carry tool_calls (got role {self.role!r})")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise _Unsupported("tool_call_id", "tool_call_id is required in, and only in, tool messages")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -197,12 +233,23 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _Unsupported("top_logprobs", "top_logprobs requires logprobs=true")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise _Unsupported("tool_choice", f"tool_choice {self.tool_choice!r} is not supported (only 'auto' "
+                                              "and 'none': the model decides, nothing forces a call)")
         return self
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        """Generated tool calls become `tool_calls` unless the client said tool_choice='none'."""
+        return self.tool_choice != "none"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -223,5 +270,6 @@ def parse_request(model: type[RequestModel], data: Any) -> RequestModel:
         for err in exc.errors(include_url=False):
             cause = (err.get("ctx") or {}).get("error")
             if isinstance(cause, _Unsupported):
-                raise APIError(400, str(cause), param=cause.param) from None
+                where = [str(p) for p in err["loc"] if not _is_union_tag(p)]  # a nested model: messages.2
+                raise APIError(400, str(cause), param=".".join([*where, cause.param])) from None
         raise validation_error_to_api_error(exc) from None

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from k3verify.serving.engine import EngineEvent
     from k3verify.serving.sampler import TokenLogprob
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -62,9 +62,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -86,6 +102,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -145,6 +162,7 @@ class Renderer:
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
         self.token_ids_as_text = token_ids_as_text
         self.text = ""
+        self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.offsets: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -162,6 +180,7 @@ class Renderer:
             self.logprobs.append(lp)
             self.offsets.append(len(self.text))
         self.text += event.text
+        self.token_ids += event.token_ids
         if event.finished:
             # The engine finishes with "stop" or "length" only (and pydantic checks it again on rendering).
             self.finish_reason = cast(FinishReason | None, event.finish_reason)
@@ -240,35 +259,3 @@ class CompletionRenderer(Renderer):
     def response(self) -> dict[str, Any]:
         choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason, logprobs=self._logprobs())
         return self._envelope([choice], self.usage)
-
-
-class ChatRenderer(Renderer):
-    chunk_model = ChatCompletionChunk
-
-    def _logprobs(self, start: int = 0) -> ChatLogprobs | None:
-        if not self.want_logprobs:
-            return None
-
-        def top(token_id: int, logprob: float) -> dict[str, Any]:
-            text, raw = self.token(token_id)
-            return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(raw)}
-
-        return ChatLogprobs(content=[
-            ChatLogprobEntry(**top(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**top(t, v)) for t, v in lp.top])
-            for lp in self.logprobs[start:]])
-
-    def start(self) -> list[dict[str, Any]]:
-        return [self._envelope([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)]
-
-    def _chunk(self, text: str, first_logprob: int) -> dict[str, Any]:
-        delta = ChatDelta(content=text) if text else ChatDelta()
-        return self._envelope([ChatChunkChoice(delta=delta, finish_reason=self.finish_reason,
-                                               logprobs=self._logprobs(first_logprob))], None)
-
-    def response(self) -> dict[str, Any]:
-        if self.usage is None:
-            raise RuntimeError("ChatRenderer.response() called before the final event")
-        choice = ChatChoice(message=AssistantMessage(content=self.text), finish_reason=self.finish_reason,
-                            logprobs=self._logprobs())
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=self.usage).model_dump()

@@ -11,8 +11,9 @@ from fastapi import Request
 from k3verify.server.errors import APIError
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
+from k3verify.tokenizer.tool_calls import ToolCallParser
 
-ChatEncoder = Callable[[list[dict[str, Any]]], list[int]]
+ChatEncoder = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]  # (messages, tools) -> ids
 
 
 class PromptTokenizer(Protocol):
@@ -20,11 +21,12 @@ class PromptTokenizer(Protocol):
 
 
 def template_chat_encoder(tokenizer: Any) -> ChatEncoder:
-    """Chat messages → prompt ids under the tokenizer's own chat template (k3verify.tokenizer)."""
+    """Chat messages (and tool definitions) → prompt ids under the tokenizer's own chat template, rendered with
+    Jinja in a sandbox with user text protected (k3verify.tokenizer)."""
     from k3verify.tokenizer import encode_chat
 
-    def encode(messages: list[dict[str, Any]]) -> list[int]:
-        return encode_chat(tokenizer, messages)
+    def encode(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return encode_chat(tokenizer, messages, tools=tools)
 
     return encode
 
@@ -40,6 +42,7 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     default_max_tokens: int
+    tool_parser: ToolCallParser | None = None  # generated tool calls -> `tool_calls` (markers in the tokenizer)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

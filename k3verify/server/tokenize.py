@@ -55,7 +55,7 @@ async def tokenize(request: Request) -> JSONResponse:
             raise APIError(400, "add_generation_prompt=false is not supported: chat prompts always end with the "
                                 "assistant turn marker", param="add_generation_prompt")
         try:
-            ids = await asyncio.to_thread(state.encode_chat, messages)
+            ids = await asyncio.to_thread(state.encode_chat, messages, None)
         except ValueError as exc:
             raise APIError(400, f"messages could not be rendered: {exc}", param="messages") from None
     else:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.request import Request
@@ -29,6 +29,9 @@ from k3verify.serving.sampler import SamplingParams, TokenLogprob
 from k3verify.serving.scheduler import Scheduler
 from k3verify.serving.step_loop import LaunchedStep, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from k3verify.serving.spec.step import SpeculativeStep
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
                  debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05, speculator: SpeculativeStep | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
@@ -107,6 +110,7 @@ class Engine:
         self.launcher = StepLauncher(runner, graphs)
         self.debug = debug
         self.observer = observer
+        self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
         self.num_waiting = 0
@@ -245,16 +249,43 @@ class Engine:
 
     def _step(self) -> None:
         """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
+        if self.speculator is not None:
+            self._step_in_order()
+            return
         plan = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
         if previous is not None:
             self._process(previous)
-        elif not plan and self.scheduler.num_running == 0 and self.scheduler.waiting:
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _step_in_order(self) -> None:
+        """With speculative decoding each step is collected before the next is planned: the drafter proposes
+        from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
+        assert self.speculator is not None
+        plan = self.scheduler.schedule()
+        if plan.decode:
+            rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
+            for seq in plan.decode:
+                if seq not in rest and seq.seq_id in self._requests:  # verified and still running
+                    seq.num_launched = len(seq.output_ids)
+                    self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
+            plan.decode = rest
+        launched = self.launcher.launch(plan, self._requests) if plan else None
+        if launched is not None:
+            self._process(launched)
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _refuse_unadmittable_head(self) -> None:
+        """Nothing ran, nothing runs: the head of the queue can never be admitted (it would wait forever)."""
+        if self.scheduler.num_running == 0 and self.scheduler.waiting:
             head = self.scheduler.waiting[0]
             self._finish(self._requests[head.seq_id], EngineEvent(
                 error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
                 prompt_tokens=len(head.prompt_ids)))
-        self.num_steps += 1
 
     def _process(self, step: LaunchedStep) -> None:
         now = time.monotonic()
@@ -282,6 +313,17 @@ class Engine:
             self._finish(req, event)
         else:
             self._emit(req, event)
+
+    # ---- what serving/spec/step.py (SpeculativeStep) calls back into ----
+    def spec_request(self, seq_id: int) -> Request:
+        return self._requests[seq_id]
+
+    def spec_emit(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
+        self._advance(req, token, lp, now)
+        return req.seq_id not in self._requests
+
+    def spec_fail(self, req: Request, message: str) -> None:
+        self._finish(req, EngineEvent(error=message, prompt_tokens=len(req.prompt_ids)))
 
     def _finish(self, req: Request, event: EngineEvent) -> None:
         self._requests.pop(req.seq_id, None)

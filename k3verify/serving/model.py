@@ -21,8 +21,9 @@ from k3verify.serving.layers.attn_res import BlockBuffer, ConcatBlocks, attn_res
 from k3verify.serving.layers.decoder import Blocks, DecoderLayer
 from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
-from k3verify.serving.layers.moe import SparseMoE
+from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
+from k3verify.serving.spec.arena import VerifyPass
 from k3verify.serving.state_cache import KDAStatePool
 
 ATTN_RES_STORAGE = ("prealloc", "concat")
@@ -30,7 +31,7 @@ ATTN_RES_STORAGE = ("prealloc", "concat")
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, V] fp32, each sequence's last token
+    logits: torch.Tensor  # [B, V] fp32, each sequence's last token ([T, V] for a verify pass)
     all_logits: torch.Tensor | None = None  # [T, V] fp32 when asked for
     captures: dict[str, torch.Tensor] | None = None  # layers.{i}.attn_out / ffn_out, final_hidden: [T, H]
     stats: dict[str, int] | None = None  # engagement counters (segmented KDA, absorbed decode, ...)
@@ -52,12 +53,13 @@ class KimiModel(nn.Module):
 
 class ServingModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 mxfp4_mode: str = "cached", *, tile_tokens: int | None = None, mla_absorb: bool = True) -> None:
+                 mxfp4_mode: str = "auto", *, tile_tokens: int | None = None, mla_absorb: bool = True) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.mla_absorb = mla_absorb
         self.attn_res_storage = "prealloc"
-        self.model = KimiModel(cfg, dtype, self.device, mxfp4_mode, tile_tokens)
+        self.mxfp4_mode = resolve_mxfp4_mode(mxfp4_mode, cfg.experts_quantized, dtype, self.device)
+        self.model = KimiModel(cfg, dtype, self.device, self.mxfp4_mode, tile_tokens)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
         self.to(self.device)
         self.kv_cache: PagedLatentCache | None = None
@@ -94,6 +96,22 @@ class ServingModel(nn.Module):
                                   device=self.device)
         return self._forward(self._context(batch, None), False, False).logits
 
+    @torch.no_grad()
+    def verify(self, batch: PackedBatch, verify: VerifyPass) -> torch.Tensor:
+        """A speculative verify pack (B continuing sequences x n tokens: the last accepted token and k drafts)
+        -> [B * n, V] fp32 logits of every token. KDA layers record every position into verify.arena and leave
+        the pool untouched; MLA layers write every token's latent (serving.spec.arena.commit_accepted settles
+        both once the accepted prefix is known)."""
+        if self.kv_cache is None or self.state_pool is None:
+            raise RuntimeError("verify needs caches: call allocate_caches first")
+        if batch.slots is None or batch.page_table is None or batch.is_decode:
+            raise ValueError("a verify pack needs slots and page tables and is not a decode pack")
+        if any(n != verify.num_positions for n in batch.seq_lens):
+            raise ValueError(f"every sequence of a verify pack has {verify.num_positions} tokens; got {batch.seq_lens}")
+        ctx = self._context(batch, None)
+        ctx.verify = verify
+        return self._forward(ctx, False, False).logits
+
     def _context(self, batch: PackedBatch, segment_len: int | None) -> ForwardContext:
         cached = batch.slots is not None or batch.page_table is not None
         if cached and (self.kv_cache is None or self.state_pool is None):
@@ -124,7 +142,8 @@ class ServingModel(nn.Module):
             h = self.finish(x, None)
         if captures is not None:
             captures["final_hidden"] = h
-        logits = self.lm_head(h.index_select(0, b.last_token_index))
+        # a verify pass needs every token's logits; anything else only each sequence's last
+        logits = self.lm_head(h if ctx.verify is not None else h.index_select(0, b.last_token_index))
         return ForwardOutput(logits, self.lm_head(h) if all_logits else None, captures, ctx.stats)
 
     def finish(self, x: torch.Tensor, blocks: Blocks | None) -> torch.Tensor:
@@ -144,5 +163,5 @@ class ServingModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu", mxfp4_mode: str = "cached", **kwargs: object) -> ServingModel:
+                device: torch.device | str = "cpu", mxfp4_mode: str = "auto", **kwargs: object) -> ServingModel:
     return ServingModel(cfg, dtype, device, mxfp4_mode, **kwargs).load(tensors)  # type: ignore[arg-type]

@@ -10,7 +10,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.sampling_adapter import counter_seed
 from k3verify.serving.scheduler import ScheduledSeq
 
 
@@ -44,6 +47,12 @@ class Request(ScheduledSeq):
     text: str = ""
     sent: int = 0
     last_token_at: float | None = None
+
+    @property
+    def generator(self) -> torch.Generator:
+        """A CPU generator keyed by (seed, position of the next token), as the sampler contract keys its draws:
+        the speculative verify step's rejection sampling draws from it."""
+        return torch.Generator().manual_seed(counter_seed(self.seed, len(self.prompt_ids) + len(self.output_ids)))
 
     def append(self, token: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text now safe to send, finish_reason or None).

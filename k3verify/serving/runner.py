@@ -68,6 +68,18 @@ class ModelRunner:
         """The KDA state slot an admitted sequence holds."""
         return self._get(seq_id).slot
 
+    def budget(self, seq_id: int) -> int:
+        """Tokens reserved for the sequence at admission (prompt + max new)."""
+        return self._get(seq_id).budget
+
+    def mark_cached(self, seq_id: int, num_tokens: int) -> None:
+        """Count tokens that a pass outside prefill/decode committed to the caches (a speculative verify)."""
+        seq = self._get(seq_id)
+        if num_tokens < 1 or seq.cached + num_tokens > seq.budget:
+            raise CacheError(f"sequence {seq_id}: committing {num_tokens} token(s) to {seq.cached} cached exceeds its "
+                             f"budget {seq.budget} (or is not positive)")
+        seq.cached += num_tokens
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return (0 < num_tokens <= self.max_context
                 and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_usable_pages)
@@ -154,8 +166,11 @@ class ModelRunner:
             st.cached += 1
         return logits
 
-    def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor) -> None:
-        """Store the token each sequence feeds on its next decode_next ([n] int64 on the model's device)."""
+    def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor | list[int]) -> None:
+        """Store the token each sequence feeds on its next decode_next ([n] int64 on the model's device, or
+        host ids: a verify pass's last emitted token, a follower rank's copy)."""
+        if isinstance(tokens, list):
+            tokens = self.staging.to_device(tokens)
         if tokens.shape != (len(seq_ids),):
             raise ValueError(f"{tuple(tokens.shape)} tokens for {len(seq_ids)} sequences")
         slots = self.staging.to_device([self._get(sid).slot for sid in seq_ids])
@@ -203,7 +218,7 @@ class ModelRunner:
 
 
 def build_runner(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", mxfp4_mode: str = "cached", num_pages: int = 256,
+                 device: torch.device | str = "cpu", mxfp4_mode: str = "auto", num_pages: int = 256,
                  page_size: int = 16, num_slots: int = 8, max_context: int | None = None) -> ModelRunner:
     """A loaded ServingModel wrapped in a runner (max_context defaults to what the pages can hold)."""
     model = ServingModel(cfg, dtype, device, mxfp4_mode).load(tensors)

@@ -36,6 +36,11 @@ class ScheduledSeq:
         return len(self.prompt_ids) + self.max_new_tokens
 
     @property
+    def last_token(self) -> int:
+        """The newest token the host holds (the prompt's last before any output)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def is_prefilled(self) -> bool:
         return self.num_prefilled == len(self.prompt_ids)
 

@@ -1,5 +1,9 @@
 """K3 chat rendering: `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per turn.
 
+This plain renderer is the reference for the project's own template (templates.KIMI_CHAT_TEMPLATE); serving
+renders every template, that one included, with Jinja (`encode_chat` -> jinja_chat.render_chat_ids), and the
+tokenizer.chat.* checks hold the two to the same ids.
+
 Rules (mirrored by templates.KIMI_CHAT_TEMPLATE):
 - roles: system, user, assistant; `tool` (a tool result) renders with the `<|im_system|>` marker and the
   word "tool", as the Kimi family feeds tool results back as system-marker turns;
@@ -13,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from k3verify.tokenizer.templates import KIMI_CHAT_FORMAT
+from k3verify.tokenizer.jinja_chat import render_chat_ids
 from k3verify.tokenizer.tokenizer import KimiTokenizer
 
 ROLE_MARKERS = {
@@ -144,14 +149,16 @@ def encode_rendered(tokenizer: KimiTokenizer, text: str, marker_offsets: Sequenc
 
 
 def encode_chat(
-    tokenizer: KimiTokenizer, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True
+    tokenizer: KimiTokenizer, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Prompt ids for `messages` under the tokenizer's own chat template (which must be one we implement)."""
-    if tokenizer.chat_format != KIMI_CHAT_FORMAT:
-        raise ValueError(
-            f"{tokenizer.source}: chat format is {tokenizer.chat_format!r}; encode_chat renders {KIMI_CHAT_FORMAT!r}"
-        )
-    return reference_chat_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    """Prompt ids for `messages` (and `tools`) under the tokenizer's own chat template, rendered with Jinja in a
+    sandbox with user text protected (jinja_chat.py). A tokenizer without a template fails fast."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{tokenizer.source}: no chat_template; a checkpoint must ship its own (no fallback to a "
+                         "sibling model's template)")
+    return render_chat_ids(tokenizer, tokenizer.chat_template, messages, tools=tools,
+                           add_generation_prompt=add_generation_prompt)
 
 
 def reencode_check(

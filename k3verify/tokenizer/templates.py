@@ -1,8 +1,13 @@
-"""Chat templates this package can render, keyed by the exact template string a config carries."""
+"""The project's own chat template, and what kind of template a checkpoint carries.
+
+Every template is rendered with Jinja (jinja_chat.py); the project's own one also has a plain renderer (chat.py),
+the reference the tokenizer.chat.* checks hold the Jinja path to."""
 
 from __future__ import annotations
 
 import hashlib
+
+from k3verify.tokenizer.jinja_chat import ChatTemplateError, compile_template
 
 # The K3 turn format as a Jinja template, so HF-style consumers render the same string we do.
 # `tool` turns use the system marker; a non-empty `name` replaces the role word after the marker.
@@ -19,20 +24,19 @@ KIMI_CHAT_TEMPLATE = (
 )
 
 KIMI_CHAT_FORMAT = "kimi-im"
-
-# We do not run Jinja: a template is supported only if it is one whose semantics chat.py implements.
-SUPPORTED_CHAT_TEMPLATES: dict[str, str] = {KIMI_CHAT_TEMPLATE: KIMI_CHAT_FORMAT}
+JINJA_CHAT_FORMAT = "jinja"
 
 
 def chat_format_of(template: object, *, source: str) -> str:
-    """Name of the chat format implemented by `template`; ValueError if we cannot render it faithfully."""
+    """`kimi-im` for the project's own template (its renderer, chat.py, is the gated reference), `jinja` for any
+    other template that compiles in the sandbox; ValueError naming the problem otherwise."""
     if not isinstance(template, str):
         raise ValueError(f"{source}: chat_template must be a string; got {type(template).__name__}")
-    fmt = SUPPORTED_CHAT_TEMPLATES.get(template)
-    if fmt is None:
+    if template == KIMI_CHAT_TEMPLATE:
+        return KIMI_CHAT_FORMAT
+    try:
+        compile_template(template)
+    except ChatTemplateError as exc:
         digest = hashlib.sha256(template.encode()).hexdigest()[:16]
-        raise ValueError(
-            f"{source}: unsupported chat_template (sha256 {digest}…, {len(template)} chars); "
-            f"supported formats: {sorted(SUPPORTED_CHAT_TEMPLATES.values())}"
-        )
-    return fmt
+        raise ValueError(f"{source}: chat_template (sha256 {digest}…, {len(template)} chars): {exc}") from None
+    return JINJA_CHAT_FORMAT

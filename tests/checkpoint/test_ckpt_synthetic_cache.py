@@ -27,7 +27,7 @@ def test_second_call_reuses_the_cached_checkpoint(tmp_path: Path, monkeypatch: p
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("rebuilt a complete cached checkpoint")
 
-    monkeypatch.setattr(synthetic, "write_checkpoint", refuse)
+    monkeypatch.setattr(synthetic, "write_streamed_checkpoint", refuse)
     assert ensure_preset_checkpoint("kl-tiny", cache_dir=tmp_path) == first
 
 

@@ -122,7 +122,7 @@ def test_stub_without_prompt_logprobs_skips_those_checks_with_reason(tmp_path: P
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--only", "endpoint.greedy.tokens"], "need --endpoint"),
-    (["--dtype", "float32"], "--dtype applies to --endpoint runs only"),
+    (["--dtype", "float16"], "--dtype float16 applies to --endpoint runs only"),
     (["--endpoint", "http://127.0.0.1:9", "--timeout", "2"], "--endpoint http://127.0.0.1:9"),
     (["--endpoint", "ftp://x"], "must start with http"),
 ])

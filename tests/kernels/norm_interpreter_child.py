@@ -6,40 +6,23 @@ CPU interpreter on saved cases and saves their outputs.
 TRITON_INTERPRET must be set before triton is first imported, hence a process of its own. The
 interpreter (triton 3.9, runtime/interpreter.py `cast_impl`) truncates fp32 -> bf16 where the GPU
 rounds to nearest even (cvt.rn.bf16.f32); the kernels' bf16 roundings are what is under test, so the
-cast is routed through torch's round-to-nearest-even before any kernel runs.
+cast is routed through torch's round-to-nearest-even (tests/kernels/triton_interp.py) before any kernel runs.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-
-
-def _round_bf16_to_nearest_even() -> None:
-    """Replace the interpreter's fp32 -> bf16 conversion by torch's (RTNE); other casts are unchanged."""
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    stock: Callable[..., Any] = interp._convert_float
-
-    def convert(data: np.ndarray, src: Any, dst: Any, rounding_mode: Any) -> np.ndarray:
-        if src == tl.float32 and dst == tl.bfloat16:
-            f32 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return stock(data, src, dst, rounding_mode)
-
-    interp._convert_float = convert
+from triton_interp import round_bf16_to_nearest_even
 
 
 def main(cases_path: str, outputs_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("TRITON_INTERPRET=1 must be set in the environment before triton is imported")
-    _round_bf16_to_nearest_even()
+    round_bf16_to_nearest_even()
     from k3verify.kernels.norm import triton_impl
 
     cases: dict[str, dict[str, Any]] = torch.load(cases_path)

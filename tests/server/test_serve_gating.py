@@ -36,7 +36,8 @@ def write_report(directory: Path, *, digest: str, version: str = k3verify.__vers
         "run": {"k3verify_version": version, "git_sha": "unknown", "git_dirty": None, "python": "3.11",
                 "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
                 "preset": "k3-tiny", "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
-                "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {}},
+                "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {},
+                "dtypes": ["bfloat16", "float32"]},
         "results": [],
         "summary": {"counts": counts, "total": sum(counts.values()), "verdict": verdict},
     }

@@ -85,7 +85,11 @@ INVALID_CHAT = [
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs=true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "less than or equal to 20"),
     ({"max_completion_tokens": -5}, "max_completion_tokens", "greater than or equal to 1"),
-    ({"tools": []}, "tools", "unrecognized"),
+    ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function", "missing"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", "required"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls", "only assistant"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages.0.content", "missing"),
 ]
 
 

@@ -218,5 +218,5 @@ def test_encode_chat_refuses_a_tokenizer_without_template(tmp_path: Path) -> Non
     (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
     tok = KimiTokenizer.from_dir(tmp_path)
     assert tok.encode("Hello world") == TOK.encode("Hello world")
-    with pytest.raises(ValueError, match="chat format is None"):
+    with pytest.raises(ValueError, match="no chat_template; a checkpoint must ship its own"):
         encode_chat(tok, CONVERSATION)

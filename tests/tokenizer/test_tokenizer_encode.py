@@ -223,11 +223,14 @@ def test_unknown_bos_token_raises(tmp_path: Path) -> None:
         KimiTokenizer.from_dir(tmp_path)
 
 
-def test_unsupported_chat_template_raises(tmp_path: Path) -> None:
-    """A checkpoint's template wins, so one we cannot render faithfully is rejected at load."""
+def test_a_template_that_does_not_compile_raises_and_any_other_is_the_checkpoints_own(tmp_path: Path) -> None:
+    """A checkpoint's template wins: any template that compiles in the sandbox is accepted (rendered with Jinja);
+    one with a syntax error is rejected at load, naming the line."""
     copy_assets(tmp_path)
     edit_config(tmp_path, lambda c: c.update(chat_template="{{ bos_token }}{% for m in messages %}{% endfor %}"))
-    with pytest.raises(ValueError, match="unsupported chat_template"):
+    assert KimiTokenizer.from_dir(tmp_path).chat_format == "jinja"
+    edit_config(tmp_path, lambda c: c.update(chat_template="{% for m in messages %}{{ m.content }"))
+    with pytest.raises(ValueError, match="chat_template .* does not compile: line 1"):
         KimiTokenizer.from_dir(tmp_path)
 
 

@@ -155,6 +155,18 @@ def _swapped(a: nn.Parameter, b: nn.Parameter) -> Iterator[None]:
             a.copy_(saved)
 
 
+@contextlib.contextmanager
+def _scaled(a: nn.Parameter, factor: float) -> Iterator[None]:
+    with torch.no_grad():
+        saved = a.detach().clone()
+        a.mul_(factor)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            a.copy_(saved)
+
+
 def _reference_vs_transformers(ctx: CheckContext) -> Trial:
     if ctx.cfg.is_k3:
         raise SkipCheck("transformers' KimiLinear has no K3 features (attn-res, latent MoE, SiTU, safe gate, "
@@ -172,17 +184,21 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
     logits, caps = hf_forward(hf, ids, capture=True)
     params = dict(hf.named_parameters())
     a, b = (params[f"model.layers.{i}.self_attn.o_norm.weight"] for i in ctx.cfg.kda_layers[:2])
-    with _swapped(a, b):
+    fault, fault_note = (_swapped(a, b), []) if not torch.equal(a, b) else (_scaled(a, 1.5), [
+        "the two o_norm weights are equal (a fresh transformers init holds ones): swapping them changes nothing, "
+        "so the control scales the first one by 1.5 instead"])
+    with fault:
         ctrl_logits, ctrl_caps = hf_forward(hf, ids, capture=True)
     names = list(ref.captures)
     return Trial(reference=ref.logits, candidate=logits, control=ctrl_logits, gold=gold, position_dim=0,
                  layers=[(n, ref.captures[n], caps[n]) for n in names],
                  control_layers=[(n, ref.captures[n], ctrl_caps[n]) for n in names],
                  notes=["reference: K3Reference fp32; candidate: transformers KimiLinearForCausalLM fp32, eager "
-                        "attention, eager experts", *(f"{k} -> {v}" for k, v in routing.items())])
+                        "attention, eager experts", *fault_note, *(f"{k} -> {v}" for k, v in routing.items())])
 
 
-_CONTROL_SWAP = "transformers with two KDA layers' o_norm weights swapped"
+_CONTROL_SWAP = ("transformers with two KDA layers' o_norm weights swapped (the first scaled by 1.5 where the two "
+                 "are equal)")
 
 
 @register_check(

@@ -152,7 +152,7 @@ def _integrity_scenario(runner: ModelRunner, ids: list[int], corrupt_after: int 
 )
 @fx.single_thread
 def check_cache_integrity(ctx: CheckContext) -> Trial:
-    model = fx.serving_model(ctx)
+    model = fx.served_model(ctx)
     ids = fx.prompt(ctx, 50, salt=20).tolist()
     cand = _integrity_scenario(_runner(model), ids, None)
     ctrl = _integrity_scenario(_runner(model), ids, corrupt_after=2)
@@ -177,7 +177,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 )
 @fx.single_thread
 def check_untouched_slots(ctx: CheckContext) -> Trial:
-    model = fx.serving_model(ctx)
+    model = fx.served_model(ctx)
     ids = fx.prompt(ctx, 40, salt=21).tolist()
 
     def run(fault: bool) -> dict[str, torch.Tensor]:

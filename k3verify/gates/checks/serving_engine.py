@@ -2,7 +2,8 @@
 
 - eos ids: a checkpoint carries two eos ids ([EOS] in config.json, <|im_end|> in generation_config.json);
   the engine that `serve` builds must stop at both. Reference: the ids read straight from the two JSON
-  files; control: config.json's alone.
+  files; control: config.json's alone. A checkpoint whose two files name the same eos cannot tell them
+  apart, so a copy of its config with a differing generation eos is checked beside it.
 - slot reuse: a freed slot may hold anything (NaN from a request that failed); allocation must hand
   out a clean one. A packed prefill mixing a continuing sequence with a fresh one on a NaN-poisoned
   reused slot must equal the same pass on a fresh pool; control: allocation that skips the zeroing.
@@ -11,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,33 +28,64 @@ from k3verify.tokenizer import KimiTokenizer
 
 
 def _json_eos(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
     data = json.loads(path.read_text())
     data = data.get("text_config", data)
     eos = data.get("eos_token_id")
     return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-@register_check(id="serving.engine.eos_ids", component="serving", level="serving", kind=Kind.BITEXACT,
-                control="only config.json's eos id honoured (generation_config.json's <|im_end|> dropped)")
-def check_engine_eos_ids(ctx: CheckContext) -> Trial:
+def _engine_eos(ctx: CheckContext, ckpt: Path, tokenizer: KimiTokenizer) -> list[int]:
+    """The eos ids of the engine `serve --checkpoint ckpt` builds (config parsed the way serve parses it)."""
+    cfg = ModelConfig.from_file(ckpt)
+    runner = ModelRunner(fx.served_model(ctx), num_pages=4, page_size=16, num_slots=1, max_context=32)
+    engine = Engine(runner, tokenizer, eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
+    return sorted(engine.eos_token_ids)
 
-    ckpt = ctx.checkpoint_dir
-    if ckpt is None or not (Path(ckpt) / "generation_config.json").is_file():
-        raise SkipCheck("needs a checkpoint directory with generation_config.json")
-    ckpt = Path(ckpt)
-    expected = sorted(set(_json_eos(ckpt / "config.json")) | set(_json_eos(ckpt / "generation_config.json")))
-    cfg = ModelConfig.from_file(ckpt)  # the path `serve --checkpoint` takes
-    runner = ModelRunner(fx.serving_model(ctx), num_pages=4, page_size=16, num_slots=1, max_context=32)
-    engine = Engine(runner, KimiTokenizer.from_dir(ckpt), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
-    return Trial(reference=torch.tensor(expected), candidate=torch.tensor(sorted(engine.eos_token_ids)),
-                 control=torch.tensor(sorted(set(_json_eos(ckpt / "config.json")))),
-                 notes=[f"config.json + generation_config.json eos ids: {expected}"])
+
+def _distinguishing_copy(ckpt: Path, tokenizer: KimiTokenizer, out: Path) -> int:
+    """config.json copied, and a generation_config.json whose eos is an id config.json does not name
+    (<|im_end|> where possible): the case a checkpoint with equal eos ids in both files never exercises."""
+    config_eos = set(_json_eos(ckpt / "config.json"))
+    candidates = [tokenizer.im_end_id, *range(tokenizer.num_base_tokens, tokenizer.n_vocab)]
+    extra = next(i for i in candidates if i not in config_eos)
+    out.mkdir()
+    shutil.copyfile(ckpt / "config.json", out / "config.json")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": extra}))
+    return extra
+
+
+@register_check(id="serving.engine.eos_ids", component="serving", level="serving", kind=Kind.BITEXACT,
+                control="only config.json's eos id honoured (generation_config.json's eos dropped)")
+def check_engine_eos_ids(ctx: CheckContext) -> Trial:
+    """Two cases: the checkpoint as it is, and a copy whose generation_config.json names an eos config.json
+    does not (built here, so a checkpoint with the same eos in both files still tests the merge)."""
+    ckpt = Path(ctx.checkpoint_dir)
+    tokenizer = KimiTokenizer.from_dir(ckpt)
+    ref: dict[str, torch.Tensor] = {}
+    cand: dict[str, torch.Tensor] = {}
+    ctrl: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="k3v-eos-") as tmp:
+        extra = _distinguishing_copy(ckpt, tokenizer, Path(tmp) / "ckpt")
+        for key, where in (("checkpoint", ckpt), ("distinguishing", Path(tmp) / "ckpt")):
+            config_only = sorted(set(_json_eos(where / "config.json")))
+            ref[key] = torch.tensor(sorted(set(config_only) | set(_json_eos(where / "generation_config.json"))))
+            cand[key] = torch.tensor(_engine_eos(ctx, where, tokenizer))
+            ctrl[key] = torch.tensor(config_only)
+    same = torch.equal(ref["checkpoint"], ctrl["checkpoint"])
+    return Trial(reference=ref, candidate=cand, control=ctrl,
+                 notes=[f"checkpoint: config.json + generation_config.json eos ids {ref['checkpoint'].tolist()}"
+                        + (" (both files name the same ids: only the distinguishing case can catch the control)"
+                           if same else ""),
+                        f"distinguishing case: generation_config.json eos {extra} added to config.json's "
+                        f"{ctrl['distinguishing'].tolist()}"])
 
 
 def _mixed_pass(ctx: CheckContext, poison: bool) -> torch.Tensor:
     """Sequence 0 prefills then continues; a released slot (poisoned with NaN) is re-allocated to a
     fresh sequence that prefills in the same pack as the continuation -> [2, V] logits."""
-    runner = ModelRunner(fx.serving_model(ctx), num_pages=16, page_size=16, num_slots=2, max_context=96)
+    runner = ModelRunner(fx.served_model(ctx), num_pages=16, page_size=16, num_slots=2, max_context=96)
     a, b = fx.prompt(ctx, 11, salt=1).tolist(), fx.prompt(ctx, 9, salt=2).tolist()
     runner.admit(0, 40)
     runner.admit(1, 40)

@@ -69,7 +69,7 @@ def _cat(outs: list[ForwardOutput], key: str) -> torch.Tensor:
 )
 @fx.single_thread
 def check_packed_equal(ctx: CheckContext) -> Trial:
-    model, T = fx.serving_model(ctx), sum(EQUAL)
+    model, T = fx.served_model(ctx), sum(EQUAL)
     ids = fx.prompt(ctx, T, salt=1)
     singles = _per_sequence(model, ids, EQUAL, ctx.device)
     packed = _run(model, ids, EQUAL, ctx.device)
@@ -79,7 +79,7 @@ def check_packed_equal(ctx: CheckContext) -> Trial:
     ref = {k: _cat(singles, k) for k in keys}
     cand = {k: packed.captures[k] for k in keys}  # type: ignore[index]
     ctrl = {k: wrong.captures[k] for k in keys}  # type: ignore[index]
-    x = fx.layer_inputs(ctx, T, torch.float32)
+    x = fx.layer_inputs(ctx, T, model.dtype)
     for i in ctx.cfg.full_attn_layers:
         attn = model.model.layers[i].self_attn
         key = f"mla.layers.{i}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
+from k3verify.gates.route_pin import tensor_attr
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.oracle import functional as Fn
@@ -19,23 +21,45 @@ T_ROUTER = 256
 
 
 def _router_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
+    """The checkpoint's routers; if its correction biases flip no selection (a fresh transformers init holds
+    zeros), the control could not differ, so the same routers run again with a drawn bias in both stacks."""
     layers = [i for i in range(ctx.cfg.num_hidden_layers) if ctx.cfg.is_moe_layer(i)]
     if not layers:
         raise SkipCheck("preset has no MoE layers")
+    trial = _router_pass(ctx, dtype, layers, synthetic_bias=False)
+    if all(torch.equal(trial.candidate[k], trial.control[k]) for k in trial.candidate if k.endswith(".idx")):
+        trial = _router_pass(ctx, dtype, layers, synthetic_bias=True)
+        trial.notes.append("the checkpoint's correction biases flip no expert selection on these inputs, so the "
+                           "control could not differ: both stacks ran with a drawn bias N(0, 0.1) instead")
+    return trial
+
+
+def _router_pass(ctx: CheckContext, dtype: torch.dtype, layers: list[int], synthetic_bias: bool) -> Trial:
     ref, model = fx.reference_model(ctx, dtype), fx.serving_model(ctx, dtype)
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}}
     for i in layers:
-        x = ref.model.layers[i].post_attention_layernorm(
-            torch.randn(T_ROUTER, ctx.cfg.hidden_size, generator=ctx.generator).to(dtype).to(ctx.device))
-        serving = model.model.layers[i].block_sparse_moe.gate
-        for name, res in (("ref", ref.model.layers[i].block_sparse_moe.gate(x)), ("cand", serving(x))):
-            out[name][f"layers.{i}.weights"], out[name][f"layers.{i}.idx"] = res
-        zeros = nn.Parameter(torch.zeros_like(serving.e_score_correction_bias), requires_grad=False)
+        norm = ref.get_submodule(f"model.layers.{i}.post_attention_layernorm")
+        x = norm(torch.randn(T_ROUTER, ctx.cfg.hidden_size, generator=ctx.generator).to(dtype).to(ctx.device))
+        oracle = ref.get_submodule(f"model.layers.{i}.block_sparse_moe.gate")
+        serving = model.get_submodule(f"model.layers.{i}.block_sparse_moe.gate")
+        bias = torch.randn(ctx.cfg.num_experts, generator=ctx.generator) * 0.1 if synthetic_bias else None
+        with _bias(oracle, bias), _bias(serving, bias):
+            for name, res in (("ref", oracle(x)), ("cand", serving(x))):
+                out[name][f"layers.{i}.weights"], out[name][f"layers.{i}.idx"] = res
+        zeros = nn.Parameter(torch.zeros_like(tensor_attr(serving, "e_score_correction_bias")), requires_grad=False)
         with fx.patched(serving, "e_score_correction_bias", zeros):
             out["ctrl"][f"layers.{i}.weights"], out["ctrl"][f"layers.{i}.idx"] = serving(x)
     notes = [f"{len(layers)} router(s), {T_ROUTER} tokens, {dtype}; groups {ctx.cfg.num_expert_group} / "
              f"topk_group {ctx.cfg.topk_group}"]
     return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"], notes=notes)
+
+
+def _bias(router: nn.Module, bias: torch.Tensor | None) -> contextlib.AbstractContextManager[None]:
+    if bias is None:
+        return contextlib.nullcontext()
+    old = tensor_attr(router, "e_score_correction_bias")
+    value = nn.Parameter(bias.to(dtype=old.dtype, device=old.device), requires_grad=False)
+    return fx.patched(router, "e_score_correction_bias", value)
 
 
 _ROUTER_CONTROL = "experts chosen without the correction bias"

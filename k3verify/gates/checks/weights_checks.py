@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.loader import WeightLoadError, load_into
 from k3verify.checkpoint.names import ignorable_reason, module_specs, quantized_pair
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.checkpoint.reconcile import ReconcileResult, build_param_module, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
+from k3verify.checkpoint.tolerances import A_LOG_PADDING, dtype_rule
 from k3verify.checkpoint.writer import write_sparse_checkpoint
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
 
@@ -71,6 +73,17 @@ def _independent_read(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _as_module_holds(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The stored value as the module must hold it. The one allowed reshaping is rule a_log_padding (stated
+    here independently of the loader): a 1-D A_log of another length keeps its leading entries, NaN past them."""
+    if tuple(value.shape) == tuple(shape) or not name.endswith(".A_log"):
+        return value
+    out = torch.full(shape, float("nan"), dtype=torch.float32)
+    n = min(shape[0], value.numel())
+    out[:n] = value.reshape(-1)[:n].float()
+    return out
+
+
 def _flat_bytes(tensors: Mapping[str, torch.Tensor], names: list[str],
                 dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
     parts = [tensors[n].to(dtypes[n]).contiguous().reshape(-1).view(torch.uint8) for n in names]
@@ -116,6 +129,7 @@ def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor
 )
 def check_loader_strict(ctx: CheckContext) -> Trial:
 
+    fixtures.require_whole_model(ctx, "two host copies of the checkpoint", torch.bfloat16)
     cfg = ctx.cfg
     prefix: str = cfg.checkpoint_prefix
     specs = module_specs(cfg)
@@ -168,8 +182,12 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     ctrl_notes: list[str] = []
     cand_flags, cand_bytes = run(strict, cand_notes)
     ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
-    source = _independent_read(ctx.checkpoint_dir)
-    ref_bytes = _flat_bytes({n: source[prefix + n] for n in specs}, list(specs), {n: s.dtype for n, s in specs.items()})
+    source: Mapping[str, torch.Tensor] = _independent_read(ctx.checkpoint_dir)
+    if ctx.target.names == "transformers":
+        source = normalize_hf_names(cfg, source)
+        cand_notes.append("names: transformers' spellings, read through checkpoint/hf_interop's name map")
+    values = {n: _as_module_holds(n, source[prefix + n], specs[n].shape) for n in specs}
+    ref_bytes = _flat_bytes(values, list(specs), {n: s.dtype for n, s in specs.items()})
     return Trial(
         reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": ref_bytes},
         candidate={"outcomes": cand_flags, "values": cand_bytes},
@@ -203,7 +221,8 @@ def check_reconcile_buckets(ctx: CheckContext) -> Trial:
     if transposed is None:
         raise SkipCheck("checkpoint has no non-square 2-D float tensor to transpose")
     taken.add(transposed)
-    retyped = next((n for n in text_names if n not in taken and specs[n][1] == torch.bfloat16), None)
+    retyped = next((n for n in text_names if n not in taken and specs[n][1] == torch.bfloat16
+                    and dtype_rule(n, torch.float32, torch.bfloat16) is None), None)
     if retyped is None:
         raise SkipCheck("checkpoint has no further bf16 tensor to re-type")
     unknown = [prefix + UNKNOWN_IN_PREFIX] + ([UNKNOWN_OUTSIDE] if prefix else [])
@@ -242,10 +261,11 @@ def check_reconcile_buckets(ctx: CheckContext) -> Trial:
         cfg_dict = json.loads((base / "config.json").read_text())
         write_sparse_checkpoint(cfg_dict, edited, copy, shard_max_bytes=SYNTHETIC_SHARD_MAX_BYTES,
                                 generation_config=None)
-        clean = reconcile_checkpoint(base, cfg=cfg)
-        clean_index = reconcile_checkpoint(base, cfg=cfg, index_only=True)
-        headers = reconcile_checkpoint(copy, cfg=cfg)
-        index_only = reconcile_checkpoint(copy, cfg=cfg, index_only=True)
+        hf = ctx.target.names == "transformers"
+        clean = reconcile_checkpoint(base, cfg=cfg, hf_names=hf)
+        clean_index = reconcile_checkpoint(base, cfg=cfg, index_only=True, hf_names=hf)
+        headers = reconcile_checkpoint(copy, cfg=cfg, hf_names=hf)
+        index_only = reconcile_checkpoint(copy, cfg=cfg, index_only=True, hf_names=hf)
 
     labels = ["clean_ok", "dropped_no_source", "half_pair_partial", "unknown_no_destination", "transposed_mismatch",
               "retyped_mismatch", "exactly_two_mismatched", "matched_count"]
@@ -257,11 +277,15 @@ def check_reconcile_buckets(ctx: CheckContext) -> Trial:
         reference={"headers": ones, "index_only": torch.ones(3, dtype=torch.int64)},
         candidate={"headers": cand, "index_only": idx},
         control={"headers": ctrl, "index_only": idx},
-        metrics={"tensors": float(len(specs))},
+        metrics={"tensors": float(len(specs)),
+                 **{f"tolerated_{rule}": float(n) for rule, n in clean.rules_used().items()}},
         notes=[f"headers flags: {labels}; index_only flags: [dropped_no_source, unknown_no_destination, "
                f"no_mismatch_visible]",
                f"edits: dropped {dropped}, half pair {half}, transposed {transposed} {specs[transposed][0]}, "
                f"re-typed {retyped} bf16->f32, unknown {unknown}",
                f"candidate counts: {headers.to_dict()['counts']}; control (index-only) counts: "
-               f"{index_only.to_dict()['counts']}"],
+               f"{index_only.to_dict()['counts']}",
+               f"names: {clean.names}; tolerance rules used by the clean checkpoint: {clean.rules_used() or 'none'}",
+               *(f"tolerated ({t.rule}): {t.checkpoint_name}: {t.detail}" for t in clean.tolerated
+                 if t.rule == A_LOG_PADDING.id)],
     )

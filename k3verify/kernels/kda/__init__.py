@@ -38,3 +38,5 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """torch_ref.kda_decode_torch over states that live in the pool: pool_state [n_slots, h, dk, dv] fp32 (one layer's
     view), slots [B]; row b reads and then overwrites pool_state[slots[b]] -> o [B, h, dv]."""
     return dispatch(DECODE_SLOTS, q, k, v, g, beta, pool_state, slots, scale, device=q.device)
+
+from k3verify.kernels.kda import verify as _verify  # noqa: E402,F401  (registers the kda.verify_* ops)

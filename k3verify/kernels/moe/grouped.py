@@ -2,17 +2,44 @@
 
 The torch reference (`kernels/moe/torch_ref.py`) loops over experts with host-side
 counts. This path sorts the T·k (token, expert) pairs by expert on the device, gathers the rows,
-runs `torch._grouped_mm` against experts stacked as [E, 2I, D] (gate|up) and [E, D, I] (down),
-un-sorts the rows and sums each token's k terms in fp32 without atomics (deterministic). Same math,
-other GEMM kernels: compared with the reference by an RMS gate, never bit-exactly.
+runs one grouped GEMM against the experts' gate|up rows and one against their down rows, un-sorts the
+rows and sums each token's k terms in fp32 without atomics (deterministic). Same math, other GEMM
+kernels: compared with the reference by an RMS gate, never bit-exactly.
+
+Two sets of grouped GEMMs share that routing: `torch._grouped_mm` over bf16 experts stacked as
+[E, 2I, D] and [E, D, I] (dense and dequantized experts), and the MXFP4 grouped GEMM over the packed
+experts as the checkpoint stores them (`PackedExperts`, the packed mode).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from k3verify.kernels.mxfp4 import grouped_mm
+
+# (rows sorted by expert [M, K], offs [E] int32 ends of each expert's rows) -> [M, N]: rows times their expert
+GroupedMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One layer's MXFP4 experts stacked: gate rows then up rows, and down; codes and E8M0 scales."""
+
+    w13_codes: torch.Tensor  # [E, 2I, D/2] uint8
+    w13_scales: torch.Tensor  # [E, 2I, D/group] uint8
+    w2_codes: torch.Tensor  # [E, D, I/2] uint8
+    w2_scales: torch.Tensor  # [E, D, I/group] uint8
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13_codes, self.w13_scales, self.w2_codes,
+                                                           self.w2_scales))
 
 
 def available() -> str | None:
@@ -30,22 +57,21 @@ def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     return None
 
 
-def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                        idx: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x_in [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32;
-    idx [T, k] -> sum_k w_k expert_k(x_in) as fp32 [T, D]."""
+def sorted_combine(x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, num_experts: int,
+                   gate_up: GroupedMM, down: GroupedMM, act: Glu) -> torch.Tensor:
+    """x_in [T, D]; weights [T, k] fp32; idx [T, k]; gate_up -> [M, 2I] (gate columns then up columns);
+    down -> [M, D] -> sum_k w_k expert_k(x_in) as fp32 [T, D]."""
     T, k = idx.shape
-    E, two_i, _ = w13.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=idx.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     rows = order // k
     xs = x_in.index_select(0, rows)  # [T*k, D], grouped by expert
-    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    g, u = h.split(two_i // 2, dim=-1)
-    y = torch._grouped_mm(act(g, u).contiguous(), w2.transpose(1, 2), offs=offs)  # [T*k, D]
+    h = gate_up(xs, offs)  # [T*k, 2I]
+    g, u = h.split(h.shape[-1] // 2, dim=-1)
+    y = down(act(g, u).contiguous(), offs)  # [T*k, D]
     w_sorted = weights.reshape(-1).index_select(0, order)
     # bf16 y times fp32 weights promotes to fp32 in one kernel (the same products as y.float() * w).
     # Un-sort with a permutation (unique targets) and reduce over k: deterministic. An index_add_ over
@@ -53,6 +79,24 @@ def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # so a CUDA-graph replay and the same step run eagerly could differ in the last bits.
     terms = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, torch.mul(y, w_sorted[:, None]))
     return terms.view(T, k, -1).sum(dim=1)
+
+
+def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                        idx: torch.Tensor, act: Glu) -> torch.Tensor:
+    """x_in [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32;
+    idx [T, k] -> sum_k w_k expert_k(x_in) as fp32 [T, D]."""
+    return sorted_combine(x_in, weights, idx, w13.shape[0],
+                          lambda xs, offs: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs),
+                          lambda hs, offs: torch._grouped_mm(hs, w2.transpose(1, 2), offs=offs), act)
+
+
+def moe_packed_combine(x_in: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, idx: torch.Tensor,
+                       act: Glu) -> torch.Tensor:
+    """As moe_grouped_combine, with both GEMMs reading the MXFP4 experts packed (kernels/mxfp4.grouped_mm)."""
+    p = experts
+    return sorted_combine(x_in, weights, idx, p.w13_codes.shape[0],
+                          lambda xs, offs: grouped_mm(xs, p.w13_codes, p.w13_scales, offs, p.group),
+                          lambda hs, offs: grouped_mm(hs, p.w2_codes, p.w2_scales, offs, p.group), act)
 
 
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -33,3 +33,27 @@ def dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     pow2 = torch.ldexp(torch.ones(scale.shape, device=packed.device), scale.to(torch.int32) - 127)
     out = values.view(rows, n // group_size, group_size) * pow2[..., None]
     return out.view(rows, n).to(dtype)
+
+
+def grouped_mm_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
+                     group: int) -> torch.Tensor:
+    """x [M, K] rows sorted by expert; codes [E, N, K/2] uint8; scales [E, N, K/group] uint8; offs [E] int32,
+    the end of each expert's rows -> y [M, N] in x.dtype, y[rows of e] = x[rows of e] @ dequantize(e)^T.
+
+    The reference: each expert with rows dequantized into x's dtype (exact) and one F.linear; host-side
+    offsets (a sync), so it is never captured in a CUDA graph."""
+    E = codes.shape[0]
+    if offs.shape != (E,):
+        raise ValueError(f"offs must hold one end per expert ({E}); got shape {tuple(offs.shape)}")
+    y = x.new_empty(x.shape[0], codes.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end < start or end > x.shape[0]:
+            raise ValueError(f"offs {offs.tolist()} are not non-decreasing ends within {x.shape[0]} rows (expert {e})")
+        if end > start:
+            w = dequantize_torch(codes[e], scales[e], x.dtype, group)
+            y[start:end] = torch.nn.functional.linear(x[start:end], w)
+        start = end
+    if start != x.shape[0]:
+        raise ValueError(f"offs end at row {start} but x has {x.shape[0]} rows")
+    return y

@@ -19,6 +19,7 @@ from torch import nn
 from k3verify.config import ModelConfig
 from k3verify.kernels.conv import causal_conv, conv_decode_qkv
 from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
+from k3verify.kernels.kda.verify import kda_verify
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.fused import FusedLinears
 from k3verify.serving.layers.linear import linear
@@ -179,6 +180,8 @@ class KimiDeltaAttention(nn.Module):
         return outs
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.verify is not None:
+            return self.verify_forward(x, ctx)
         b, pool = ctx.batch, ctx.state_pool
         T, h, dk = x.shape[0], self.heads, self.head_dim
         if pool is not None and b.slots is None:
@@ -210,3 +213,24 @@ class KimiDeltaAttention(nn.Module):
                 pool.store_state(self.layer_idx, b.slots, state)
         o = self.o_norm(o, self.output_gate(gate_in).view(T, h, dk))
         return self.o_proj(o.reshape(T, h * dk))
+
+    def verify_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A speculative verify pack (B sequences x n tokens, all continuing): each position runs a decode
+        step's math; the windows and state after every position go to the verify arena, the pool is only
+        read (a commit later copies the accepted position's record into it)."""
+        b, pool, spec = ctx.batch, ctx.state_pool, ctx.verify
+        assert spec is not None
+        if pool is None or b.slots is None:
+            raise ValueError("a KDA verify pass needs the state pool and batch.slots")
+        B, n, T, h, dk = b.num_seqs, spec.num_positions, x.shape[0], self.heads, self.head_dim
+        if T != B * n:
+            raise ValueError(f"a verify pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
+        xs = (self.q_proj(x).view(B, n, -1), self.k_proj(x).view(B, n, -1), self.v_proj(x).view(B, n, -1))
+        state_records, conv_records = spec.arena.records(self.layer_idx, B)
+        _, y = kda_verify(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
+                          pool.state_view(self.layer_idx), b.slots, ctx.fresh_mask(x.dtype).view(-1),
+                          self.forget_gate(x).view(B, n, h, dk), self.beta(x).view(B, n, h),
+                          self.output_gate(x).view(B, n, h, dk), self.o_norm.weight, self.o_norm.eps, dk**-0.5,
+                          conv_records, state_records, fused=spec.fused)
+        ctx.bump("kda_verify")
+        return self.o_proj(y.reshape(T, h * dk))

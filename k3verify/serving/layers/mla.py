@@ -32,15 +32,16 @@ def key_ranges(batch: PackedBatch, key_cu: list[int]) -> list[KeyRange]:
 
 
 def decode_rows(b: PackedBatch, cache: PagedLatentCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """For one decode step: which of the padded context positions each query sees ([B, L] bool, L the
-    longest context) and the latent-cache rows holding them ([B, L]; masked positions read row 0)."""
+    """For queries against the cache (a decode step: one token per sequence; a verify pack: several): which
+    of the padded context positions each token sees ([T, L] bool, L the longest context) and the latent-cache
+    rows holding them ([T, L]; masked positions read their sequence's row 0). Host ints only: no sync."""
     assert b.page_table is not None
     device = b.positions.device
-    lens = b.positions + 1  # [B] tokens each query sees, itself included
-    L = int(max(b.start_list)) + 1
-    pos = torch.arange(L, device=device)[None, :].expand(b.num_seqs, -1)
+    lens = b.positions + 1  # [T] tokens each query sees, itself included
+    L = int(max(b.start_list)) + max(b.seq_lens)
+    pos = torch.arange(L, device=device)[None, :].expand(b.num_tokens, -1)
     valid = pos < lens[:, None]
-    seq = torch.arange(b.num_seqs, device=device)[:, None].expand(-1, L)
+    seq = b.seg_ids[:, None].expand(-1, L)
     return valid, cache.rows(b.page_table, seq, torch.where(valid, pos, 0))
 
 
@@ -91,7 +92,7 @@ class MultiHeadLatentAttention(nn.Module):
             cache.write(self.layer_idx, ctx.kv_rows, lat)
         elif b.is_decode or b.has_prefix:
             raise ValueError("decode / prefix continuation needs the latent cache")
-        if b.is_decode and ctx.mla_absorb:
+        if (b.is_decode or ctx.verify is not None) and ctx.mla_absorb:
             out = self._decode_absorbed(q, ctx)
         else:
             out = self._attend(q, lat, ctx)
@@ -125,8 +126,9 @@ class MultiHeadLatentAttention(nn.Module):
         return causal_attention_packed(q, k, v, ctx.batch.cu_list, key_ranges(ctx.batch, key_cu), self.scale)
 
     def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """One query per sequence against its whole cached context, in the latent space.
-        q [B, nh, nope+rope] -> [B, nh, v_dim]. Contexts are padded to the longest and masked."""
+        """Every query token against its sequence's cached context up to itself, in the latent space (one token
+        per sequence in decode, k+1 in a verify pack). q [T, nh, nope+rope] -> [T, nh, v_dim]. Contexts are
+        padded to the longest and masked."""
         b, cache = ctx.batch, ctx.kv_cache
         assert cache is not None and b.page_table is not None
         ctx.bump("mla_absorbed_decode")

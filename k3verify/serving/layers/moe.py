@@ -5,6 +5,12 @@ topk_group); weights are the uncorrected s at the chosen experts, renormalized, 
 Block: y = sum_k w_k expert_k(x_in) accumulated in fp32, cast back, + shared(x). LatentMoE (K3):
 x_in = routed_expert_down_proj(x) once per token, experts run in the latent, routed_expert_norm once
 after the combine, then routed_expert_up_proj; shared experts stay in hidden space.
+
+MXFP4 experts (`mxfp4_mode`): "cached" dequantizes every expert to the activation dtype once and keeps
+it (the reference path: 4x the checkpoint's expert bytes on top of the packed buffers), "per_use"
+dequantizes at each use, "packed" keeps only the checkpoint's codes and scales, stacked per layer,
+and runs both expert GEMMs on them (kernels/mxfp4.grouped_mm: Triton on CUDA). "auto" (ServingModel's
+default) is "packed" for bf16 on CUDA, else "cached".
 """
 
 from __future__ import annotations
@@ -15,13 +21,24 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.moe import moe_combine
+from k3verify.kernels.moe.grouped import PackedExperts, moe_packed_combine
 from k3verify.kernels.mxfp4 import dequantize
 from k3verify.kernels.router import route
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.mlp import GatedMLP, glu_activation
 from k3verify.serving.layers.norm import RMSNorm
 
-MXFP4_MODES = ("cached", "per_use")
+MXFP4_MODES = ("cached", "per_use", "packed")
+
+
+def resolve_mxfp4_mode(mode: str, quantized: bool, dtype: torch.dtype, device: torch.device) -> str:
+    """Resolve "auto": "packed" where the Triton kernel serves it (bf16 on CUDA, quantized experts), else
+    "cached". Any other value must be one of MXFP4_MODES."""
+    if mode == "auto":
+        return "packed" if quantized and device.type == "cuda" and dtype == torch.bfloat16 else "cached"
+    if mode not in MXFP4_MODES:
+        raise ValueError(f"mxfp4_mode must be 'auto' or one of {MXFP4_MODES}; got {mode!r}")
+    return mode
 
 
 class Router(nn.Module):
@@ -45,6 +62,9 @@ class Router(nn.Module):
 class PackedWeight(nn.Module):
     """MXFP4 weight as the checkpoint stores it: `weight_packed` (2 codes/byte) + `weight_scale` (E8M0)."""
 
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+
     def __init__(self, n_out: int, n_in: int, group: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.register_buffer("weight_packed", torch.zeros(n_out, n_in // 2, dtype=torch.uint8, device=device))
@@ -53,6 +73,33 @@ class PackedWeight(nn.Module):
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.weight_packed, self.weight_scale, dtype, self.group)
+
+
+def _packed_weight(expert: nn.Module, name: str) -> PackedWeight:
+    w = getattr(expert, name)
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"expert weight {name} is {type(w).__name__}, not MXFP4 (PackedWeight)")
+    return w
+
+
+def _stack(parts: list[list[PackedWeight]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts[e]: the weights whose rows, in order, make expert e's matrix -> (codes [E, rows, in/2], scales
+    [E, rows, in/g]); every weight's buffers become views of the two stacks."""
+    stacks = []
+    for attr in ("weight_packed", "weight_scale"):
+        first: torch.Tensor = getattr(parts[0][0], attr)
+        rows = sum(getattr(w, attr).shape[0] for w in parts[0])
+        stack = torch.empty(len(parts), rows, first.shape[1], dtype=torch.uint8, device=first.device)
+        for e, weights in enumerate(parts):
+            row = 0
+            for w in weights:
+                t = getattr(w, attr)
+                view = stack[e, row:row + t.shape[0]]
+                view.copy_(t)
+                setattr(w, attr, view)
+                row += t.shape[0]
+        stacks.append(stack)
+    return stacks[0], stacks[1]
 
 
 class Expert(nn.Module):
@@ -96,11 +143,29 @@ class SparseMoE(nn.Module):
         self.num_experts, self.intermediate_size = cfg.num_experts, cfg.moe_intermediate_size
         self._dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._packed: PackedExperts | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.quantized and self.mxfp4_mode == "packed"
 
     def invalidate(self) -> None:
         """Drop dequantized / stacked weights (call after loading new weights)."""
         self._dense = None
         self._stacked = None
+        self._packed = None
+
+    def packed_experts(self) -> PackedExperts:
+        """The MXFP4 experts stacked as [E, 2I, D/2] codes + [E, 2I, D/g] scales (w1 rows then w3 rows) and
+        [E, D, I/2] + [E, D, I/g] (w2). Each expert's buffers are re-pointed at views of the stack, so the
+        layer holds the checkpoint's bytes once."""
+        if not self.quantized:
+            raise ValueError("packed_experts needs MXFP4 experts; this layer's experts are dense")
+        if self._packed is None:
+            w13 = _stack([[_packed_weight(ex, "w1"), _packed_weight(ex, "w3")] for ex in self.experts])
+            w2 = _stack([[_packed_weight(ex, "w2")] for ex in self.experts])
+            self._packed = PackedExperts(*w13, *w2, group=_packed_weight(self.experts[0], "w1").group)
+        return self._packed
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts as [E, 2I, D] (w1 rows then w3 rows) and [E, D, I] for the grouped-GEMM path.
@@ -122,7 +187,7 @@ class SparseMoE(nn.Module):
         return self._stacked
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.quantized or self.mxfp4_mode == "per_use":
+        if not self.quantized or self.mxfp4_mode in ("per_use", "packed"):  # packed: the reference's dense view
             return self.experts[e].weights(self.dtype)
         if self._dense is None:
             self._dense = [ex.weights(self.dtype) for ex in self.experts]
@@ -150,7 +215,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
         x_in = self.routed_expert_down_proj(x) if self.latent else x
-        y = moe_combine(self, x_in, weights, idx).to(x.dtype)
+        if self.is_packed:
+            y = moe_packed_combine(x_in, self.packed_experts(), weights, idx, self.act).to(x.dtype)
+        else:
+            y = moe_combine(self, x_in, weights, idx).to(x.dtype)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)

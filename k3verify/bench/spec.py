@@ -1,0 +1,233 @@
+"""`k3verify bench --speculative controlled|ngram`: speculative decoding speed on our model, parity first.
+
+Random-weight checkpoints make n-gram acceptance meaningless, so the `controlled` drafter proposes the model's
+own greedy continuation (from the plain run timed just before) with each draft token corrupted with
+probability 1 - acceptance: nominal acceptance 0 / 0.5 / 0.8 per draft. Rows: plain greedy decode and
+speculative greedy decode (CUDA graphs for both) per batch and acceptance, tok/s over the whole generate call,
+and the verify cost of one KDA layer, unfused (three launches) vs fused (one), at 1..8 rows. Speeds are
+reported only when every parity result of the run passed (spec_parity.py, plus bench.run's prefill parity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from k3verify.bench import spec_parity
+from k3verify.bench.parity import gold_logits, load_baseline, model_parity
+from k3verify.bench.run import progress
+from k3verify.bench.speeds import generate_ours
+from k3verify.bench.timing import cuda_time, random_prompt
+from k3verify.config import ModelConfig
+from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
+from k3verify.kernels.registry import REGISTRY
+from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.model import ServingModel
+from k3verify.serving.runner import ModelRunner
+from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
+from k3verify.serving.spec.graphs import VerifyGraphs
+from k3verify.serving.spec.offline import generate_speculative
+from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.verifier import SpecVerifier
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    preset: str
+    batches: tuple[int, ...] = (1, 16)
+    num_draft: int = 4
+    drafter: str = "controlled"  # or "ngram"
+    accept: tuple[float, ...] = (0.0, 0.5, 0.8)  # controlled drafter: nominal acceptance per draft token
+    new_tokens: int = 64
+    prompt_len: int = 128
+    seed: int = 0
+    fused: bool = False  # --kda-fused-verify for the speed rows
+    baseline: bool = True  # model-level parity against transformers+fla's fp32 gold
+    parity_bar: float = 5e-3
+    parity_len: int = 256
+    parity_chunks: int = 3
+    kernel_rows: tuple[int, ...] = (1, 4, 8)
+    layer_rows: tuple[int, ...] = (1, 2, 4, 8)
+    min_mean_accepted: float = 0.25
+    use_graphs: bool = True
+
+
+@dataclass
+class SpecBenchResult:
+    preset: str
+    device_name: str
+    kda_verify_path: str
+    num_draft: int
+    parity: list[dict[str, Any]] = field(default_factory=list)
+    speed: list[dict[str, Any]] = field(default_factory=list)
+    layer_cost: list[dict[str, Any]] = field(default_factory=list)
+    kernel_fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    speeds_reported: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec": True, **asdict(self)}
+
+
+def _timed(fn: Any) -> tuple[Any, float]:
+    """Run fn once as warm-up (captures, compiles), then twice timed; (last result, median seconds)."""
+    out: list[Any] = [fn()]
+    t = cuda_time(lambda: out.append(fn()), warmup=0, repeats=2)
+    return out[-1], t.median_s
+
+
+def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | None, dgraphs: GraphDecoder | None,
+               B: int) -> list[dict[str, Any]]:
+    """Plain greedy decode, then speculative greedy decode per acceptance, on the same prompts."""
+    runner, cfg = verifier.runner, verifier.runner.model.cfg
+    prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
+    plain, plain_s = _timed(lambda: generate_ours(runner, dgraphs, prompts, plan.new_tokens).tolist())
+    refs = {i: p + o for i, (p, o) in enumerate(zip(prompts.tolist(), plain, strict=True))}
+    levels = plan.accept if plan.drafter == "controlled" else (float("nan"),)
+    rows = []
+    for accept in levels:
+        drafter: Drafter = (ControlledDrafter(plan.num_draft, refs, 1.0 - accept, cfg.vocab_size, plan.seed)
+                            if plan.drafter == "controlled" else NgramDrafter(plan.num_draft))
+        policy = SpecPolicy(min_mean_accepted=plan.min_mean_accepted)
+        run, spec_s = _timed(lambda d=drafter, p=policy: generate_speculative(
+            verifier, d, prompts.tolist(), plan.new_tokens, policy=p, verify_graphs=vgraphs, decode_graphs=dgraphs))
+        same = sum(a == b for x, y in zip(run.tokens, plain, strict=True) for a, b in zip(x, y, strict=True))
+        tokens = B * plan.new_tokens
+        rows.append({"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
+                     "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
+                     "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
+                     "turned_off": sum(s.off for s in run.stats), "tokens_equal_to_plain": same / tokens})
+    return rows
+
+
+def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int, seed: int,
+               calls: int = 20) -> dict[str, Any]:
+    """Microseconds per KDA-layer verify (one layer's dims, bf16), unfused vs fused, each as `calls` back-to-back
+    calls in one CUDA graph (launch gaps of a real step, no host): median of 5 replays / calls."""
+    from k3verify.gates.checks._spec_common import op_case
+
+    case = op_case(SimpleNamespace(cfg=cfg, device=device, generator=torch.Generator().manual_seed(seed)),
+                   torch.bfloat16, rows=rows, num_draft=num_draft)
+    B, n, h, dk = case.shape
+    conv_rec = torch.empty(B, n, 3, h * dk, cfg.conv_kernel_size - 1, device=device)
+    state_rec = torch.empty(B, n, h, dk, dk, device=device)
+    row: dict[str, Any] = {"rows": rows, "positions": n}
+    for name, fused in (("unfused", False), ("fused", True)):
+        def step(fused: bool = fused) -> object:
+            return kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g,
+                              case.beta, case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec,
+                              fused=fused)
+        step()  # compile, allocate the fused kernel's tickets
+        fn: Any = step
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    step()
+            fn = graph.replay
+        t = cuda_time(fn, warmup=2, repeats=5)
+        row[f"{name}_us"] = t.median_s / (calls if device.type == "cuda" else 1) * 1e6
+        if fused:
+            row["fused_path"] = REGISTRY.last_backend.get(VERIFY_FUSED, "none")
+    row["fused_speedup"] = row["unfused_us"] / row["fused_us"]
+    return row
+
+
+def run_spec_bench(plan: SpecPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: torch.device) -> SpecBenchResult:
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+    result = SpecBenchResult(plan.preset, name, "fused" if plan.fused else "unfused", plan.num_draft)
+    n, max_b = plan.num_draft + 1, max(plan.batches)
+    ctx = plan.prompt_len + plan.new_tokens + 2 * n + 8
+    progress(f"generating {plan.preset} weights on {device}")
+    tensors = synthetic_tensors(cfg, plan.seed, device=device)
+    ids = random_prompt(1, plan.parity_len, cfg.vocab_size, plan.seed + 7, device)[0]
+    gold = theirs = None
+    if plan.baseline and not cfg.is_k3:
+        progress("fp32 gold and bf16 baseline (transformers+fla)")
+        gold = gold_logits(cfg, hf_dict, tensors, ids, device)
+        hf = load_baseline(cfg, hf_dict, tensors, device)
+        with torch.no_grad():
+            theirs = hf(input_ids=ids[None], use_cache=False).logits[0].float()
+        del hf
+    model = ServingModel(cfg, torch.bfloat16, device).load(tensors)
+    del tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    runner = ModelRunner(model, num_pages=max_b * (-(-max(ctx, plan.parity_len + n) // 64)) + 16, page_size=64,
+                         num_slots=max_b + 1, max_context=max(ctx, plan.parity_len + n))
+    graphs_on = plan.use_graphs and device.type == "cuda"
+    buckets = tuple(sorted(set(plan.batches)))
+    dgraphs = GraphDecoder(model, ctx, buckets=buckets, use_graphs=True) if graphs_on else None
+    verifier = SpecVerifier(runner, plan.num_draft, max_b, fused=plan.fused)
+    vgraphs = verifier.make_graphs(ctx, buckets) if graphs_on else None
+    _parity(plan, result, verifier, vgraphs, ids, gold, theirs, device)
+    return _speeds(plan, result, verifier, vgraphs, dgraphs, device)
+
+
+def _parity(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgraphs: VerifyGraphs | None,
+            ids: torch.Tensor, gold: torch.Tensor | None, theirs: torch.Tensor | None, device: torch.device) -> None:
+    progress("parity")
+    cfg = verifier.runner.model.cfg
+    if gold is not None and theirs is not None:
+        result.parity.append(model_parity(verifier.runner, theirs, ids, gold, plan.parity_bar))
+        # the parity pack runs eagerly: a graph bucket of one row sized to the decode context would not hold it
+        result.parity.append(spec_parity.verify_logits_parity(verifier, None, ids, gold, theirs, plan.parity_chunks,
+                                                               plan.parity_bar))
+    if device.type == "cuda" and cfg.has_kda:
+        result.parity.append(spec_parity.fused_kernel_parity(cfg, device, plan.kernel_rows, plan.seed))
+    if vgraphs is not None:
+        for B in vgraphs.buckets:
+            prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 200 + B, device)
+            result.parity.append(spec_parity.verify_graph_parity(verifier, vgraphs, prompts))
+
+
+def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgraphs: VerifyGraphs | None,
+            dgraphs: GraphDecoder | None, device: torch.device) -> SpecBenchResult:
+    model_level = any(r["id"] == "bench.spec_verify_logits_vs_fp32_gold" for r in result.parity)
+    if not model_level:
+        result.notes.append("no model-level parity ran (it needs the transformers baseline, which has no K3 features): "
+                            "speeds withheld")
+    elif all(r["status"] == "pass" for r in result.parity):
+        for B in plan.batches:
+            progress(f"speculative decode batch {B}")
+            result.speed.extend(speed_rows(plan, verifier, vgraphs, dgraphs, B))
+        for rows in plan.layer_rows:
+            progress(f"KDA layer verify cost, {rows} rows")
+            result.layer_cost.append(layer_cost(verifier.runner.model.cfg, device, rows, plan.num_draft, plan.seed))
+        result.speeds_reported = True
+    else:
+        result.notes.append("parity is not green in this run: speeds withheld")
+    fused = [f"{op}: {reason}" for op, reason in REGISTRY.fallbacks if op == VERIFY_FUSED]
+    if plan.fused:
+        ran = REGISTRY.last_backend.get(VERIFY_FUSED, "none")
+        result.kda_verify_path = "fused" if ran == "triton" and not fused else f"unfused (fused refused: {fused})"
+    result.kernel_fallbacks = sorted({f"{op}: {reason}" for op, reason in REGISTRY.fallbacks})
+    progress("done")
+    return result
+
+
+def markdown_table(data: dict[str, Any]) -> str:
+    hw = data["device_name"]
+    if not data.get("speeds_reported"):
+        return f"No speeds for {data['preset']} on {hw}: " + "; ".join(data.get("notes", ["parity not green"]))
+    rows = ["| hardware | workload | plain decode | speculative | speedup | acceptance (measured) | verify / decode "
+            "steps, auto-off |", "|---|---|---|---|---|---|---|"]
+    for r in data["speed"]:
+        rows.append(f"| {hw} | {data['preset']} batch {r['batch']}, k={data['num_draft']}, {r['drafter']} "
+                    f"{r['accept_nominal']:.0%} | {r['plain_tok_s']:,.0f} tok/s | {r['spec_tok_s']:,.0f} tok/s | "
+                    f"{r['speedup']:.2f}x | {r['accept_measured']:.0%} | {r['verify_steps']} / {r['decode_steps']}, "
+                    f"{r['turned_off']} off |")
+    rows += ["", "| KDA layer verify, rows x positions | unfused (3 launches) | fused (1 launch) | fused speedup |",
+             "|---|---|---|---|"]
+    for r in data["layer_cost"]:
+        rows.append(f"| {r['rows']} x {r['positions']} | {r['unfused_us']:.1f} us | {r['fused_us']:.1f} us "
+                    f"({r['fused_path']}) | {r['fused_speedup']:.2f}x |")
+    passed = ", ".join(f"{p['id']} {p['status']}" for p in data["parity"])
+    return "\n".join(rows) + f"\n\nKDA verify path of the speed rows: {data['kda_verify_path']}. Parity in the same " \
+        f"run: {passed}."
+

@@ -1,0 +1,105 @@
+"""The speculative bench's parity, run before any speed: teacher-forced verify logits against the fp32 gold,
+the fused KDA verify against the unfused one bit for bit (rows 1/4/8, eager and graph replay), and the captured
+verify step against the same step eager. Each is a bench trial judged like the parity checks (bench.parity.judge)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from k3verify.bench.parity import judge
+from k3verify.config import ModelConfig
+from k3verify.gates import Kind, Trial, compare
+from k3verify.serving.spec.graphs import VerifyGraphs
+from k3verify.serving.spec.verifier import SpecVerifier
+
+
+def verify_logits_parity(verifier: SpecVerifier, graphs: VerifyGraphs | None, ids: torch.Tensor, gold: torch.Tensor,
+                         theirs: torch.Tensor, chunks: int, bar: float) -> dict[str, Any]:
+    """Prefill ids[:P], then `chunks` verify packs of k+1 teacher-forced ids, each committed whole; the prefill's
+    last logits and every verify position's against the fp32 gold at those positions. Bar: max(bar, 1.5 x the
+    bf16 baseline's own distance there), as the decode parity. Control: each pack commits only its first token
+    while the next pack still starts k+1 tokens later (the accepted-prefix bookkeeping broken)."""
+    runner, n = verifier.runner, verifier.num_positions
+    P = ids.numel() - chunks * n
+
+    def run(commit_all: bool) -> torch.Tensor:
+        sid = max(runner.active_ids, default=-1) + 1
+        runner.admit(sid, P + chunks * n + n)
+        try:
+            rows = [runner.prefill([(sid, ids[:P].tolist())])]
+            for c in range(chunks):
+                rows.append(verifier.verify([(sid, ids[P + c * n:P + (c + 1) * n].tolist())], graphs)[0].clone())
+                verifier.commit([verifier.num_draft if commit_all else 0])
+            return torch.cat(rows)
+        finally:
+            runner.release(sid)
+
+    cand, ctrl = run(True), run(False)
+    ref, base_theirs = gold[P - 1:P + chunks * n], theirs[P - 1:P + chunks * n]
+    base = compare(Kind.RMS, ref, base_theirs, 1.0).metric
+    eff_bar = max(bar, 1.5 * base)
+    trial = Trial(reference=ref, candidate=cand, control=ctrl,
+                  metrics={"baseline_vs_gold_rms": base, "effective_bar": eff_bar,
+                           "argmax_agreement_with_gold": float((cand.argmax(-1) == ref.argmax(-1)).float().mean())},
+                  notes=[f"prefill {P}, then {chunks} verify packs of {n} teacher-forced tokens (fused KDA verify: "
+                         f"{verifier.fused}); bar max({bar}, 1.5 x baseline-vs-fp32 = {1.5 * base:.3g})"])
+    return judge("bench.spec_verify_logits_vs_fp32_gold", Kind.RMS, trial, eff_bar)
+
+
+def fused_kernel_parity(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], seed: int) -> dict[str, Any]:
+    """spec.fused.vs_unfused at this model's KDA dims (CUDA): same trial, judged here."""
+    from k3verify.gates.checks.serving_spec_kernels import fused_vs_unfused_trial
+
+    ctx = SimpleNamespace(cfg=cfg, device=device, generator=torch.Generator().manual_seed(seed))
+    return judge("bench.kda_fused_verify_vs_unfused", Kind.BITEXACT, fused_vs_unfused_trial(ctx, rows))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def verify_graph_parity(verifier: SpecVerifier, graphs: VerifyGraphs, prompts: torch.Tensor) -> dict[str, Any]:
+    """One verify pack through the captured graph vs the same static step eagerly, from the same caches (snapshot,
+    restore): logits and records bit for bit. Control: the graph replayed while its static inputs still hold
+    another pack (the refill skipped)."""
+    runner, n, arena = verifier.runner, verifier.num_positions, verifier.arena
+    eager = verifier.make_graphs(graphs.max_context, graphs.buckets, use_graphs=False)
+    B = prompts.shape[0]
+    base = max(runner.active_ids, default=-1) + 1
+    ids = list(range(base, base + B))
+    for sid, p in zip(ids, prompts.tolist(), strict=True):
+        runner.admit(sid, len(p) + 3 * n)
+    pool, kv = runner.state_pool.tensors(), runner.kv_cache
+
+    def outputs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": _bits(logits.float().clone()), "records": _bits(arena.state[:, :B].clone())}
+
+    def run(steps: VerifyGraphs, shift: int) -> dict[str, torch.Tensor]:
+        for k, v in snap[0].items():
+            pool[k].copy_(v)
+        kv.data.copy_(snap[1])
+        out = outputs(verifier.verify([(sid, [(7 * sid + 3 * j + shift) % 1000 + 1 for j in range(n)])
+                                       for sid in ids], steps))
+        verifier.commit([0] * B)
+        return out
+
+    try:
+        runner.prefill(list(zip(ids, prompts.tolist(), strict=True)))
+        snap = ({k: v.clone() for k, v in pool.items()}, kv.data.clone())
+        ref, cand = run(eager, 0), run(graphs, 0)
+        run(graphs, 1)  # leaves the other pack in the graph's static inputs
+        for k, v in snap[0].items():
+            pool[k].copy_(v)
+        kv.data.copy_(snap[1])
+        graph, out, _, _ = graphs._graphs[graphs.bucket_for(B)]
+        graph.replay()  # the control's fault: no refill
+        ctrl = outputs(out[: B * n].view(B, n, -1))
+    finally:
+        for sid in ids:
+            runner.release(sid)
+    trial = Trial(reference=ref, candidate=cand, control=ctrl,
+                  notes=[f"{B} rows x {n} positions; captures={graphs.captures}"])
+    return judge(f"bench.verify_graph_vs_eager.b{B}", Kind.BITEXACT, trial)

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, the verify pass with KDA records, acceptance, commit, engine step."""

@@ -1,0 +1,75 @@
+"""Acceptance of k draft tokens from one verify row: logits [k+1, V] (row j predicts the token after
+position j, position 0 being the last accepted token) -> the tokens to emit (accepted drafts + one more).
+
+Greedy: the longest prefix of drafts equal to the model's argmax, then the bonus token (the argmax after
+the last accepted position). Sampling: standard speculative rejection sampling for a deterministic drafter
+(its proposal q is one-hot on the draft): draft d at row j is accepted with probability p_j(d); on the
+first rejection the emitted token is drawn from p_j with d removed (max(p - q, 0), renormalized); if every
+draft survives, the bonus token is drawn from p_k. p_j is the request's own distribution (temperature,
+top-k, top-p as the sampler applies them) and every draw uses the request's own generator, so each
+emitted token is distributed exactly as plain sampling would draw it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3verify.serving.sampler import SamplingParams, filter_logits
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """num_accepted drafts survived (the commit keeps positions 0..num_accepted); `tokens` are emitted."""
+
+    num_accepted: int
+    tokens: list[int]  # the accepted drafts, then one token from the row after the last accepted position
+
+
+def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Accepted:
+    """[k+1, V] logits, k drafts -> accepted drafts + the bonus token (1..k+1 tokens)."""
+    _check(logits, drafts)
+    return accept_greedy_ids(logits.argmax(dim=-1).tolist(), drafts)
+
+
+def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
+    """accept_greedy on the rows' argmax ids already on the host (one transfer for a whole verify batch)."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"acceptance needs k+1 = {len(drafts) + 1} argmax ids; got {len(best)}")
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return Accepted(a, drafts[:a] + [best[a]])
+
+
+def token_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The request's sampling distribution over a [V] logit row (fp32, on the CPU where its generator lives)."""
+    scaled = filter_logits(row.float().cpu() / params.temperature, params.top_k, params.top_p)
+    return torch.softmax(scaled, dim=-1)
+
+
+def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+                   generator: torch.Generator) -> Accepted:
+    """[k+1, V] logits, k drafts, a sampled request -> accepted drafts + one token drawn as described above."""
+    _check(logits, drafts)
+    if params.is_greedy:
+        return accept_greedy(logits, drafts)
+    for j, d in enumerate(drafts):
+        p = token_probs(logits[j], params)
+        u = float(torch.rand((), generator=generator))
+        if u < float(p[d]):
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        total = float(residual.sum())
+        if total <= 0.0:  # p is one-hot on d, yet u >= p[d] = 1 cannot happen with u in [0, 1)
+            raise RuntimeError(f"rejection sampling: draft {d} rejected with no mass left elsewhere (p[d]={p[d]})")
+        return Accepted(j, drafts[:j] + [int(torch.multinomial(residual / total, 1, generator=generator))])
+    bonus = token_probs(logits[len(drafts)], params)
+    return Accepted(len(drafts), drafts + [int(torch.multinomial(bonus, 1, generator=generator))])
+
+
+def _check(logits: torch.Tensor, drafts: list[int]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"acceptance needs [k+1, V] logits for k={len(drafts)} drafts; got {tuple(logits.shape)}")

@@ -1,0 +1,158 @@
+"""CUDA graphs of the verify pass: one captured graph per row-count bucket, replayed over static buffers.
+
+The captured step saves the latents its rows are about to overwrite, then runs the verify forward (KDA
+records into the arena, MLA latents into the cache): the same sequence SpecVerifier runs eagerly. Padded
+rows of a bucket park on the scratch slot and the scratch page. A replay whose cache or arena tensors
+moved (capture signature) re-captures, logged. `static_verify` is the same step without a graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from k3verify.serving.batch import SCRATCH, PackedBatch
+from k3verify.serving.graphs import Signature, capture_signature
+from k3verify.serving.model import ServingModel
+from k3verify.serving.spec.arena import VerifyArena, VerifyPass
+
+log = logging.getLogger("k3verify.graphs")
+
+
+@dataclass
+class VerifyInputs:
+    """Device buffers of one bucket (B rows x n positions); rows past the live ones hold scratch values."""
+
+    input_ids: torch.Tensor  # [B * n]
+    slots: torch.Tensor  # [B]
+    page_table: torch.Tensor  # [B, P]
+    starts: torch.Tensor  # [B] tokens cached before the verify
+    positions: torch.Tensor  # [B * n]
+    seg_ids: torch.Tensor  # [B * n] constant
+    local_pos: torch.Tensor  # [B * n] constant
+    cu_seqlens: torch.Tensor  # [B + 1] constant
+
+    @classmethod
+    def allocate(cls, rows: int, n: int, pages_per_seq: int, device: torch.device) -> VerifyInputs:
+        def z(*shape: int) -> torch.Tensor:
+            return torch.full(shape, SCRATCH, dtype=torch.long, device=device)
+
+        seg = torch.arange(rows, device=device).repeat_interleave(n)
+        local = torch.arange(n, device=device).repeat(rows)
+        cu = torch.arange(0, rows * n + 1, n, device=device)
+        return cls(z(rows * n), z(rows), z(rows, pages_per_seq), z(rows), local.clone(), seg, local, cu)
+
+    @property
+    def rows(self) -> int:
+        return self.slots.shape[0]
+
+    def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int], n: int) -> None:
+        B, P, live = self.rows, self.page_table.shape[1], len(slots)
+        if live > B or any(len(t) > P for t in tables) or len(ids) != live * n:
+            raise ValueError(f"{live} rows / {len(ids)} tokens / tables {[len(t) for t in tables]} do not fit a "
+                             f"bucket of {B} rows x {n} tokens, {P} pages")
+        pad = B - live
+        table = [list(t) + [SCRATCH] * (P - len(t)) for t in tables] + [[SCRATCH] * P] * pad
+        starts_all = [*starts, *[0] * pad]
+        positions = [s + j for s in starts_all for j in range(n)]
+        host = torch.tensor([*ids, *[0] * (pad * n), *slots, *[SCRATCH] * pad, *starts_all, *positions],
+                            dtype=torch.long)
+        sizes = [B * n, B, B, B * n]
+        for dst, src in zip((self.input_ids, self.slots, self.starts, self.positions), host.split(sizes), strict=True):
+            dst.copy_(src, non_blocking=True)
+        self.page_table.copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+
+
+def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,
+                  max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Save the latents the rows will overwrite, run the verify forward -> ([B * n, V] logits, latent rows [B * n]).
+    No host synchronisation: host-side lists are fixed by the bucket (every row seen as up to max_context long)."""
+    assert model.kv_cache is not None
+    B, n = inputs.rows, verify.num_positions
+    batch = PackedBatch(
+        input_ids=inputs.input_ids, cu_seqlens=inputs.cu_seqlens, cu_list=list(range(0, B * n + 1, n)),
+        start_pos=inputs.starts, start_list=[max_context - n] * B, slots=inputs.slots, page_table=inputs.page_table,
+        seg_ids=inputs.seg_ids, local_pos=inputs.local_pos, positions=inputs.positions,
+    )
+    rows = model.kv_cache.rows(inputs.page_table, inputs.seg_ids, inputs.positions)
+    verify.arena.save_latents(model.kv_cache, rows)
+    return model.verify(batch, verify), rows
+
+
+class VerifyGraphs:
+    def __init__(self, model: ServingModel, arena: VerifyArena, max_context: int, *, buckets: tuple[int, ...],
+                 fused: bool = False, use_graphs: bool | None = None) -> None:
+        if model.kv_cache is None or model.state_pool is None:
+            raise RuntimeError("VerifyGraphs needs the model's caches allocated first")
+        if max(buckets) > arena.max_rows:
+            raise ValueError(f"bucket {max(buckets)} exceeds the arena's {arena.max_rows} rows")
+        self.model, self.max_context, self.buckets = model, max_context, tuple(sorted(buckets))
+        self.verify_pass = VerifyPass(arena, arena.num_positions, fused)
+        self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device}")
+        self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
+        self._inputs: dict[int, VerifyInputs] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, Signature]] = {}
+        self.captures = 0
+
+    def bucket_for(self, rows: int) -> int:
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise ValueError(f"{rows} verify rows exceed the largest captured bucket {self.buckets[-1]}")
+
+    def _static(self, bucket: int) -> VerifyInputs:
+        if bucket not in self._inputs:
+            self._inputs[bucket] = VerifyInputs.allocate(bucket, self.verify_pass.num_positions, self.pages_per_seq,
+                                                         self.model.device)
+        return self._inputs[bucket]
+
+    def _signature(self) -> Signature:
+        arena = self.verify_pass.arena
+        extra = tuple((name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+                      for name, t in (("arena.state", arena.state), ("arena.conv", arena.conv),
+                                      ("arena.latents", arena.latents)))
+        return capture_signature(self.model) + extra
+
+    def _capture(self, bucket: int) -> None:
+        inputs = self._static(bucket)
+        inputs.fill([], [], [], [], self.verify_pass.num_positions)  # warm-up and capture touch scratch rows only
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # Triton compilation and autotuning, lazy allocations: outside the capture
+                static_verify(self.model, self.verify_pass, inputs, self.max_context)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
+        self._graphs[bucket] = (graph, logits, rows, self._signature())
+        self.captures += 1
+
+    def verify(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [B * n, V], slots [B], latent rows [B * n]) for B live rows (views of the bucket's buffers:
+        use them before the next verify)."""
+        n, B = self.verify_pass.num_positions, len(slots)
+        bucket = self.bucket_for(B)
+        inputs = self._static(bucket)
+        if not self.use_graphs:
+            inputs.fill(ids, slots, tables, starts, n)
+            with torch.no_grad():
+                logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
+            return logits[: B * n], inputs.slots[:B], rows[: B * n]
+        entry = self._graphs.get(bucket)
+        if entry is not None and entry[3] != self._signature():
+            log.warning("verify graph for bucket %d was captured over other cache / arena tensors: re-capturing",
+                        bucket)
+            entry = None
+        if entry is None:
+            self._capture(bucket)
+            entry = self._graphs[bucket]
+        inputs.fill(ids, slots, tables, starts, n)
+        graph, logits, rows, _ = entry
+        graph.replay()
+        return logits[: B * n], inputs.slots[:B], rows[: B * n]

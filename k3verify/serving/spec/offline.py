@@ -1,0 +1,105 @@
+"""Offline speculative greedy generation (the checks and the bench; the server goes through step.py).
+
+Each round: every live sequence whose drafter proposes something, whose policy still allows it and whose
+budget has room for k+1 more positions is verified in one packed pass (drafts padded to k by repeating
+the last one); the others take one plain decode step. Greedy acceptance, then a commit of each verified
+row's accepted prefix. Tokens past max_new_tokens are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from k3verify.serving.kv_cache import CacheError
+from k3verify.serving.spec.accept import accept_greedy_ids
+from k3verify.serving.spec.drafter import Drafter
+from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.verifier import SpecVerifier
+
+if TYPE_CHECKING:
+    from k3verify.serving.graphs import GraphDecoder
+    from k3verify.serving.spec.graphs import VerifyGraphs
+
+
+@dataclass
+class SpecRun:
+    tokens: list[list[int]]  # generated tokens per prompt
+    stats: list[SpecStats]  # per prompt
+    verify_steps: int = 0
+    decode_steps: int = 0
+    accepted_per_row: list[int] = field(default_factory=list)  # every verified row's accepted drafts
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafts / drafted tokens over all verify rows (nan when nothing was verified)."""
+        drafted = sum(s.drafted for s in self.stats)
+        return sum(s.accepted for s in self.stats) / drafted if drafted else float("nan")
+
+
+def pad_drafts(drafts: list[int], k: int) -> list[int]:
+    """Exactly k drafts: cut, or repeat the last proposal (a verify row is always k+1 tokens)."""
+    return (drafts + [drafts[-1]] * k)[:k]
+
+
+def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequence[Sequence[int]],
+                         max_new_tokens: int, *, policy: SpecPolicy | None = None,
+                         verify_graphs: VerifyGraphs | None = None,
+                         decode_graphs: GraphDecoder | None = None) -> SpecRun:
+    """Greedy generation of max_new_tokens per prompt, all prompts admitted at once. The drafter is asked
+    with the prompt's index as its key."""
+    runner = verifier.runner
+    if max_new_tokens < 1 or not prompts or len(prompts) > verifier.max_rows:
+        raise ValueError(f"need max_new_tokens >= 1 and 1..{verifier.max_rows} prompts; got {max_new_tokens}, "
+                         f"{len(prompts)}")
+    policy = policy if policy is not None else SpecPolicy()
+    base = max(runner.active_ids, default=-1) + 1
+    ids = list(range(base, base + len(prompts)))
+    for sid, p in zip(ids, prompts, strict=True):
+        if not runner.can_admit(len(p) + max_new_tokens):
+            raise CacheError(f"prompt of {len(p)} tokens + {max_new_tokens} new does not fit the free cache")
+        runner.admit(sid, len(p) + max_new_tokens)
+    run = SpecRun([[] for _ in prompts], [SpecStats() for _ in prompts])
+    try:
+        first = runner.prefill([(sid, list(p)) for sid, p in zip(ids, prompts, strict=True)]).argmax(-1).tolist()
+        for out, tok in zip(run.tokens, first, strict=True):
+            out.append(tok)
+        while live := [i for i in range(len(prompts)) if len(run.tokens[i]) < max_new_tokens]:
+            _round(verifier, drafter, policy, prompts, ids, live, run, verify_graphs, decode_graphs)
+    finally:
+        for sid in ids:
+            runner.release(sid)
+    for out in run.tokens:
+        del out[max_new_tokens:]
+    return run
+
+
+def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts: Sequence[Sequence[int]],
+           ids: list[int], live: list[int], run: SpecRun, verify_graphs: VerifyGraphs | None,
+           decode_graphs: GraphDecoder | None) -> None:
+    k = verifier.num_draft
+    rows: list[tuple[int, list[int]]] = []  # (prompt index, drafts)
+    plain: list[int] = []
+    for i in live:
+        drafts = [] if run.stats[i].off or not verifier.can_verify(ids[i]) else \
+            drafter.propose(i, list(prompts[i]) + run.tokens[i])
+        if drafts:
+            rows.append((i, pad_drafts(drafts, k)))
+        else:
+            plain.append(i)
+    if rows:
+        logits = verifier.verify([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], verify_graphs)
+        best = logits.argmax(dim=-1).tolist()  # [B][k+1]: one transfer for the whole verify batch
+        results = [accept_greedy_ids(best[r], d) for r, (_, d) in enumerate(rows)]
+        verifier.commit([a.num_accepted for a in results])
+        for (i, _), a in zip(rows, results, strict=True):
+            run.tokens[i].extend(a.tokens)
+            policy.record(run.stats[i], k, a.num_accepted)
+            run.accepted_per_row.append(a.num_accepted)
+        run.verify_steps += 1
+    if plain:
+        step = [(ids[i], run.tokens[i][-1]) for i in plain]
+        for i, tok in zip(plain, verifier.runner.decode(step, decode_graphs).argmax(-1).tolist(), strict=True):
+            run.tokens[i].append(tok)
+        run.decode_steps += 1

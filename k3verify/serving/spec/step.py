@@ -1,0 +1,117 @@
+"""The engine's speculative decode step (`serve --speculative ngram --num-draft K`).
+
+Engine._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
+drafts (the drafter proposed something), room in its budget for k+1 positions and speculation still on
+(policy.py) is verified in one packed pass; acceptance is greedy for greedy requests and rejection
+sampling with the request's own generator otherwise; the accepted prefixes are committed; the emitted
+tokens go out through the engine one by one (a stop token or max_tokens ends the request there, and the
+rest is dropped). The sequences it did not verify are returned for the plain decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from k3verify.serving.request import Request
+from k3verify.serving.runner import ModelRunner
+from k3verify.serving.sampler import TokenLogprob, nonfinite_rows, token_logprobs
+from k3verify.serving.scheduler import ScheduledSeq
+from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
+from k3verify.serving.spec.drafter import Drafter, NgramDrafter
+from k3verify.serving.spec.offline import pad_drafts
+from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.verifier import SpecVerifier
+
+SPEC_DRAFTERS = ("ngram",)
+
+
+class SpecHost(Protocol):
+    """What the step needs of the engine (serving/engine.py implements it)."""
+
+    def spec_request(self, seq_id: int) -> Request: ...
+    def spec_emit(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
+        """Emit one token; True when the request is finished (or dropped) afterwards."""
+        ...
+    def spec_fail(self, req: Request, message: str) -> None: ...
+
+
+@dataclass
+class SpecCounters:
+    verify_steps: int = 0
+    verified_rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    turned_off: int = 0  # requests whose speculation the policy switched off
+
+
+class SpeculativeStep:
+    def __init__(self, verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy | None = None) -> None:
+        if drafter.num_draft != verifier.num_draft:
+            raise ValueError(f"drafter proposes {drafter.num_draft} tokens, the verifier checks {verifier.num_draft}")
+        self.verifier, self.drafter = verifier, drafter
+        self.policy = policy if policy is not None else SpecPolicy()
+        self.stats: dict[int, SpecStats] = {}
+        self.counters = SpecCounters()
+
+    def run(self, host: SpecHost, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Verify what can be verified this step; return the sequences left for plain decode."""
+        live = {s.seq_id for s in batch}
+        self.stats = {sid: st for sid, st in self.stats.items() if sid in live}
+        rows: list[tuple[Request, list[int]]] = []
+        rest: list[ScheduledSeq] = []
+        for seq in batch:
+            drafts = self._drafts(host.spec_request(seq.seq_id))
+            if drafts and len(rows) < self.verifier.max_rows:
+                rows.append((host.spec_request(seq.seq_id), drafts))
+            else:
+                rest.append(seq)
+        if rows:
+            self._verify(host, rows)
+        return rest
+
+    def _drafts(self, req: Request) -> list[int]:
+        stats = self.stats.setdefault(req.seq_id, SpecStats())
+        if stats.off or not self.verifier.can_verify(req.seq_id):
+            return []
+        proposed = self.drafter.propose(req.seq_id, req.prompt_ids + req.output_ids)
+        return pad_drafts(proposed, self.verifier.num_draft) if proposed else []
+
+    def _verify(self, host: SpecHost, rows: list[tuple[Request, list[int]]]) -> None:
+        n, k = self.verifier.num_positions, self.verifier.num_draft
+        logits = self.verifier.verify([(req.seq_id, [req.last_token, *drafts]) for req, drafts in rows])
+        bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
+        best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
+        results = [Accepted(0, []) if r in bad else accept_greedy_ids(best[r], drafts) if req.params.is_greedy
+                   else accept_sampled(logits[r], drafts, req.params, req.generator)
+                   for r, (req, drafts) in enumerate(rows)]
+        self.verifier.commit([a.num_accepted for a in results])
+        c, now = self.counters, time.monotonic()
+        c.verify_steps += 1
+        for r, ((req, _), acc) in enumerate(zip(rows, results, strict=True)):
+            if r in bad:
+                host.spec_fail(req, f"model produced non-finite logits (NaN/inf) in a verify pass at step "
+                                    f"{len(req.output_ids)}")
+                continue
+            stats = self.stats[req.seq_id]
+            was_on = not stats.off
+            self.policy.record(stats, k, acc.num_accepted)
+            c.turned_off += int(was_on and stats.off)
+            c.verified_rows, c.drafted, c.accepted = c.verified_rows + 1, c.drafted + k, c.accepted + acc.num_accepted
+            lps = token_logprobs(logits[r, : len(acc.tokens)], acc.tokens, [req.params.logprobs] * len(acc.tokens))
+            for tok, lp in zip(acc.tokens, lps, strict=True):
+                c.emitted += 1
+                if host.spec_emit(req, tok, lp, now):
+                    break  # a stop token or max_tokens finished the request: the rest is dropped
+
+
+def build_speculative_step(runner: ModelRunner, drafter: str, num_draft: int, max_rows: int, *, fused: bool = False,
+                           policy: SpecPolicy | None = None) -> SpeculativeStep:
+    """The engine's speculator for `serve --speculative DRAFTER --num-draft K` (one verify row per running slot)."""
+    if drafter not in SPEC_DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; known: {', '.join(SPEC_DRAFTERS)}")
+    if num_draft < 1:
+        raise ValueError(f"--num-draft must be >= 1; got {num_draft}")
+    return SpeculativeStep(SpecVerifier(runner, num_draft, max_rows, fused=fused), NgramDrafter(num_draft), policy)

@@ -1,0 +1,114 @@
+"""SpecVerifier: verify passes and commits over a ModelRunner's model and caches.
+
+verify([(seq_id, [last accepted token, d_1 .. d_k]), ...]) runs one packed pass over k+1 tokens per
+sequence at positions cached .. cached+k and returns every position's logits; commit([a_0, ...]) then
+keeps, per sequence, the last accepted token and its first a drafts (a+1 tokens): their KDA state and
+windows become the slot's, the MLA rows of the rejected positions get their old contents back, and the
+runner counts a+1 more cached tokens. Exactly one commit follows each verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from k3verify.serving.batch import PackedBatch
+from k3verify.serving.kv_cache import CacheError
+from k3verify.serving.runner import ModelRunner
+from k3verify.serving.spec.arena import VerifyArena, VerifyPass, commit_accepted
+
+if TYPE_CHECKING:
+    from k3verify.serving.spec.graphs import VerifyGraphs
+
+
+@dataclass
+class _Pending:
+    seq_ids: list[int]
+    slots: torch.Tensor  # [B]
+    latent_rows: torch.Tensor  # [B * n]
+
+
+class SpecVerifier:
+    def __init__(self, runner: ModelRunner, num_draft: int, max_rows: int, *, fused: bool = False) -> None:
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1; got {num_draft}")
+        model = runner.model
+        self.runner, self.num_draft, self.num_positions, self.fused = runner, num_draft, num_draft + 1, fused
+        self.arena = VerifyArena(model.cfg, max_rows, num_draft + 1, model.dtype, model.device)
+        self.max_rows = max_rows
+        self._pending: _Pending | None = None
+
+    @property
+    def verify_pass(self) -> VerifyPass:
+        return VerifyPass(self.arena, self.num_positions, self.fused)
+
+    @property
+    def pending_latent_rows(self) -> torch.Tensor:
+        """[B * n] latent-cache rows the pending (verified, not yet committed) pass wrote."""
+        if self._pending is None:
+            raise RuntimeError("no verify is pending")
+        return self._pending.latent_rows
+
+    def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None) -> VerifyGraphs:
+        """Captured verify steps over this verifier's arena (CUDA; use_graphs=False runs the same static step)."""
+        from k3verify.serving.spec.graphs import VerifyGraphs
+
+        return VerifyGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
+                            use_graphs=use_graphs)
+
+    def can_verify(self, seq_id: int) -> bool:
+        """Room left in the sequence's reserved budget for k+1 more positions."""
+        r = self.runner
+        return 0 < r.num_cached(seq_id) and r.num_cached(seq_id) + self.num_positions <= r.budget(seq_id)
+
+    def verify(self, seqs: list[tuple[int, list[int]]], graphs: VerifyGraphs | None = None) -> torch.Tensor:
+        """[B, n, V] fp32 logits: row j of sequence b is the prediction after its token j (through `graphs`, a view
+        of the captured output: valid until the next verify)."""
+        if self._pending is not None:
+            raise RuntimeError("verify called twice without a commit in between")
+        ids = [sid for sid, _ in seqs]
+        if not seqs or len(seqs) > self.max_rows or len(set(ids)) != len(ids):
+            raise ValueError(f"verify takes 1..{self.max_rows} distinct sequences; got {ids}")
+        n, r = self.num_positions, self.runner
+        for sid, tokens in seqs:
+            if len(tokens) != n:
+                raise ValueError(f"sequence {sid}: a verify row holds {n} tokens (last + {self.num_draft} drafts); "
+                                 f"got {len(tokens)}")
+            if not self.can_verify(sid):
+                raise CacheError(f"sequence {sid}: {r.num_cached(sid)} cached + {n} verify positions do not fit its "
+                                 f"budget {r.budget(sid)} (or nothing is cached yet)")
+        slots, tables = [r.slot_of(sid) for sid in ids], [r.kv_cache.table(sid) for sid in ids]
+        starts = [r.num_cached(sid) for sid in ids]
+        flat = [t for _, tokens in seqs for t in tokens]
+        if graphs is not None:
+            if graphs.verify_pass.arena is not self.arena or graphs.verify_pass.fused != self.fused:
+                raise ValueError("these verify graphs were made over another arena or verify path (make_graphs)")
+            logits, slot_t, rows = graphs.verify(flat, slots, tables, starts)
+        else:
+            model = r.model
+            batch = PackedBatch.build(torch.tensor(flat, dtype=torch.long), [n] * len(seqs), start_pos=starts,
+                                      slots=slots, page_tables=tables, page_size=r.kv_cache.page_size,
+                                      device=model.device)
+            assert batch.page_table is not None and batch.slots is not None
+            rows = r.kv_cache.rows(batch.page_table, batch.seg_ids, batch.positions)
+            self.arena.save_latents(r.kv_cache, rows)
+            logits, slot_t = model.verify(batch, self.verify_pass), batch.slots
+        self._pending = _Pending(ids, slot_t, rows)
+        return logits.view(len(seqs), n, -1)
+
+    def commit(self, accepted: list[int]) -> None:
+        """accepted[b] in 0..k: drafts of row b that were accepted (its last token + those drafts are kept)."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("commit without a verify")
+        if len(accepted) != len(pending.seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
+            raise ValueError(f"commit needs one count in 0..{self.num_draft} per verified sequence "
+                             f"{pending.seq_ids}; got {accepted}")
+        self._pending = None
+        acc = torch.tensor(accepted, dtype=torch.long).to(pending.slots.device, non_blocking=True)
+        commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, acc,
+                        pending.latent_rows)
+        for sid, a in zip(pending.seq_ids, accepted, strict=True):
+            self.runner.mark_cached(sid, a + 1)

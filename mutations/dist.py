@@ -1,0 +1,44 @@
+"""Tensor / expert parallel faults: a rank loads the wrong slice, a partial sum is never reduced, expert ids
+are not offset per rank, partial sums are reduced in bf16. Each is killed by the dist.* checks (a gloo world
+of 2 against the single-process model)."""
+
+from __future__ import annotations
+
+from k3verify.gates.mutation import Mutant
+
+PRESETS = ("k3-tiny", "kl-tiny")
+
+MUTANTS = [
+    Mutant(
+        id="dist.slice.rank_offset_dropped",
+        fault="every rank reads its tensor-parallel slice from offset 0 (same width, rank 0's rows)",
+        target="k3verify.serving.parallel.shards:shard_spec",
+        old="return SliceSpec(source, rule.dim, rule.start, rule.stop)",
+        new="return SliceSpec(source, rule.dim, 0, rule.stop - rule.start)",
+        killers=["dist.weights.slices", "dist.tp.logits", "dist.layout.logits", "dist.greedy"], presets=PRESETS,
+    ),
+    Mutant(
+        id="dist.tp.attention_not_reduced", quick=True,
+        fault="tensor-parallel KDA returns its partial sum over this rank's heads (the all-reduce is missing)",
+        target="k3verify.serving.parallel.layers:TPKimiDeltaAttention.forward",
+        old="return self.comm.all_reduce(partial)",
+        new="return partial",
+        killers=["dist.tp.logits", "dist.layout.logits", "dist.greedy"], presets=PRESETS,
+    ),
+    Mutant(
+        id="dist.ep.expert_ids_not_offset", quick=True,
+        fault="a rank treats global expert ids as its local ids (no offset by its first expert)",
+        target="k3verify.serving.parallel.moe:ParallelMoE.routed_partial",
+        old="local = idx - self.first_expert",
+        new="local = idx",
+        killers=["dist.ep.logits", "dist.layout.logits", "dist.ep.empty_rank"], presets=PRESETS,
+    ),
+    Mutant(
+        id="dist.reduce.bf16",
+        fault="partial sums are all-reduced in bf16 where fp32 is required",
+        target="k3verify.serving.parallel.comm:Comm.all_reduce",
+        old="buf = t.float()",
+        new="buf = t.to(torch.bfloat16)",
+        killers=["dist.tp.logits", "dist.ep.logits", "dist.layout.logits"], presets=PRESETS,
+    ),
+]

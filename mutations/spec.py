@@ -1,0 +1,75 @@
+"""Speculative decoding faults: the KDA verify records, the commit of the accepted prefix, acceptance."""
+
+from __future__ import annotations
+
+from k3verify.gates.mutation import Mutant
+
+REF = "k3verify.kernels.kda.verify_ref"
+ARENA = "k3verify.serving.spec.arena"
+ACCEPT = "k3verify.serving.spec.accept"
+MLA = "k3verify.serving.layers.mla"
+KERNELS = "k3verify.kernels.kda.verify_kernels"
+PRESETS = ("k3-tiny", "kl-tiny")
+
+MUTANTS = [
+    Mutant(
+        id="spec.record.index_off_by_one", quick=True,
+        fault="the recording recurrence stores the state after position j in record j-1 (record 0 wraps to the last)",
+        target=f"{REF}:kda_record_torch",
+        old="        records[:, j] = state\n",
+        new="        records[:, j - 1] = state\n",
+        killers=("spec.records.vs_sequential", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.commit.rejected_drafts_committed", quick=True,
+        fault="the commit copies the state after the last draft into the slot, whatever was accepted",
+        target=f"{ARENA}:commit_accepted",
+        old="pool.state[:, slots] = arena.state[:, rows, accepted]",
+        new="pool.state[:, slots] = arena.state[:, rows, n - 1]",
+        killers=("spec.commit.accepted_prefix", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.commit.conv_window_not_rolled_back",
+        fault="the commit rolls the recurrent state back to the accepted position but keeps the conv windows of "
+              "the last draft",
+        target=f"{ARENA}:commit_accepted",
+        old="windows = arena.conv[:, rows, accepted]",
+        new="windows = arena.conv[:, rows, n - 1]",
+        killers=("spec.commit.accepted_prefix", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.commit.mla_not_rolled_back",
+        fault="latents the verify wrote at rejected positions stay in the MLA cache",
+        target=f"{ARENA}:commit_accepted",
+        old="flat[:, latent_rows] = torch.where(rejected[None, :, None], arena.latents[:, : B * n], written)",
+        new="flat[:, latent_rows] = written",
+        killers=("spec.commit.accepted_prefix",), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.accept.bonus_dropped",
+        fault="greedy acceptance emits the accepted drafts but drops the bonus token after them",
+        target=f"{ACCEPT}:accept_greedy_ids",
+        old="return Accepted(a, drafts[:a] + [best[a]])",
+        new="return Accepted(a, drafts[:a] if a else [best[a]])",
+        killers=("spec.greedy.vs_plain",), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.mla.verify_context_cut",
+        fault="MLA's cached-context rows stop at the first verify token: later draft positions do not see the "
+              "earlier ones",
+        target=f"{MLA}:decode_rows",
+        old="L = int(max(b.start_list)) + max(b.seq_lens)",
+        new="L = int(max(b.start_list)) + 1",
+        killers=("spec.verify.logits", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.fused.writes_pool_state", devices=("cuda",),
+        fault="the fused verify kernel writes its running state back into the pool slot, as a decode kernel does: "
+              "the state after every draft, rejected ones included, lands in the cache before acceptance is known",
+        target=f"{KERNELS}:kda_verify_fused_kernel",
+        old="    # every thread's o stores, then one acq_rel ticket",
+        new="    tl.store(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], S, mask=m2)\n"
+            "    # every thread's o stores, then one acq_rel ticket",
+        killers=("spec.fused.vs_unfused",), presets=("k3-syn-25",),
+    ),
+]

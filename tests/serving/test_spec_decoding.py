@@ -1,0 +1,204 @@
+"""Speculative decoding below HTTP: the n-gram drafter, greedy / rejection-sampling acceptance, the auto-off
+policy, and the engine's speculative step on k3-tiny (fp32) against plain greedy generation."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.model import ServingModel
+from k3verify.serving.runner import ModelRunner, generate_greedy
+from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.spec.accept import accept_greedy, accept_sampled, token_probs
+from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter
+from k3verify.serving.spec.offline import generate_speculative
+from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
+from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.tokenizer import default_tokenizer
+
+K = 4
+
+
+def test_ngram_drafter_follows_the_longest_most_recent_suffix_match() -> None:
+    """The 3-token suffix [7, 8, 9] matched last at index 4 wins over the 1-token match of 9 at index 2."""
+    d = NgramDrafter(num_draft=3, max_ngram=3)
+    assert d.propose(0, [1, 9, 5, 7, 8, 9, 6, 1, 2, 7, 8, 9]) == [6, 1, 2]
+    assert d.propose(0, [5, 9, 1, 2, 9]) == [1, 2, 9]  # only a 1-gram matches: what followed the earlier 9
+    assert d.propose(0, [1, 2, 3, 4]) == []  # no earlier occurrence of any suffix
+    assert d.propose(0, [3, 4, 3]) == [4, 3]  # the continuation is cut where the text ends
+
+
+def test_controlled_drafter_corrupts_the_asked_fraction() -> None:
+    ref = list(range(2000))
+    half = ControlledDrafter(4, {0: ref}, corrupt=0.5, vocab_size=5000, seed=1)
+    drafts = [t for m in range(0, 1996, 4) for t in half.propose(0, ref[:m])]
+    wrong = sum(d != r for d, r in zip(drafts, ref[:len(drafts)], strict=True)) / len(drafts)
+    assert 0.45 < wrong < 0.55
+    assert ControlledDrafter(4, {0: ref}, corrupt=0.0, vocab_size=5000).propose(0, ref[:10]) == ref[10:14]
+    assert all(d != r for d, r in zip(ControlledDrafter(4, {0: ref}, 1.0, 5000).propose(0, ref[:10]), ref[10:14],
+                                      strict=True))
+
+
+def test_greedy_acceptance_keeps_the_matching_prefix_and_adds_the_bonus() -> None:
+    logits = torch.zeros(4, 10)
+    for j, best in enumerate([3, 5, 7, 1]):
+        logits[j, best] = 1.0
+    assert accept_greedy(logits, [3, 5, 2]).tokens == [3, 5, 7] and accept_greedy(logits, [3, 5, 2]).num_accepted == 2
+    assert accept_greedy(logits, [4, 5, 7]).tokens == [3]
+    assert accept_greedy(logits, [3, 5, 7]).tokens == [3, 5, 7, 1]
+
+
+@pytest.mark.parametrize("draft", [0, 5, 2])
+def test_rejection_sampling_emits_tokens_distributed_as_the_model(draft: int) -> None:
+    """First emitted token ~ p_0 (20k draws, total variation < 0.02) for a likely draft (0), an unlikely one (5)
+    and one top-k filters out (2); given an accepted draft (>= 5k times), the second token ~ p_1."""
+    V, params = 6, SamplingParams(max_tokens=4, temperature=0.8, top_k=5)
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0, -0.5], [0.0, 1.5, 0.3, -1.0, 0.7, 0.0],
+                           [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(20000):
+        toks = accept_sampled(logits, [draft, 1], params, gen).tokens
+        first[toks[0]] += 1
+        if toks[0] == draft and len(toks) > 1:
+            second[toks[1]] += 1
+    p0, p1 = token_probs(logits[0], params), token_probs(logits[1], params)
+    assert 0.5 * float((first / first.sum() - p0).abs().sum()) < 0.02
+    if second.sum() >= 5000:
+        assert 0.5 * float((second / second.sum() - p1).abs().sum()) < 0.02
+    else:
+        assert draft != 0, "the likely draft must be accepted often"
+
+
+def test_policy_turns_speculation_off_only_when_acceptance_stays_low() -> None:
+    policy, low, high = SpecPolicy(min_verifies=3, min_mean_accepted=0.25), SpecStats(), SpecStats()
+    for _ in range(2):
+        policy.record(low, K, 0)
+    assert not low.off, "too early to judge"
+    policy.record(low, K, 0)
+    assert low.off
+    for a in (0, 0, 1, 0, 2):
+        policy.record(high, K, a)
+    assert not high.off
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> ServingModel:
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+    from k3verify.presets import get_preset
+
+    cfg = get_preset("k3-tiny")
+    return ServingModel(cfg, torch.float32, "cpu").load(synthetic_tensors(cfg, seed=0))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (6, 19, 11)]
+
+
+def _lookup_prompts() -> list[list[int]]:
+    """Two prompts of 1,500 distinct token ids: a random-weight model's tokens rarely repeat its context, but about
+    a third of them occur in such a prompt, so the n-gram drafter finds 1-gram matches (whose drafts it then loses)."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randperm(4608, generator=g)[:1500].tolist() for _ in range(2)]
+
+
+def test_offline_speculation_with_ngram_drafts_equals_plain_greedy(tiny_model: ServingModel) -> None:
+    """Verify passes over n-gram drafts leave the output equal to plain greedy's."""
+    prompts = _lookup_prompts()
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600),
+                            prompts, 12)
+    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600), K, 2)
+    run = generate_speculative(verifier, NgramDrafter(K), prompts, 12, policy=SpecPolicy(min_mean_accepted=0.0))
+    assert run.tokens == plain
+    assert run.verify_steps > 0, "the drafter never proposed: the test proves nothing"
+    verifier.runner.check_integrity()
+
+
+def _engine_run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[EngineEvent]]:
+    events: list[list[EngineEvent]] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+
+    def sink(i: int) -> Callable[[EngineEvent], None]:
+        def put(ev: EngineEvent) -> None:
+            events[i].append(ev)
+            if ev.finished:
+                done[i].set()
+        return put
+
+    engine.start()
+    try:
+        for i, (prompt, params) in enumerate(requests):
+            engine.submit(prompt, params, sink(i))
+        assert all(d.wait(60) for d in done), "a request never finished"
+        engine.check_integrity()
+    finally:
+        engine.stop()
+    return events
+
+
+def test_engine_speculative_greedy_equals_plain_greedy(tiny_model: ServingModel) -> None:
+    """Greedy requests through the engine's speculative step (drafts: plain greedy's continuation, 40% corrupted)
+    return plain greedy's tokens and logprobs' token ids; verify rows were partially accepted."""
+    prompts, new = _prompts(), 14
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}  # engine ids start at 1
+    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.4, 4608, seed=2),
+                           SpecPolicy(min_mean_accepted=0.0))
+    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
+    events = _engine_run(engine, [(p, params) for p in prompts])
+    for want, evs in zip(plain, events, strict=True):
+        assert [t for e in evs for t in e.token_ids] == want
+        assert [lp.token_id for e in evs for lp in e.logprobs] == want
+        assert evs[-1].finish_reason == "length" and evs[-1].completion_tokens == new
+    c = step.counters
+    assert c.verify_steps > 0 and 0 < c.accepted < c.drafted, f"no partial acceptance: {c}"
+
+
+def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingModel) -> None:
+    """Sampled requests through the speculative step: a seed reproduces the tokens, max_tokens is honoured
+    exactly even when a verify accepts past it, and the caches come back intact."""
+    def once() -> list[list[int]]:
+        runner = ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600)
+        step = build_speculative_step(runner, "ngram", K, 2, policy=SpecPolicy(min_mean_accepted=0.0))
+        engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+        reqs = [(p, SamplingParams(max_tokens=9, temperature=0.7, seed=11 + i, ignore_eos=True))
+                for i, p in enumerate(_lookup_prompts())]
+        events = _engine_run(engine, reqs)
+        assert step.counters.verify_steps > 0
+        return [[t for e in evs for t in e.token_ids] for evs in events]
+
+    first = once()
+    assert first == once()
+    assert [len(t) for t in first] == [9, 9]
+
+
+def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
+    """serve: --kda-fused-verify needs --speculative; --num-draft must be positive; default is no speculator."""
+    import argparse
+
+    from k3verify.cli import UsageError
+    from k3verify.commands.serve import _speculator
+
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+
+    def args(**kw: object) -> argparse.Namespace:
+        base = {"speculative": None, "num_draft": 4, "spec_min_accept": 0.25, "kda_fused_verify": False,
+                "max_batch": 3}
+        return argparse.Namespace(**(base | kw))
+
+    assert _speculator(args(), runner) is None
+    with pytest.raises(UsageError, match="--kda-fused-verify"):
+        _speculator(args(kda_fused_verify=True), runner)
+    with pytest.raises(UsageError, match="num-draft"):
+        _speculator(args(speculative="ngram", num_draft=0), runner)
+    step = _speculator(args(speculative="ngram", num_draft=3, kda_fused_verify=True), runner)
+    assert step is not None and step.verifier.num_draft == 3 and step.verifier.fused
