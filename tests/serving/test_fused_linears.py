@@ -36,13 +36,17 @@ def test_members_are_blocks_of_the_fused_weight(dtype: torch.dtype) -> None:
     assert fused.fused == (dtype == torch.bfloat16)
 
 
-def test_a_replaced_member_weight_is_refused() -> None:
-    """Re-assigning a member's Parameter (a move, a load with assign=True) would leave its block stale."""
+def test_a_replaced_member_weight_is_fused_again() -> None:
+    """Re-assigning a member's Parameter (to_empty() then a load, a move) must not leave its block stale: the next
+    call fuses again, reads the new values, and the member is a block of the new fused weight."""
     members = _members(torch.bfloat16)
     fused = FusedLinears(members)
-    members[2].weight = torch.nn.Parameter(members[2].weight.detach().clone(), requires_grad=False)
-    with pytest.raises(RuntimeError, match="replaced, not written in place"):
-        fused(torch.zeros(1, 24, dtype=torch.bfloat16))
+    new = torch.randn(members[2].weight.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    members[2].weight = torch.nn.Parameter(new.clone(), requires_grad=False)
+    x = torch.randn(2, 24, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = fused(x)[2]
+    torch.testing.assert_close(out, F.linear(x, new), rtol=1.6e-2, atol=1e-5)
+    assert members[2].weight.data_ptr() == fused.weight[32:39].data_ptr()
 
 
 def test_members_must_share_the_input() -> None:

@@ -225,12 +225,15 @@ class KimiDeltaAttention(nn.Module):
         B, n, T, h, dk = b.num_seqs, spec.num_positions, x.shape[0], self.heads, self.head_dim
         if T != B * n:
             raise ValueError(f"a verify pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
-        xs = (self.q_proj(x).view(B, n, -1), self.k_proj(x).view(B, n, -1), self.v_proj(x).view(B, n, -1))
+        q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
+        # the verify kernel's layout: [B, n, D] contiguous (the fused GEMM's outputs are column slices)
+        xs = (q_in.reshape(B, n, -1).contiguous(), k_in.reshape(B, n, -1).contiguous(),
+              v_in.reshape(B, n, -1).contiguous())
         state_records, conv_records = spec.arena.records(self.layer_idx, B)
         _, y = kda_verify(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
                           pool.state_view(self.layer_idx), b.slots, ctx.fresh_mask(x.dtype).view(-1),
-                          self.forget_gate(x).view(B, n, h, dk), self.beta(x).view(B, n, h),
-                          self.output_gate(x).view(B, n, h, dk), self.o_norm.weight, self.o_norm.eps, dk**-0.5,
-                          conv_records, state_records, fused=spec.fused)
+                          self.forget_gate(f_a).view(B, n, h, dk), self.beta(b_logits).view(B, n, h),
+                          self.output_gate(gate_in).reshape(B, n, h, dk).contiguous(), self.o_norm.weight,
+                          self.o_norm.eps, dk**-0.5, conv_records, state_records, fused=spec.fused)
         ctx.bump("kda_verify")
         return self.o_proj(y.reshape(T, h * dk))
