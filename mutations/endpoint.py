@@ -51,8 +51,8 @@ MUTANTS = [
         id="endpoint.chat.no_generation_prompt",
         fault="chat prompts are rendered without the generation prompt (the assistant turn is never opened)",
         target="k3verify.server.state:template_chat_encoder",
-        old="return encode_chat(tokenizer, messages)",
-        new="return encode_chat(tokenizer, messages, add_generation_prompt=False)",
+        old="return encode_chat(tokenizer, messages, tools=tools)",
+        new="return encode_chat(tokenizer, messages, tools=tools, add_generation_prompt=False)",
         killers=["endpoint.chat.template"],
     ),
     Mutant(
