@@ -1,5 +1,6 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
-junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem).
+junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem). A setup problem
+with the target (a missing or unreadable shard, a bad config) still writes a report, with verdict "error".
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -14,10 +16,12 @@ import torch
 from k3verify.cli import Subparsers, UsageError
 from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
 from k3verify.endpoint.session import DTYPES
+from k3verify.gates.binding import read_report_key
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check
 from k3verify.gates.report import write_reports
 from k3verify.gates.suite import (
+    RunResult,
     check_import_errors,
     collect_run_info,
     covered_dtypes,
@@ -52,6 +56,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--report-key", type=Path, metavar="FILE",
+                   help="sign report.json with this local key (HMAC-SHA256); `serve --report-key FILE` verifies")
     register_endpoint_args(p)
     p.set_defaults(func=run_parity)
 
@@ -84,6 +90,24 @@ def target_for(preset: str | None, checkpoint: Path | None) -> Target:
     except TargetError as exc:
         flag = f"--checkpoint {checkpoint}" if checkpoint is not None else f"--preset {preset or DEFAULT_PRESET}"
         raise UsageError(f"{flag}: {exc}") from exc
+def report_key(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return read_report_key(path)
+    except ValueError as exc:
+        raise UsageError(f"--report-key: {exc}") from exc
+
+
+def write_setup_error_report(args: argparse.Namespace, device: torch.device, error: str, key: bytes | None) -> None:
+    """A report with verdict "error" and the reason, for a run that never got to its checks (so CI that reads
+    report.json sees the failure, and `serve` sees a newer non-passing run)."""
+    info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=args.preset,
+                            checkpoint=args.checkpoint, only=args.only)
+    info.started_at = datetime.now(UTC).isoformat(timespec="microseconds")
+    write_reports(RunResult(info, [], setup_error=error), args.report_dir, key=key)
+
+
 def _print_list(checks: list[Check]) -> None:
     for c in checks:
         bar = "-" if c.bar is None else f"{c.bar:g}"
@@ -136,7 +160,12 @@ def run_parity(args: argparse.Namespace) -> int:
         for module, tb in import_errors().items():
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
-    target = target_for(args.preset, args.checkpoint)
+    key = report_key(args.report_key)
+    try:
+        target = target_for(args.preset, args.checkpoint)
+    except UsageError as exc:
+        write_setup_error_report(args, device, str(exc), key)
+        raise
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
@@ -150,6 +179,6 @@ def run_parity(args: argparse.Namespace) -> int:
         if endpoint is not None:
             run.run.endpoint = endpoint.record()
     run.run.dtypes = covered_dtypes(cache)
-    write_reports(run, args.report_dir)
+    write_reports(run, args.report_dir, key=key)
     print_summary(run, report_dir=str(args.report_dir))
     return 0 if run.verdict == "pass" else 1

@@ -1,8 +1,9 @@
 """`k3verify serve`: an OpenAI-compatible server that starts only behind a passing gate report.
 
-The gate is checked before any weight is loaded: no report.json under --report-dir for this exact
-checkpoint digest, k3verify version and device kind with verdict pass means exit 2 and a message
-naming the `k3verify parity` command to run (or `--run-gates` runs the quick suite first).
+The gate is checked before any weight is loaded: no report.json under --report-dir bound to this exact
+checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
+pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
+`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from pathlib import Path
 import torch
 
 import k3verify
+from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.cli import Subparsers, UsageError
 from k3verify.commands import parity, serve_parallel
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.binding import read_report_key, source_digest
+from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
+from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import SpecPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
@@ -29,6 +33,8 @@ from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetEr
 from k3verify.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
+
+
 
 
 def register(subparsers: Subparsers) -> None:
@@ -42,6 +48,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--report-key", type=Path, metavar="FILE",
+                   help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
     p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
@@ -52,6 +60,14 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
                    help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--nonfinite-threshold", type=int, default=HealthPolicy.max_nonfinite, metavar="N",
+                   help="requests failed by non-finite logits within --health-window after which /health answers "
+                        f"503 (default {HealthPolicy.max_nonfinite}; fewer make it 'degraded')")
+    p.add_argument("--max-restarts", type=int, default=HealthPolicy.max_restarts, metavar="N",
+                   help="engine restarts within --health-window before the supervisor gives up "
+                        f"(default {HealthPolicy.max_restarts})")
+    p.add_argument("--health-window", type=float, default=HealthPolicy.window_s, metavar="SECONDS",
+                   help=f"the window of the two counts above (default {HealthPolicy.window_s:g})")
     p.add_argument("--speculative", choices=SPEC_DRAFTERS, default=None,
                    help="speculative decoding with this drafter (default: off)")
     p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
@@ -76,6 +92,14 @@ def _positive(name: str, value: int | None) -> None:
         raise UsageError(f"{name} must be >= 1; got {value}")
 
 
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    try:
+        return HealthPolicy(max_nonfinite=args.nonfinite_threshold, max_restarts=args.max_restarts,
+                            window_s=args.health_window)
+    except ValueError as exc:
+        raise UsageError(f"--nonfinite-threshold / --max-restarts / --health-window: {exc}") from exc
+
+
 def parity_command(args: argparse.Namespace) -> str:
     if args.checkpoint is not None:
         src = f"--checkpoint {args.checkpoint}"
@@ -96,9 +120,19 @@ def run_gates(args: argparse.Namespace) -> int:
             "--report-dir", str(args.report_dir)]
     argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
         ["--preset", args.preset or DEFAULT_PRESET]
+    argv += ["--report-key", str(args.report_key)] if args.report_key is not None else []
     argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
+
+
+def report_key(args: argparse.Namespace) -> bytes | None:
+    if args.report_key is None:
+        return None
+    try:
+        return read_report_key(args.report_key)
+    except ValueError as exc:
+        raise UsageError(f"--report-key: {exc}") from exc
 
 
 def target_for(args: argparse.Namespace) -> Target:
@@ -112,19 +146,25 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
     for name in ("max_batch", "num_pages", "page_size", "max_step_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
+                         "leave it out to serve without authentication on loopback")
+    health_policy(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {args.port}")
     try:
         device_kind = torch.device(args.device).type
     except RuntimeError as exc:
         raise UsageError(f"--device {args.device!r}: {exc}") from exc
+    key = report_key(args)
     target = target_for(args)
-    digest = target.digest
-    found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+    want = GateWant(target.digest, k3verify.__version__, device_kind, args.dtype, source_digest(), target.preset,
+                    key)
+    found = lookup_report(args.report_dir, want)
     if found.passing is None and args.run_gates:
         print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
         code = run_gates(args)
-        found = lookup_report(args.report_dir, digest, k3verify.__version__, device_kind)
+        found = lookup_report(args.report_dir, want)
         if found.passing is None:
             raise UsageError(f"the gates did not pass (parity exit code {code}): {found.reason}. "
                              f"Refusing to serve; see the report under {args.report_dir}")
@@ -158,8 +198,12 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
         runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
                               device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
         graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
+    if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
+        raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
+                         "(its digest no longer matches the gated one)")
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
+                    health_policy=health_policy(args),
                     speculator=_speculator(args, runner))
     return engine, tokenizer
 

@@ -18,7 +18,7 @@ main{padding:0 24px 40px}
 h2{margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 h3{margin:18px 0 6px;font-size:15px}
 .verdict{padding:18px 24px;color:#fff;font-size:18px}
-.verdict.pass{background:#1a7f37}.verdict.fail{background:#cf222e}
+.verdict.pass{background:#1a7f37}.verdict.fail{background:#cf222e}.verdict.error{background:#9a6700}
 .verdict .word{font-size:34px;font-weight:700;letter-spacing:2px;margin-right:16px}
 table{border-collapse:collapse;margin:4px 0 10px}
 th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}

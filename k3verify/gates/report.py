@@ -1,5 +1,5 @@
-"""report.json (validated against schema.json before it is written), atomic writes, loading, and the
-lookup `serve` uses to find a passing report for a checkpoint.
+"""report.json (validated against schema.json before it is written, optionally signed), atomic writes and
+loading (`serve`'s lookup is gates/report_lookup.py).
 
 Every file is written to a temporary name in the destination directory, fsynced, then os.replace'd:
 a crash mid-write leaves the previous report intact and no partial file behind.
@@ -12,7 +12,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict
 from functools import cache
 from importlib import resources
@@ -21,6 +21,7 @@ from typing import Any
 
 import jsonschema
 
+from k3verify.gates.binding import sign_report
 from k3verify.gates.gate import Result
 from k3verify.gates.html import render_html
 from k3verify.gates.junit import render_junit
@@ -72,6 +73,8 @@ def report_dict(run: RunResult) -> dict[str, Any]:
         "results": [result_to_dict(r) for r in run.results],
         "summary": {"counts": counts, "total": len(run.results), "verdict": run.verdict},
     }
+    if run.setup_error is not None:
+        out["summary"]["setup_error"] = run.setup_error
     if run.mutations:
         out["mutations"] = [dict(m) for m in run.mutations]
         out["summary"]["mutation_counts"] = {s: sum(m.get("status") == s for m in run.mutations)
@@ -112,12 +115,16 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return path
 
 
-def write_reports(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
+def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = None) -> dict[str, Path]:
     """Write report.json, report.html and junit.xml into out_dir. The JSON is validated first, so a
-    report that does not match the schema leaves the previous files untouched."""
+    report that does not match the schema leaves the previous files untouched; with `key` it is signed
+    (gates/binding.py)."""
 
     out_dir = Path(out_dir)
     data = report_dict(run)
+    if key is not None:
+        data = sign_report(data, key)
+        validate_report(data)
     texts = {
         "report.json": json.dumps(data, indent=2, allow_nan=False) + "\n",
         "report.html": render_html(data),
@@ -134,34 +141,3 @@ def load_report(path: str | Path) -> dict[str, Any]:
     data = json.loads(path.read_text(encoding="utf-8"))
     validate_report(data)
     return data
-
-
-def iter_reports(report_root: str | Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every valid report.json under report_root (recursively); unreadable or invalid ones are skipped."""
-    root = Path(report_root)
-    if not root.exists():
-        return
-    for path in sorted(root.rglob("report.json")):
-        try:
-            yield path, load_report(path)
-        except (OSError, ValueError, jsonschema.ValidationError):
-            continue
-
-
-def newest_matching_report(
-    report_root: str | Path, *, checkpoint_digest: str, version: str, device: str
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest report (by run.started_at) for this checkpoint digest, k3verify version and device
-    kind, whatever its verdict. `serve` must check summary.verdict == "pass" itself: a newer failing
-    report for the same checkpoint must shadow an older passing one."""
-    matches = [
-        (data["run"]["started_at"], str(path), path, data)
-        for path, data in iter_reports(report_root)
-        if data["run"]["checkpoint_digest"] == checkpoint_digest
-        and data["run"]["k3verify_version"] == version
-        and data["run"]["device"] == device
-    ]
-    if not matches:
-        return None
-    _, _, path, data = max(matches, key=lambda m: (m[0], m[1]))
-    return path, data

@@ -25,6 +25,7 @@ import torch
 
 import k3verify
 from k3verify.cli import UsageError
+from k3verify.gates.binding import source_digest, verdict_from_counts
 from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class RunInfo:
     wall_time_s: float = 0.0
     oracle: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    source_digest: str = ""  # gates/binding.source_digest of the package that ran
     endpoint: dict[str, Any] | None = None  # `parity --endpoint`: which server answered, its features, the traffic
     dtypes: list[str] = field(default_factory=list)  # serving-model dtypes model/serving-level checks ran in
 
@@ -68,6 +70,7 @@ class RunResult:
     run: RunInfo
     results: list[Result]
     mutations: list[dict[str, Any]] = field(default_factory=list)
+    setup_error: str | None = None  # the run never got to its checks (verdict "error")
 
     @property
     def counts(self) -> dict[str, int]:
@@ -75,7 +78,7 @@ class RunResult:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.results)
+        return verdict_from_counts(self.counts, self.setup_error)
 
 
 def status_counts(results: Iterable[Result]) -> dict[str, int]:
@@ -87,10 +90,8 @@ def status_counts(results: Iterable[Result]) -> dict[str, int]:
 
 def verdict(results: Sequence[Result]) -> str:
     """"pass" iff nothing failed, was vacuous or errored (skips are fine) and at least one check passed:
-    an all-skipped run proves nothing."""
-    counts = status_counts(results)
-    bad = counts["fail"] + counts["vacuous"] + counts["error"]
-    return "pass" if bad == 0 and counts["pass"] > 0 else "fail"
+    an all-skipped run proves nothing (the rule lives in gates/binding.py, which `serve` re-applies)."""
+    return verdict_from_counts(status_counts(results))
 
 
 def derive_seed(seed: int, check_id: str) -> int:
@@ -286,4 +287,5 @@ def collect_run_info(
         only=list(only),
         oracle=dict(oracle or {}),
         environment={k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX)},
+        source_digest=source_digest(),
     )

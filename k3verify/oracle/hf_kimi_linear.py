@@ -190,7 +190,7 @@ def build_hf_model(cfg: ModelConfig, hf_dict: Mapping[str, Any], tensors: Mappin
             if tuple(dest.shape) != tuple(sd[name].shape):
                 raise HFMappingError(f"{name}: transformers {tuple(dest.shape)} vs ours {tuple(sd[name].shape)}")
             dest.copy_(sd[name].to(dtype))
-    return model.to(device)
+    return nn.Module.to(model, device)  # see build_hf_model: transformers' `.to` wrapper
 
 
 @torch.no_grad()

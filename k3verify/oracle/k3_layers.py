@@ -60,6 +60,8 @@ class GLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n).weight for n in self._names)
         if self.act == "situ":
+            if self.beta is None or self.linear_beta is None:
+                raise ValueError("hidden_act 'situ' needs situ_beta and situ_linear_beta in the config")
             return Fn.situ_glu(x, gate, up, down, self.beta, self.linear_beta)
         return Fn.silu_glu(x, gate, up, down)
 
@@ -138,11 +140,16 @@ class KDA(nn.Module):
         self.o_proj = Linear(D, H, dtype)
         self.heads, self.head_dim, self.lower_bound, self.eps = heads, dk, cfg.gate_lower_bound, cfg.rms_norm_eps
 
+    def _conv_branch(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """`{name}_proj` then its causal depthwise conv `{name}_conv1d` (set up by name in __init__)."""
+        proj, conv = self.get_submodule(f"{name}_proj"), self.get_submodule(f"{name}_conv1d")
+        return Fn.causal_conv(proj(x), conv.get_parameter("weight"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, h, dk = x.shape[0], self.heads, self.head_dim
-        q = Fn.l2norm(Fn.causal_conv(self.q_proj(x), self.q_conv1d.weight).view(T, h, dk))
-        k = Fn.l2norm(Fn.causal_conv(self.k_proj(x), self.k_conv1d.weight).view(T, h, dk))
-        v = Fn.causal_conv(self.v_proj(x), self.v_conv1d.weight).view(T, h, dk)
+        q = Fn.l2norm(self._conv_branch("q", x).view(T, h, dk))
+        k = Fn.l2norm(self._conv_branch("k", x).view(T, h, dk))
+        v = self._conv_branch("v", x).view(T, h, dk)
         raw = self.f_b_proj(self.f_a_proj(x)).view(T, h, dk)  # no activation between f_a and f_b
         a_log = self.A_log.reshape(-1)[:h]
         if self.lower_bound is None:
@@ -192,8 +199,14 @@ class MLA(nn.Module):
             mod = getattr(self, name, None)
             return None if mod is None else mod.weight
 
+        def need(name: str) -> torch.Tensor:
+            weight = w(name)
+            if weight is None:
+                raise ValueError(f"MLA layer has no {name}")
+            return weight
+
         return Fn.mla(x, heads=c.num_attention_heads, qk_nope=c.qk_nope_head_dim, qk_rope=c.qk_rope_head_dim,
-                      v_dim=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, kv_a_proj=w("kv_a_proj_with_mqa"),
-                      kv_a_norm=w("kv_a_layernorm"), kv_b_proj=w("kv_b_proj"), o_proj=w("o_proj"),
+                      v_dim=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, kv_a_proj=need("kv_a_proj_with_mqa"),
+                      kv_a_norm=need("kv_a_layernorm"), kv_b_proj=need("kv_b_proj"), o_proj=need("o_proj"),
                       q_proj=w("q_proj"), q_a_proj=w("q_a_proj"), q_a_norm=w("q_a_layernorm"),
                       q_b_proj=w("q_b_proj"), g_proj=w("g_proj"))

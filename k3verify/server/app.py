@@ -13,18 +13,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from k3verify.server.body import read_json
 from k3verify.server.chat_render import ChatRenderer
 from k3verify.server.errors import APIError, engine_unavailable, error_response, install_error_handlers
 from k3verify.server.generation import generate
 from k3verify.server.metrics import ServerMetrics
 from k3verify.server.middleware import CountRequests
-from k3verify.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_logit_bias,
-    parse_body,
-    parse_request,
-)
+from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
 from k3verify.server.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
 from k3verify.server.scoring import prompt_logprobs
 from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
@@ -52,7 +47,7 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions: one prompt (text or token ids), JSON or SSE; echo=true starts the answer with the
     prompt (and, with logprobs, the prompt's own logprobs)."""
     state = state_of(request)
-    req = parse_request(CompletionRequest, parse_body(await request.body()))
+    req = parse_request(CompletionRequest, await read_json(request))
     state.check_model(req.model)
     prompt = req.single_prompt
     ids = await asyncio.to_thread(state.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
@@ -74,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: messages rendered by the chat encoder; without max_tokens, what still fits
     (capped at default_max_tokens: the runner reserves cache for prompt + max_tokens at admission)."""
     state = state_of(request)
-    req = parse_request(ChatCompletionRequest, parse_body(await request.body()))
+    req = parse_request(ChatCompletionRequest, await read_json(request))
     state.check_model(req.model)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
@@ -101,12 +96,14 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """GET /health: 200 with the engine's load, or 503 with the reason the engine is down."""
+    """GET /health: 200 "ok" or "degraded" (still serving: recent restarts or non-finite failures, with reasons)
+    with the engine's load and counts; 503 when unhealthy (loop dead or stalled, or non-finite failures past
+    the operator's threshold), the reasons in the envelope's message."""
     engine = state_of(request).engine
-    reason = engine.health()
-    if reason is not None:
-        return error_response(engine_unavailable(reason))
-    return JSONResponse({"status": "ok", "waiting": engine.num_waiting, "running": engine.num_running})
+    status = engine.status()
+    if status.state == "unhealthy":
+        return error_response(engine_unavailable("; ".join(status.reasons)))
+    return JSONResponse(status.as_dict() | {"waiting": engine.num_waiting, "running": engine.num_running})
 
 
 async def prometheus_metrics(request: Request) -> Response:
@@ -121,6 +118,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).
     A chat request without max_tokens gets what still fits, capped at default_max_tokens: the runner reserves
     cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must be a non-empty string (None disables authentication)")
     metrics = metrics or ServerMetrics()
     if encode_chat is None:
         encode_chat = template_chat_encoder(tokenizer)

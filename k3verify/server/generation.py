@@ -18,7 +18,7 @@ from k3verify.server.errors import APIError, engine_unavailable
 from k3verify.server.render import SSE_DONE, Renderer, sse_event
 from k3verify.server.state import ServerState
 from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
-from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.sampler import SamplingParams, VocabError
 
 POLL_S = 0.25
 
@@ -50,7 +50,7 @@ class EventStream:
             except TimeoutError:
                 reason = self.engine.health()
                 if reason is not None:
-                    return EngineEvent(error=reason)
+                    return EngineEvent(error=reason, code="engine_unavailable")
 
 
 class AbortOnClose(StreamingResponse):
@@ -71,6 +71,10 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, events
            prompt_param: str) -> int:
     """Hand the request to the engine; its refusals become 400 (naming `prompt_param`) or 503."""
     try:
+        params.check_vocab(engine.vocab_size)
+    except VocabError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    try:
         return engine.submit(prompt_ids, params, events.put)
     except ContextLengthError as exc:
         raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
@@ -81,10 +85,11 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, events
 
 
 def engine_error(engine: Engine, event: EngineEvent) -> APIError:
-    """A failed event as an error: 503 when the engine is down, else 500."""
-    if engine.health() is not None:
+    """A failed event as an error: 503 when the engine is down or restarted under the request, else 500 (the
+    request alone failed: non-finite logits, a sampling or detokenization error) with the engine's code."""
+    if event.code == "engine_unavailable" or engine.health() is not None:
         return engine_unavailable(str(event.error))
-    return APIError(500, str(event.error), type="server_error")
+    return APIError(500, str(event.error), type="server_error", code=event.code)
 
 
 async def generate(state: ServerState, request: Request, prompt_ids: list[int], params: SamplingParams,

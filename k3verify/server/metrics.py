@@ -9,7 +9,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class ServerMetrics:
-    """Request counts by endpoint and status, token counts, engine load, TTFT and inter-token latency."""
+    """Request counts by endpoint and status, token counts, engine load, restarts, non-finite failures, TTFT and
+    inter-token latency."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -25,6 +26,10 @@ class ServerMetrics:
         self.running = Gauge("k3v_running_batch_size", "Sequences in the running batch", registry=self.registry)
         self.ttft = Histogram("k3v_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.restarts = Counter("k3v_engine_restarts", "Engine loop restarts by the supervisor (fresh caches)",
+                                registry=self.registry)
+        self.nonfinite = Counter("k3v_nonfinite_logits", "Requests failed because the model produced NaN/inf logits",
+                                 registry=self.registry)
         self.inter_token = Histogram("k3v_inter_token_latency_seconds", "Time between consecutive generated tokens",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
 
@@ -37,6 +42,12 @@ class ServerMetrics:
     def set_load(self, num_waiting: int, num_running: int) -> None:
         self.queue_depth.set(num_waiting)
         self.running.set(num_running)
+
+    def count_restart(self) -> None:
+        self.restarts.inc()
+
+    def count_nonfinite(self) -> None:
+        self.nonfinite.inc()
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

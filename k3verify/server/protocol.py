@@ -1,4 +1,5 @@
-"""OpenAI request bodies: JSON parsing and strict request models, each error a 400 naming the field.
+"""OpenAI request bodies: strict request models, each error a 400 naming the field (reading and parsing the
+body under limits: server/body.py).
 
 Requests are strict (no type coercion, no NaN/Inf, unknown fields rejected) so a client's mistake
 is a 400 naming the field, never a silently reinterpreted value or a 500.
@@ -6,34 +7,24 @@ is a 400 naming the field, never a silently reinterpreted value or a 500.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from k3verify.server.errors import APIError
-from k3verify.serving.sampler import SamplingParams
+from k3verify.serving.sampler import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
-MAX_BODY_BYTES = 8 << 20
-MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 forces it
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
-
-
-def parse_body(raw: bytes) -> Any:
-    """The JSON value of a request body: 413 over MAX_BODY_BYTES, 400 when it is not JSON (NaN and Infinity
-    included, which Python's json would otherwise accept)."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-
-    def reject_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
 
 
 def _is_union_tag(part: object) -> bool:
@@ -97,14 +88,15 @@ class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="k3verify extension: -1 or 0 disables")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="k3verify extension: -1 or 0 disables")
     n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="k3verify extension")
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="k3verify extension; checked against the vocabulary too")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -141,17 +133,21 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none."""
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-            stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
-            ignore_eos=self.ignore_eos, logit_bias=parse_logit_bias(self.logit_bias))
+        """The engine's parameters for this request: unset temperature and top_p mean 1.0, unset top_k none.
+        The fields' bounds mirror SamplingParams' own checks; a value they still refuse is a 400, never a 500."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+                stop=tuple(self.stop_list), stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logit_bias=parse_logit_bias(self.logit_bias))
+        except ValueError as exc:
+            raise APIError(400, f"invalid sampling parameters: {exc}") from None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -229,8 +225,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None

@@ -14,8 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from k3verify.server.body import read_json
 from k3verify.server.errors import APIError
-from k3verify.server.protocol import ChatMessage, _Strict, parse_body, parse_request
+from k3verify.server.protocol import ChatMessage, _Strict, parse_request
 from k3verify.server.state import ServerState, state_of
 
 
@@ -46,7 +47,7 @@ def _token_strs(state: ServerState, ids: list[int]) -> list[str]:
 async def tokenize(request: Request) -> JSONResponse:
     """POST /tokenize: prompt or chat messages -> the prompt ids this server would use."""
     state = state_of(request)
-    data = parse_body(await request.body())
+    data = await read_json(request)
     req: TokenizePrompt | TokenizeChat
     if isinstance(data, dict) and "messages" in data:
         req = parse_request(TokenizeChat, data)
@@ -71,7 +72,7 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     """POST /detokenize: token ids -> text (special tokens kept, as vLLM does)."""
     state = state_of(request)
-    req = parse_request(Detokenize, parse_body(await request.body()))
+    req = parse_request(Detokenize, await read_json(request))
     if req.model is not None:
         state.check_model(req.model)
     bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]

@@ -1,12 +1,20 @@
 """The serving engine: one thread drives the ModelRunner (continuous batching, sampling, stops).
 
 Callers `submit` a prompt with a `sink`; the engine thread calls the sink with one EngineEvent per
-generated token (text delta, logprobs) and a final event carrying finish_reason or error. A loop
-that dies fails every pending request and keeps /health red instead of hanging anyone.
+generated token (text delta, logprobs) and a final event carrying finish_reason or error.
+
+No single request can end the loop: sampling parameters are range-checked at submit, sampling is
+numerically safe (serving/sampler.py), and a failure while sampling, detokenizing or delivering one
+request fails that request only. Non-finite logits fail their request with the reason and are counted
+(serving/health.py). Anything else escaping a step (a runner fault; tests inject one with
+`inject_fault`) is handled by the supervisor: the admitted requests fail with a clear error, the
+caches are reallocated, waiting requests stay queued, and the restart is counted; past
+`HealthPolicy.max_restarts` restarts in the window it gives up and the loop stays dead.
 
 Each turn of the loop schedules step n+1 (decode rows + prompt chunks under max_step_tokens), launches
 it (serving/step_loop.py: sampling on the device, CUDA graphs when given) and only then collects step
-n's token ids: the host's bookkeeping overlaps the GPU's step instead of following it.
+n's token ids: the host's bookkeeping overlaps the GPU's step instead of following it. With a
+speculator, steps run in order (the drafter proposes from the tokens the host holds).
 """
 
 from __future__ import annotations
@@ -14,20 +22,29 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from k3verify.serving.admission import check_request_fits, longest_completion
+from k3verify.serving.events import (
+    ContextLengthError,
+    EngineDeadError,
+    EngineEvent,
+    InjectedFault,
+    Observer,
+    Tokenizer,
+    TokenText,
+)
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.health import EngineHealth, HealthPolicy, HealthStatus
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import SamplingParams, TokenLogprob
-from k3verify.serving.scheduler import Scheduler
-from k3verify.serving.step_loop import LaunchedStep, StepLauncher
+from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
+from k3verify.serving.scheduler import Scheduler, StepPlan
+from k3verify.serving.step_loop import LaunchedStep, RowResult, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
 if TYPE_CHECKING:
@@ -35,65 +52,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (it failed, stalled or was stopped)."""
-
-
-class ContextLengthError(ValueError):
-    """A request that can never fit: prompt + max_tokens over the context or the empty cache."""
-
-
-class Tokenizer(Protocol):
-    n_vocab: int
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-    def is_special(self, token_id: int) -> bool: ...
-
-
-class Observer(Protocol):
-    def observe_ttft(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float) -> None: ...
-    def set_load(self, num_waiting: int, num_running: int) -> None: ...
-
-
-@dataclass
-class EngineEvent:
-    """One step's output for one request; `finished` once finish_reason or error is set."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-class _TokenText:
-    """Token bytes for detokenization; ids the tokenizer does not know (model vocab padding) carry no text."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def is_special(self, token_id: int) -> bool:
-        return not 0 <= token_id < self.tokenizer.n_vocab or self.tokenizer.is_special(token_id)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self.tokenizer.n_vocab:
-            return f"<|unused_{token_id}|>".encode()
-        return self.tokenizer.token_bytes(token_id)
+__all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "InjectedFault"]
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
                  debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
-                 idle_wait_s: float = 0.05, speculator: SpeculativeStep | None = None) -> None:
+                 idle_wait_s: float = 0.05, health_policy: HealthPolicy | None = None,
+                 speculator: SpeculativeStep | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
@@ -103,9 +70,10 @@ class Engine:
         self.runner = runner
         # Decoding through graphs, a sequence's whole budget must fit their (possibly shorter) context.
         self.max_context = runner.max_context if graphs is None else min(runner.max_context, graphs.max_context)
-        self.token_text = _TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
+        self.max_step_tokens, self.max_running = max_step_tokens, max_running
         self.scheduler = Scheduler(runner, max_step_tokens=max_step_tokens, max_running=max_running)
         self.launcher = StepLauncher(runner, graphs)
         self.debug = debug
@@ -113,6 +81,7 @@ class Engine:
         self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
+        self.health_tracker = EngineHealth(health_policy or HealthPolicy())
         self.num_waiting = 0
         self.num_running = 0
         self.num_steps = 0
@@ -122,6 +91,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._error: str | None = None
+        self._fault: BaseException | None = None
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="k3verify-engine", daemon=True)
 
@@ -135,7 +105,8 @@ class Engine:
             self._thread.join(timeout)
 
     def health(self) -> str | None:
-        """None when healthy, else why not (failed, stopped, or a step running past stall_timeout_s)."""
+        """None while the loop runs, else why not (failed for good, stopped, or a step running past
+        stall_timeout_s): what makes requests fail with engine_unavailable."""
         if self._error is not None:
             return self._error
         if not self._thread.is_alive():
@@ -145,45 +116,33 @@ class Engine:
             return f"engine loop stalled: no progress for {stalled:.1f}s (limit {self.stall_timeout_s}s)"
         return None
 
+    def status(self) -> HealthStatus:
+        """ok / degraded / unhealthy with reasons and counts (what /health reports)."""
+        return self.health_tracker.status(self.health())
+
+    def inject_fault(self, message: str = "injected engine fault") -> None:
+        """Make the next engine step raise InjectedFault once its admissions are done (the supervisor's test hook)."""
+        self._fault = InjectedFault(message)
+
     def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """Raise ValueError/ContextLengthError for a request that could never be served."""
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        total, limit = len(prompt_ids) + max_tokens, self.max_context
-        if total > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-                f"({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.")
-        if not self.runner.can_ever_fit(total):
-            raise ContextLengthError(
-                f"The request needs {total} tokens of cache ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-                "completion), more than this server's KV cache holds even when empty. Reduce prompt or max_tokens.")
+        """Raise ValueError/ContextLengthError for a request that could never be served (serving/admission.py)."""
+        check_request_fits(self.runner, self.vocab_size, prompt_ids, max_tokens, self.max_context)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
-        lo, hi = 0, self.max_context - prompt_len
-        while lo < hi:  # can_ever_fit is monotone in the token count
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.runner.can_ever_fit(prompt_len + mid) else (lo, mid - 1)
-        return max(lo, 0)
+        return longest_completion(self.runner, prompt_len, self.max_context)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams; got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
         self.validate(prompt_ids, params.max_tokens)
-        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad_bias[:5]}")
-
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
-                       params=params, sink=sink, stop_ids=frozenset(stop_ids),
-                      seed=secrets.randbits(63) if params.seed is None else params.seed,
-                       decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
-                       arrival=time.monotonic())
+                      params=params, sink=sink, stop_ids=frozenset(stop_ids), seed=request_seed(params.seed),
+                      decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
+                      arrival=time.monotonic())
         with self._lock:
             if self.health() is not None:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
@@ -207,18 +166,55 @@ class Engine:
         self.call(self.runner.check_integrity, timeout)
 
     def _run(self) -> None:
-        try:
-            while self._handle_commands(block=self._is_idle()):
-                self._heartbeat = time.monotonic()
-                if not self._is_idle():
-                    self._step()
-                    if self.debug:
-                        self.runner.check_integrity()
-                self._publish_load()
+        """The supervisor: run the loop; when a step raises, restart it with fresh caches (or give up)."""
+        while True:
+            try:
+                self._loop()
+            except Exception as exc:
+                log.exception("engine loop failed")
+                reason = f"engine fault: {type(exc).__name__}: {exc}"
+                if self._restart(reason):
+                    continue
+                self._fail_all(f"{reason}; the engine gave up after {self.health_tracker.restarts} restart(s) "
+                               f"within {self.health_tracker.policy.window_s:g}s")
+                return
             self._fail_all("engine stopped")
-        except Exception as exc:
-            log.exception("engine loop failed")
-            self._fail_all(f"engine loop failed: {type(exc).__name__}: {exc}")
+            return
+
+    def _loop(self) -> None:
+        while self._handle_commands(block=self._is_idle()):
+            self._heartbeat = time.monotonic()
+            if not self._is_idle():
+                self._step()
+                if self.debug:
+                    self.runner.check_integrity()
+            self._publish_load()
+
+    def _restart(self, reason: str) -> bool:
+        """Fail the admitted requests, reallocate the caches, keep the waiting queue. False: give up."""
+        if not self.health_tracker.record_restart(reason):
+            return False
+        waiting = list(self.scheduler.waiting)
+        lost = [r for sid, r in self._requests.items() if sid not in {w.seq_id for w in waiting}]
+        self._in_flight = None  # its rows belong to the lost requests
+        try:
+            self.runner.reset_caches()
+        except Exception:
+            log.exception("engine restart failed: the caches could not be reallocated")
+            return False
+        self.scheduler = Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running)
+        for seq in waiting:
+            self.scheduler.add(seq)
+        for req in lost:
+            self._requests.pop(req.seq_id, None)
+            self._emit(req, EngineEvent(error=f"{reason}; this request was in flight and is lost (the engine "
+                                              "restarted with fresh caches: retry it)", code="engine_unavailable",
+                                        prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))
+        if self.observer is not None:
+            self.observer.count_restart()
+        self._heartbeat = time.monotonic()
+        log.warning("engine restarted (%d so far): %s", self.health_tracker.restarts, reason)
+        return True
 
     def _handle_commands(self, block: bool) -> bool:
         try:
@@ -252,7 +248,7 @@ class Engine:
         if self.speculator is not None:
             self._step_in_order()
             return
-        plan = self.scheduler.schedule()
+        plan = self._plan()
         previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
         if previous is not None:
             self._process(previous)
@@ -264,7 +260,7 @@ class Engine:
         """With speculative decoding each step is collected before the next is planned: the drafter proposes
         from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
         assert self.speculator is not None
-        plan = self.scheduler.schedule()
+        plan = self._plan()
         if plan.decode:
             rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
             for seq in plan.decode:
@@ -278,6 +274,13 @@ class Engine:
         elif not plan:
             self._refuse_unadmittable_head()
         self.num_steps += 1
+
+    def _plan(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        if self._fault is not None:  # after admission, as a runner fault would strike
+            fault, self._fault = self._fault, None
+            raise fault
+        return plan
 
     def _refuse_unadmittable_head(self) -> None:
         """Nothing ran, nothing runs: the head of the queue can never be admitted (it would wait forever)."""
@@ -294,10 +297,31 @@ class Engine:
             if req is None:
                 continue  # finished (stop token, error) or aborted after this step was launched
             if row.nonfinite:
-                self._finish(req, EngineEvent(error=f"model produced non-finite logits (NaN/inf) at step "
-                                              f"{len(req.output_ids)}", prompt_tokens=len(req.prompt_ids)))
+                self._fail_nonfinite(req)
+            elif row.error is not None:
+                self._fail_request(req, row.error, "sampling_failed")
             else:
-                self._advance(req, row.token, row.logprob, now)
+                self._deliver(req, row, now)
+
+    def _fail_nonfinite(self, req: Request) -> None:
+        self.health_tracker.record_nonfinite()
+        if self.observer is not None:
+            self.observer.count_nonfinite()
+        self._fail_request(req, f"model produced non-finite logits (NaN/inf) at step {len(req.output_ids)}",
+                           "nonfinite_logits")
+
+    def _deliver(self, req: Request, row: RowResult, now: float) -> None:
+        """Detokenization, stops and the sink for one request; a failure there fails it alone."""
+        try:
+            self._advance(req, row.token, row.logprob, now)
+        except Exception as exc:
+            log.exception("request %d failed while delivering token %d", req.seq_id, row.token)
+            self._fail_request(req, f"internal error while serving this request: {type(exc).__name__}: {exc}",
+                               "request_failed")
+
+    def _fail_request(self, req: Request, error: str, code: str) -> None:
+        if req.seq_id in self._requests:
+            self._finish(req, EngineEvent(error=error, code=code, prompt_tokens=len(req.prompt_ids)))
 
     def _advance(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         if self.observer is not None:
@@ -323,7 +347,11 @@ class Engine:
         return req.seq_id not in self._requests
 
     def spec_fail(self, req: Request, message: str) -> None:
-        self._finish(req, EngineEvent(error=message, prompt_tokens=len(req.prompt_ids)))
+        """Fail a request whose verify pass produced non-finite logits (counted like any other)."""
+        self.health_tracker.record_nonfinite()
+        if self.observer is not None:
+            self.observer.count_nonfinite()
+        self._fail_request(req, message, "nonfinite_logits")
 
     def _finish(self, req: Request, event: EngineEvent) -> None:
         self._requests.pop(req.seq_id, None)
@@ -362,6 +390,6 @@ class Engine:
             elif cmd[0] == "call":
                 cmd[2].set_exception(EngineDeadError(reason))
         for req in pending:
-            self._emit(req, EngineEvent(error=reason, prompt_tokens=len(req.prompt_ids),
+            self._emit(req, EngineEvent(error=reason, code="engine_unavailable", prompt_tokens=len(req.prompt_ids),
                                         completion_tokens=len(req.output_ids)))
         self._publish_load()

@@ -50,6 +50,12 @@ class KimiModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
             self.output_attn_res_proj = linear(H, 1, dtype, device)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        if len(layers) != len(self.layers):
+            raise TypeError("KimiModel.layers holds a module that is not a DecoderLayer")
+        return layers
+
 
 class ServingModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
@@ -132,7 +138,7 @@ class ServingModel(nn.Module):
         x = self.model.embed_tokens(b.input_ids)
         if cfg.uses_attn_res:
             blocks = self._new_blocks(x, ctx)
-            for layer in self.model.layers:
+            for layer in self.model.decoder_layers():
                 x = layer.forward_attn_res(x, blocks, ctx, captures)
             h = self.finish(x, blocks)
             del blocks  # the per-pass block buffer is released here

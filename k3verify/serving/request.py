@@ -10,10 +10,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from k3verify.serving.sampler import SamplingParams
-from k3verify.serving.sampling_adapter import counter_seed
 from k3verify.serving.scheduler import ScheduledSeq
 
 
@@ -40,7 +37,7 @@ class Request(ScheduledSeq):
 
     params: SamplingParams
     stop_ids: frozenset[int]  # eos ids (unless ignore_eos) and the request's stop_token_ids
-    seed: int  # the sampler's key with each token's position (the request's seed, else a random one)
+    seed: int  # int64 key of the counter-based sampler (serving/sampler.py)
     decoder: Any  # k3verify.tokenizer.IncrementalDecoder
     sink: Callable[[Any], None]  # called with each EngineEvent (serving/engine.py)
     arrival: float
@@ -49,10 +46,9 @@ class Request(ScheduledSeq):
     last_token_at: float | None = None
 
     @property
-    def generator(self) -> torch.Generator:
-        """A CPU generator keyed by (seed, position of the next token), as the sampler contract keys its draws:
-        the speculative verify step's rejection sampling draws from it."""
-        return torch.Generator().manual_seed(counter_seed(self.seed, len(self.prompt_ids) + len(self.output_ids)))
+    def next_position(self) -> int:
+        """The position of the token to be sampled next (what the sampler's draws are keyed by with the seed)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def append(self, token: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text now safe to send, finish_reason or None).

@@ -40,10 +40,9 @@ class ModelRunner:
             raise ValueError(f"max_context must be >= 1; got {max_context}")
         self.model = model
         self.max_context = max_context
-        model.allocate_caches(num_pages, page_size, num_slots)
-        assert model.kv_cache is not None and model.state_pool is not None
-        self.kv_cache, self.state_pool = model.kv_cache, model.state_pool
+        self._cache_shape = (num_pages, page_size, num_slots)
         self._seqs: dict[int, SequenceCache] = {}
+        self._allocate_caches()
         # Per state slot, on the device: the page table (pages are reserved whole at admission, so a row is
         # written once) and the token the next decode feeds (written by set_next_tokens from sampled ids).
         # The engine's decode step gathers both by slot instead of sending ids and page lists every step.
@@ -56,6 +55,18 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def reset_caches(self) -> None:
+        """Forget every sequence and allocate fresh caches (the engine supervisor's restart): nothing a failed
+        step left half-written survives. CUDA graphs captured over the old tensors re-capture on their next
+        replay (their signature holds the cache data pointers)."""
+        self._seqs.clear()
+        self._allocate_caches()
+
+    def _allocate_caches(self) -> None:
+        self.model.allocate_caches(*self._cache_shape)
+        assert self.model.kv_cache is not None and self.model.state_pool is not None
+        self.kv_cache, self.state_pool = self.model.kv_cache, self.model.state_pool
 
     @property
     def active_ids(self) -> list[int]:

@@ -14,8 +14,9 @@ every later use of its slot and pages is issued after it on the same stream, can
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,10 +24,11 @@ import torch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import TokenLogprob, apply_logit_bias
-from k3verify.serving.sampling_adapter import sample_tokens
+from k3verify.serving.sampler import SamplingParams, TokenLogprob, apply_logit_bias, sample_tokens
 from k3verify.serving.scheduler import StepPlan
 from k3verify.serving.staging import HostStaging, PinnedReadback
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RowResult:
     token: int
     nonfinite: bool  # the logits row held NaN or +inf (or nothing finite to sample from)
     logprob: TokenLogprob | None
+    error: str | None = None  # sampling this row raised: its request fails alone
 
 
 @dataclass
@@ -51,6 +54,7 @@ class LaunchedStep:
     top_vals: torch.Tensor | None = None  # host [n + n * k] fp32: chosen logprob, then the k best
     num_prefill_tokens: int = 0
     num_decode: int = 0
+    errors: list[str | None] = field(default_factory=list)  # per row: why sampling it failed, if it did
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -85,14 +89,15 @@ class StepLauncher:
             return None
         n = len(rows)
         keys = self.staging.to_device([r.seed for r in rows] + [len(r.prompt_ids) + r.num_launched - 1 for r in rows])
-        tokens, bad, start = [], [], 0
+        tokens, bad, errors, start = [], [], [], 0
         for part in parts:
             k = part.shape[0]
-            params = [r.params for r in rows[start:start + k]]
-            # logit_bias moves the choice only: logprobs and the non-finite check see the raw model logits
-            tokens.append(sample_tokens(apply_logit_bias(part, params), params, keys[start:start + k],
-                                        keys[n + start:n + start + k]))
-            bad.append(nonfinite_rows(part))
+            flags = nonfinite_rows(part)
+            drawn, why = self._sample(part, flags, [r.params for r in rows[start:start + k]], keys[start:start + k],
+                                      keys[n + start:n + start + k])
+            tokens.append(drawn)
+            bad.append(flags)
+            errors += why
             start += k
         token_ids = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
         seq_ids = [r.seq_id for r in rows]
@@ -100,10 +105,35 @@ class StepLauncher:
         host, event = self.readback.start(torch.cat([token_ids, *(b.long() for b in bad)]))
         step = LaunchedStep(seq_ids, [r.params.logprobs for r in rows], host, event,
                             num_prefill_tokens=sum(c.end - c.start for c in plan.prefill),
-                            num_decode=len(plan.decode))
+                            num_decode=len(plan.decode), errors=errors)
         if any(k is not None for k in step.num_top):
             self._launch_logprobs(step, parts, token_ids)
         return step
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, bad: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, list[str | None]]:
+        """[k] tokens and per-row errors. logit_bias moves the choice only (logprobs and the non-finite check
+        see the raw logits); a poisoned row must not poison a batched draw, so sampled batches draw from rows
+        with non-finite rows zeroed (greedy argmax is per row). If the batched draw raises, rows are drawn one
+        by one and only a row that raises is marked."""
+        safe = logits if all(p.is_greedy for p in params) else logits.float().masked_fill(bad[:, None], 0.0)
+        try:
+            return sample_tokens(apply_logit_bias(safe, params), params, seeds, positions), [None] * len(params)
+        except Exception:
+            log.exception("batched sampling failed; sampling row by row to find the request at fault")
+        tokens: list[torch.Tensor] = []
+        errors: list[str | None] = []
+        for i, p in enumerate(params):
+            try:
+                tokens.append(sample_tokens(apply_logit_bias(safe[i:i + 1], [p]), [p], seeds[i:i + 1],
+                                            positions[i:i + 1]))
+                errors.append(None)
+            except Exception as exc:
+                log.exception("sampling failed for row %d", i)
+                tokens.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+                errors.append(f"sampling failed: {type(exc).__name__}: {exc}")
+        return torch.cat(tokens), errors
 
     def _launch_logprobs(self, step: LaunchedStep, parts: list[torch.Tensor], tokens: torch.Tensor) -> None:
         """Chosen-token logprob and the k best (k = the largest any row asked) of every row, on the device."""
@@ -132,5 +162,6 @@ class StepLauncher:
                     j = min(want, k)
                     pairs = tuple(zip(top_ids[i * k:i * k + j], vals[n + i * k:n + i * k + j], strict=True))
                     lps[i] = TokenLogprob(tokens[i], vals[i], pairs)
-        return [RowResult(sid, tok, bool(b), lp) for sid, tok, b, lp in zip(step.seq_ids, tokens, bad, lps,
-                                                                             strict=True)]
+        errors = step.errors or [None] * n
+        return [RowResult(sid, tok, bool(b), lp, err) for sid, tok, b, lp, err in zip(step.seq_ids, tokens, bad, lps,
+                                                                                       errors, strict=True)]

@@ -15,8 +15,9 @@ from endpoint_fakes import WrongTokenAt, proxy_app
 import k3verify
 from k3verify.cli import main
 from k3verify.endpoint.local import serve_locally
+from k3verify.gates.binding import source_digest
 from k3verify.gates.report import load_report
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.thread import ServerThread
 from k3verify.target import resolve_target
 
@@ -56,7 +57,8 @@ def test_endpoint_parity_is_green_against_our_server(preset: str, tmp_path: Path
     assert 0 < endpoint["requests"]["sent"] <= 400 and endpoint["requests"]["by_status"] == {
         "200": endpoint["requests"]["sent"]}
     assert results["endpoint.logprobs.topk"]["bar"] < 1e-5, "an fp32 endpoint is held to fp32 noise"
-    gate = lookup_report(tmp_path, resolve_target(preset).digest, k3verify.__version__, "cpu")
+    want = GateWant(resolve_target(preset).digest, k3verify.__version__, "cpu", "float32", source_digest(), preset)
+    gate = lookup_report(tmp_path, want)
     assert gate.passing is None and "--endpoint" in gate.reason
 
 

@@ -4,6 +4,7 @@ The model side (presets, checkpoint cache, digest) is replaced by fakes so only 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,49 @@ def test_red_run_exits_1(fake_target: None, monkeypatch: pytest.MonkeyPatch, tmp
     data = json.loads((out / "report.json").read_text())
     assert data["summary"]["verdict"] == "fail"
     assert {r["id"]: r["status"] for r in data["results"]}["kda.t.broken"] == "fail"
+
+
+def _damaged_copy(tmp_path: Path) -> Path:
+    from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset_checkpoint("k3-tiny"), copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "unreadable shard", "bad config", "config not json"])
+def test_setup_error_exits_2_naming_the_file_and_writes_an_error_report(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 15: a damaged checkpoint is exit 2 (not a traceback and exit 1) with a message naming the file, and
+    report.json records verdict "error" with that message."""
+    ckpt = _damaged_copy(tmp_path)
+    shard = ckpt / "model-00002-of-00003.safetensors"
+    victim = {"missing shard": shard, "unreadable shard": shard, "bad config": ckpt / "config.json",
+              "config not json": ckpt / "config.json"}[damage]
+    if damage in ("missing shard", "unreadable shard"):
+        shard.unlink()
+        if damage == "unreadable shard":
+            shard.mkdir()  # unreadable even for root
+    elif damage == "bad config":
+        cfg = json.loads(victim.read_text())
+        victim.write_text(json.dumps(cfg | {"frobnication_factor": 3}))
+    else:
+        victim.write_text("{ not json")
+    out = tmp_path / "rep"
+    assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(victim) in err and "Traceback" not in err
+    data = load_report(out / "report.json")
+    assert data["summary"]["verdict"] == "error" and str(victim) in data["summary"]["setup_error"]
+    assert data["run"]["checkpoint"] == str(ckpt) and data["results"] == []
+
+
+def test_report_key_signs_the_report(fake_target: None, tmp_path: Path) -> None:
+    """--report-key FILE: report.json carries an HMAC that verifies with that key."""
+    from k3verify.gates.binding import signature_problem
+
+    key = tmp_path / "k"
+    key.write_text("a-key-of-enough-bytes\n")
+    out = tmp_path / "rep"
+    assert main(["parity", "--only", "gates.selftest", "--report-dir", str(out), "--report-key", str(key)]) == 0
+    assert signature_problem(load_report(out), b"a-key-of-enough-bytes") is None

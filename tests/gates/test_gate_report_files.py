@@ -1,4 +1,4 @@
-"""report.json against its schema, atomic writes, JUnit counts, loading, and the lookup `serve` uses."""
+"""report.json against its schema, atomic writes, JUnit counts, loading, signing, and the lookup `serve` uses."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import jsonschema
 import pytest
 
 from k3verify.gates import Registry
+from k3verify.gates.binding import signature_problem
 from k3verify.gates.report import (
     atomic_write_text,
     load_report,
-    newest_matching_report,
     report_dict,
     write_reports,
 )
-from k3verify.gates.suite import RunResult
+from k3verify.gates.report_lookup import GateWant, lookup_report
+from k3verify.gates.suite import RunResult, collect_run_info
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,28 +122,49 @@ def test_junit_parses_and_counts_match(mixed_run: RunResult, tmp_path: Path) -> 
 
 
 def _report_at(run: RunResult, root: Path, name: str, started: str, **run_fields: object) -> None:
+    """A report as a bf16 parity run writes it (these model-free runs cover no dtype of their own)."""
+    run_fields.setdefault("dtypes", ["bfloat16"])
     info = dataclasses.replace(run.run, started_at=started, **run_fields)  # type: ignore[arg-type]
     write_reports(RunResult(info, run.results), root / name)
 
 
-def test_newest_matching_report_for_serve(mixed_registry: Registry, run_checks: RunFactory, tmp_path: Path) -> None:
+def test_serve_lookup_on_real_reports(mixed_registry: Registry, run_checks: RunFactory, tmp_path: Path) -> None:
+    """report_lookup over reports written by write_reports: identity match, newest decides, a failing run shadows."""
     green = run_checks([mixed_registry.get("kda.t.pass")])
     red = run_checks([mixed_registry.get("mla.t.fail")])
-    digest = green.run.checkpoint_digest
+    want = GateWant(str(green.run.checkpoint_digest), green.run.k3verify_version, "cpu", "bfloat16",
+                    green.run.source_digest, "test")
     _report_at(green, tmp_path, "a", "2026-01-01T00:00:00+00:00")
     _report_at(green, tmp_path, "other-ckpt", "2026-01-05T00:00:00+00:00", checkpoint_digest="sha256:other")
     _report_at(green, tmp_path, "other-device", "2026-01-05T00:00:00+00:00", device="cuda")
     _report_at(green, tmp_path, "old-version", "2026-01-05T00:00:00+00:00", k3verify_version="0.0.1")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "report.json").write_text("{not json")
-    found = newest_matching_report(tmp_path, checkpoint_digest=digest, version=green.run.k3verify_version,
-                                   device="cpu")
-    assert found is not None and found[0] == tmp_path / "a" / "report.json"
-    assert found[1]["summary"]["verdict"] == "pass"
-    # A newer failing report for the same checkpoint shadows the older passing one.
+    found = lookup_report(tmp_path, want)
+    assert found.passing == tmp_path / "a" / "report.json" and found.skipped == (tmp_path / "junk" / "report.json",)
     _report_at(red, tmp_path, "b", "2026-01-02T00:00:00+00:00")
-    found = newest_matching_report(tmp_path, checkpoint_digest=digest, version=green.run.k3verify_version,
-                                   device="cpu")
-    assert found is not None and found[1]["summary"]["verdict"] == "fail"
-    assert newest_matching_report(tmp_path / "missing", checkpoint_digest=digest, version="0.1.0",
-                                  device="cpu") is None
+    found = lookup_report(tmp_path, want)
+    assert found.passing is None and found.newest == tmp_path / "b" / "report.json" and "'fail'" in found.reason
+    assert lookup_report(tmp_path / "missing", want).passing is None
+
+
+def test_signed_reports_verify_after_the_round_trip(mixed_registry: Registry, run_checks: RunFactory,
+                                                    tmp_path: Path) -> None:
+    """write_reports(key=...) signs report.json; reading it back verifies; flipping one status breaks it."""
+    key = b"k" * 32
+    green = run_checks([mixed_registry.get("kda.t.pass")])
+    write_reports(green, tmp_path, key=key)
+    data = load_report(tmp_path)
+    assert data["signature"]["alg"] == "hmac-sha256" and signature_problem(data, key) is None
+    data["results"][0]["status"] = "fail"
+    assert "edited after signing" in str(signature_problem(data, key))
+    assert "signed with key" in str(signature_problem(load_report(tmp_path), b"o" * 32))
+
+
+def test_setup_error_run_has_verdict_error(tmp_path: Path) -> None:
+    """A run that never reached its checks is written with verdict "error" and the reason."""
+    info = collect_run_info(device="cpu", seed=0, suite="quick")
+    write_reports(RunResult(info, [], setup_error="/x/model.safetensors: missing"), tmp_path)
+    summary = load_report(tmp_path)["summary"]
+    assert summary["verdict"] == "error" and summary["setup_error"] == "/x/model.safetensors: missing"
+    assert 'class="verdict error"' in (tmp_path / "report.html").read_text()

@@ -69,6 +69,31 @@ def test_rank_zero_serves_http(target: Target, world: ServingWorld) -> None:
     assert got == [n.decode("utf-8", errors="replace") for n in names]
 
 
+def test_engine_restart_resets_every_rank(target: Target, world: ServingWorld) -> None:
+    """Engine faults mid-request: the supervisor's cache reset reaches rank 1 too, so after as many faults as there
+    are state slots the next request still runs and generates the single-process tokens (a follower that kept the
+    lost sequences would run out of slots, refuse the admission and leave rank 0 alone in the collectives)."""
+    tok = default_tokenizer()
+    want = generate_greedy(single_runner(target), [PROMPTS[0]], 5)[0]
+    engine = Engine(world.runner, tok, eos_token_ids=(-1,), vocab_size=target.cfg.vocab_size).start()
+    app = create_app(engine, tok, model_name="k3-tiny")
+    body = {"model": "k3-tiny", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "logprobs": 0}
+    try:
+        with ServerThread(app) as server:
+            failed = []
+            for _ in range(CACHES["num_slots"]):
+                engine.inject_fault("fault on rank 0")
+                failed.append(httpx.post(f"{server.url}/v1/completions", timeout=120, json=body))
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json=body)
+    finally:
+        engine.stop()
+    assert all(f.status_code == 503 and "fault on rank 0" in f.text for f in failed)
+    assert engine.status().restarts == CACHES["num_slots"] and r.status_code == 200, r.text
+    names = [tok.token_bytes(t) if t < tok.n_vocab else f"<|unused_{t}|>".encode() for t in want]
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [n.decode("utf-8", errors="replace") for n in names]
+    world.runner.check_integrity()
+
+
 def _report(tmp_path: Path, statuses: dict[str, str], tp: int, ep: int) -> Path:
     results = [{"id": i, "status": s, "metrics": {"tp": float(tp), "ep": float(ep)}} for i, s in statuses.items()]
     path = tmp_path / "report.json"

@@ -141,6 +141,10 @@ class FakeRunner:
         slot = self.slots.pop(seq_id)
         self.free_pages += slot.pages
 
+    def reset_caches(self) -> None:
+        self.slots.clear()
+        self.free_pages = self.num_pages
+
     def check_integrity(self) -> None:
         used = sum(s.pages for s in self.slots.values())
         if used + self.free_pages != self.num_pages or len(self.slots) > self.max_slots:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,34 +19,54 @@ import pytest
 import k3verify
 from k3verify.cli import UsageError, build_parser, main
 from k3verify.commands import serve
+from k3verify.gates.binding import source_digest
 from k3verify.gates.report import validate_report
-from k3verify.gates.report_lookup import find_passing_report, lookup_report
+from k3verify.gates.report_lookup import GateWant, find_passing_report, lookup_report
 
 OTHER_DIGEST = "sha256:" + "0" * 64
 
 
-def write_report(directory: Path, *, digest: str, version: str = k3verify.__version__, device: str = "cpu",
-                 verdict: str = "pass", started_at: str = "2026-01-01T00:00:00+00:00",
-                 only: list[str] | None = None) -> Path:
-    """A minimal schema-valid report.json (validated here, so schema drift fails this helper, not silently)."""
-    counts = {"pass": 3, "fail": 0, "vacuous": 0, "error": 0, "skipped": 1}
-    if verdict == "fail":
-        counts |= {"fail": 1}
+def result(check_id: str, status: str) -> dict[str, Any]:
+    """One schema-valid result entry."""
+    return {"id": check_id, "component": "gates", "level": "module", "kind": "bitexact", "bar": None,
+            "bar_reason": None, "status": status, "reason": None, "metric": None, "metrics": {}, "per_key": {},
+            "margin": None, "thin": False, "control": None, "worst": None, "shapes": {}, "dtypes": {}, "seed": 0,
+            "duration_s": 0.1, "localization": None, "instrument": None, "notes": [], "traceback": None}
+
+
+def report_data(*, digest: str, version: str = k3verify.__version__, device: str = "cpu", verdict: str = "pass",
+                started_at: str = "2026-01-01T00:00:00+00:00", only: list[str] | None = None,
+                preset: str = "k3-tiny", dtypes: list[str] | None = None, source: str | None = None) -> dict[str, Any]:
+    """A minimal schema-valid report (validated, so schema drift fails this helper, not silently) whose summary
+    is what its results imply: 3 pass + 1 skipped, plus a fail when verdict is "fail"."""
+    statuses = ["pass", "pass", "pass", "skipped"] + (["fail"] if verdict == "fail" else [])
+    results = [result(f"gates.t.c{i}", st) for i, st in enumerate(statuses)]
+    counts = {st: statuses.count(st) for st in ("pass", "fail", "vacuous", "error", "skipped")}
     data = {
         "schema_version": 1,
         "run": {"k3verify_version": version, "git_sha": "unknown", "git_dirty": None, "python": "3.11",
                 "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
-                "preset": "k3-tiny", "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
+                "preset": preset, "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
                 "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {},
-                "dtypes": ["bfloat16", "float32"]},
-        "results": [],
-        "summary": {"counts": counts, "total": sum(counts.values()), "verdict": verdict},
+                "dtypes": dtypes or ["bfloat16", "float32"], "source_digest": source or source_digest()},
+        "results": results,
+        "summary": {"counts": counts, "total": len(results), "verdict": verdict},
     }
     validate_report(data)
+    return data
+
+
+def write_report(directory: Path, *, data: dict[str, Any] | None = None, **kw: Any) -> Path:
+    """report_data(**kw) (or `data` as given) written as directory/report.json."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "report.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
+    path.write_text(json.dumps(data if data is not None else report_data(**kw)), encoding="utf-8")
     return path
+
+
+def want(digest: str, device: str = "cpu", **kw: Any) -> GateWant:
+    """What `serve` of k3-tiny in bf16 on `device` asks of a report."""
+    return GateWant(digest, k3verify.__version__, device, "bfloat16", source_digest(), "k3-tiny", **kw)
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -91,7 +112,7 @@ def test_refuses_passing_report_for_something_else(tmp_path: Path, tiny_digest: 
     """A passing report for another checkpoint digest, k3verify version or device kind does not count."""
     write_report(tmp_path, **({"digest": tiny_digest} | mismatch))
     err = refusal(capsys, "--report-dir", str(tmp_path))
-    assert f"no report for checkpoint {tiny_digest}" in err and "1 report(s) for other" in err
+    assert f"no report for checkpoint {tiny_digest}" in err and "1 report(s) for other " in err
 
 
 def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -> None:
@@ -100,25 +121,25 @@ def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -
     newest = write_report(tmp_path / "c", digest=tiny_digest, started_at="2026-02-01T00:00:00+00:00")
     gated = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
     assert gated.report == newest and gated.target.digest == tiny_digest and gated.target.name == "k3-tiny"
-    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == newest
-    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cuda") is None
+    assert find_passing_report(tmp_path, want(tiny_digest)) == newest
+    assert find_passing_report(tmp_path, want(tiny_digest, "cuda")) is None
 
 
 def test_run_narrowed_by_only_never_opens_the_gate(tmp_path: Path, tiny_digest: str) -> None:
     """A green `parity --only gates.selftest` run proves nothing about the model: serve ignores it."""
     write_report(tmp_path / "narrow", digest=tiny_digest, only=["gates.selftest"])
-    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") is None
-    with pytest.raises(UsageError, match="1 narrowed by --only"):
+    assert find_passing_report(tmp_path, want(tiny_digest)) is None
+    with pytest.raises(UsageError, match=r"1 report\(s\) for runs narrowed by --only"):
         serve.require_gate(serve_args("--report-dir", str(tmp_path)))
     full = write_report(tmp_path / "full", digest=tiny_digest, started_at="2025-12-01T00:00:00+00:00")
-    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") == full
+    assert find_passing_report(tmp_path, want(tiny_digest)) == full
 
 
 def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: str) -> None:
     """A regression recorded after a green run closes the gate again."""
     write_report(tmp_path / "old", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
     write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at="2026-03-01T00:00:00+00:00")
-    assert find_passing_report(tmp_path, tiny_digest, k3verify.__version__, "cpu") is None
+    assert find_passing_report(tmp_path, want(tiny_digest)) is None
     with pytest.raises(UsageError, match="verdict 'fail'"):
         serve.require_gate(serve_args("--report-dir", str(tmp_path)))
 
@@ -133,11 +154,11 @@ def test_corrupt_report_is_ignored_with_a_warning(tmp_path: Path, tiny_digest: s
     invalid.parent.mkdir()
     invalid.write_text(json.dumps({"schema_version": 1, "summary": {"verdict": "pass"}}), encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
-        assert lookup_report(tmp_path, tiny_digest, k3verify.__version__, "cpu").passing is None
+        assert lookup_report(tmp_path, want(tiny_digest)).passing is None
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert str(half) in warned and str(invalid) in warned
     good = write_report(tmp_path / "good", digest=tiny_digest)
-    found = lookup_report(tmp_path, tiny_digest, k3verify.__version__, "cpu")
+    found = lookup_report(tmp_path, want(tiny_digest))
     assert found.passing == good and set(found.skipped) == {half, invalid}
 
 
@@ -170,6 +191,9 @@ def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--preset", "k3"], "is a real shape with no data"),
     (["--checkpoint", "/nonexistent/ckpt"], "no config.json"),
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["--nonfinite-threshold", "0"], "max_nonfinite >= 1"),
 ])
 def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,7 +253,7 @@ def test_run_gates_writes_a_real_report_then_serves(tmp_path: Path) -> None:
     port = _free_port()
     proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k", "--run-gates")
     _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
-    assert find_passing_report(tmp_path, serve.target_for(serve_args()).digest, k3verify.__version__, "cpu")
+    assert find_passing_report(tmp_path, want(serve.target_for(serve_args()).digest))
     _chat_then_stop(proc, f"http://127.0.0.1:{port}")
 
 

@@ -1,4 +1,5 @@
-"""Unit tests below HTTP: sampler filters and seeds, stop-string holding, FIFO scheduling, engine stop/fault logic."""
+"""Unit tests below HTTP: stop-string holding, FIFO scheduling, engine stop/fault logic (the sampler:
+tests/serving/test_serving_sampler.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _S
 
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.request import find_stop, partial_stop_len
-from k3verify.serving.sampler import SamplingParams, filter_logits, make_generator, sample, sample_row
+from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.scheduler import ScheduledSeq, Scheduler, StepPlan
 
 
@@ -58,42 +59,6 @@ def run_engine(runner: FakeRunner, requests: list[tuple[list[int], SamplingParam
 
 def text_of(events: list[EngineEvent]) -> str:
     return "".join(e.text for e in events)
-
-
-def test_top_k_keeps_exactly_k() -> None:
-    """top_k masks all but the k largest logits."""
-    row = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    kept = torch.isfinite(filter_logits(row, 7, 1.0))
-    assert int(kept.sum()) == 7 and set(kept.nonzero().flatten().tolist()) == set(torch.topk(row, 7).indices.tolist())
-
-
-@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 1), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)])
-def test_top_p_keeps_smallest_nucleus(top_p: float, kept: int) -> None:
-    """top_p keeps the fewest most-likely tokens whose mass reaches top_p (probs .5 .3 .15 .05)."""
-    row = torch.log(torch.tensor([0.15, 0.5, 0.05, 0.3]))
-    out = filter_logits(row, 0, top_p)
-    assert int(torch.isfinite(out).sum()) == kept
-    assert torch.isfinite(out[1])
-
-
-def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
-    """Same seed → same draws; a different seed → different draws; greedy consumes no randomness."""
-    logits = torch.zeros(4, 64)
-    params = [SamplingParams(max_tokens=1, temperature=1.0)] * 4
-    draws = lambda seed: [sample(logits, params, [make_generator(seed + i) for i in range(4)]) for _ in range(1)]  # noqa: E731
-    assert draws(5) == draws(5) and draws(5) != draws(6)
-    g = make_generator(3)
-    state = g.get_state().clone()
-    assert sample_row(torch.arange(10.0), SamplingParams(max_tokens=1, temperature=0.0), g) == 9
-    assert torch.equal(g.get_state(), state)
-
-
-def test_sampling_follows_temperature() -> None:
-    """At tiny temperature the draw is the argmax; at temperature 1 it spreads over the support."""
-    row = torch.tensor([0.0, 1.0, 0.5, 0.9])
-    g = make_generator(0)
-    assert {sample_row(row, SamplingParams(max_tokens=1, temperature=0.01), g) for _ in range(50)} == {1}
-    assert len({sample_row(row, SamplingParams(max_tokens=1, temperature=1.0), g) for _ in range(200)}) == 4
 
 
 def test_find_stop_and_partial_hold() -> None:

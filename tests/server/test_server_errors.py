@@ -120,8 +120,10 @@ def test_context_too_long_names_the_numbers(tiny_server: RunningServer) -> None:
     assert err["code"] == "context_length_exceeded"
     assert f"{limit + 300} tokens" in err["message"] and "300 in the prompt" in err["message"]
     assert f"{limit} for the completion" in err["message"]
-    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"max_tokens": 10**30}, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"max_tokens": 2**20}, timeout=10)
     assert_envelope(r, 400, param="prompt", contains="maximum context length")
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=GOOD | {"max_tokens": 10**30}, timeout=10)
+    assert_envelope(r, 400, param="max_tokens", contains="less than or equal to 1048576")
 
 
 def test_chat_prompt_alone_over_context_is_400(tiny_server: RunningServer) -> None:

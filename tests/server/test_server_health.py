@@ -1,5 +1,6 @@
-"""A dead or stalled engine turns /health red and answers pending requests with an error, never a hang;
-a client that goes away has its cache released."""
+"""An engine fault fails the requests in flight and the supervisor restarts the loop; an engine that keeps
+failing or stalls turns /health red; pending requests get an error, never a hang; a client that goes away
+has its cache released."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import httpx
 from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
+
+from k3verify.serving.health import HealthPolicy
 
 BODY = {"model": TINY, "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -27,11 +30,13 @@ def wait_until(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
     return pred()
 
 
-def test_engine_fault_fails_requests_and_health() -> None:
-    """An exception in the engine loop: in-flight and new requests get 503 envelopes, /health turns 503."""
+def test_engine_fault_fails_in_flight_request_then_engine_restarts() -> None:
+    """A runner exception mid-request: that request gets a 503 naming the fault; the supervisor restarts the loop
+    with fresh caches, /health is 200 "degraded" counting the restart, /metrics counts it, the next request is
+    served and the caches are clean."""
     runner = SlowRunner(0.01)
     with running_server(runner) as server:
-        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{server.url}/health", timeout=5).json()["status"] == "ok"
         results: list[httpx.Response] = []
         inflight = threading.Thread(target=lambda: results.append(
             httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30)))
@@ -39,11 +44,29 @@ def test_engine_fault_fails_requests_and_health() -> None:
         assert wait_until(lambda: server.engine.num_running == 1)
         runner.fail_next = RuntimeError("injected decode fault")
         inflight.join(15)
-        assert not inflight.is_alive(), "the in-flight request hung after the engine died"
+        assert not inflight.is_alive(), "the in-flight request hung after the engine fault"
         r = results[0]
         assert r.status_code == 503 and "injected decode fault" in r.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health", timeout=5)
-        assert health.status_code == 503 and "injected decode fault" in health.json()["error"]["message"]
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert health.json()["restarts"] == 1 and "injected decode fault" in " ".join(health.json()["reasons"])
+        assert "k3v_engine_restarts_total 1.0" in httpx.get(f"{server.url}/metrics", timeout=5).text
+        late = httpx.post(f"{server.url}/v1/completions", json=BODY | {"max_tokens": 3}, timeout=30)
+        assert late.status_code == 200 and late.json()["usage"]["completion_tokens"] == 3
+        server.engine.check_integrity()
+        runner.assert_empty()
+
+
+def test_engine_that_keeps_failing_is_given_up() -> None:
+    """Past max_restarts faults in the window the loop stays dead: /health 503 and new requests 503."""
+    runner = SlowRunner(0.0)
+    with running_server(runner, health_policy=HealthPolicy(max_restarts=1)) as server:
+        for _ in range(2):
+            server.engine.inject_fault("fault again")
+            r = httpx.post(f"{server.url}/v1/completions", json=BODY | {"max_tokens": 3}, timeout=30)
+            assert r.status_code == 503 and "fault again" in r.json()["error"]["message"]
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503 and "gave up" in health.json()["error"]["message"]
         late = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=10)
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
 

@@ -60,10 +60,9 @@ def test_rejection_sampling_emits_tokens_distributed_as_the_model(draft: int) ->
     V, params = 6, SamplingParams(max_tokens=4, temperature=0.8, top_k=5)
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0, -0.5], [0.0, 1.5, 0.3, -1.0, 0.7, 0.0],
                            [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
-    gen = torch.Generator().manual_seed(0)
     first, second = torch.zeros(V), torch.zeros(V)
-    for _ in range(20000):
-        toks = accept_sampled(logits, [draft, 1], params, gen).tokens
+    for position in range(20000):  # one seeded request's counter-based numbers at 20k positions
+        toks = accept_sampled(logits, [draft, 1], params, 7, position * 3).tokens
         first[toks[0]] += 1
         if toks[0] == draft and len(toks) > 1:
             second[toks[1]] += 1

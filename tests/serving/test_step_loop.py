@@ -1,4 +1,4 @@
-"""The engine's device step on CPU: slot-gathered decode inputs, the sampler contract, non-finite flags,
+"""The engine's device step on CPU: slot-gathered decode inputs, non-finite flags,
 the overlapped engine loop against offline greedy decoding, and the staging copies."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from k3verify.presets import get_preset
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.runner import ModelRunner, build_runner, generate_greedy
-from k3verify.serving.sampler import SamplingParams
-from k3verify.serving.sampling_adapter import counter_seed, sample_tokens
+from k3verify.serving.sampler import SamplingParams, nonfinite_mask
 from k3verify.serving.staging import HostStaging, PinnedReadback
 from k3verify.serving.step_loop import nonfinite_rows
 
@@ -52,23 +51,6 @@ def test_decode_next_equals_decode_with_host_tokens(use_graph_inputs: bool) -> N
     assert torch.equal(cand, ref[order])
 
 
-def test_sample_tokens_is_keyed_by_seed_and_position_not_by_batch() -> None:
-    """A sampled row's token depends on (seed, position) only; greedy rows are the argmax."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 300, generator=g)
-    hot = SamplingParams(max_tokens=4, temperature=1.5)
-    params = [hot, SamplingParams(max_tokens=4, temperature=0.0)] * 3
-    seeds, pos = torch.tensor([7, 1, 7, 2, 8, 3]), torch.tensor([10, 0, 11, 0, 10, 0])
-    full = sample_tokens(logits, params, seeds, pos)
-    assert full[1::2].tolist() == logits[1::2].argmax(-1).tolist()
-    alone = sample_tokens(logits[:1], params[:1], seeds[:1], pos[:1])
-    assert alone.tolist() == full[:1].tolist(), "a neighbour changed a seeded draw"
-    draws = {int(sample_tokens(logits[:1], [hot], torch.tensor([s]), torch.tensor([p]))[0])
-             for s in range(40) for p in (3, 4)}
-    assert len(draws) > 5, "the key does not reach the generator"
-    assert counter_seed(7, 10) != counter_seed(7, 11) != counter_seed(8, 10)
-
-
 def test_nonfinite_rows_flags_nan_posinf_and_empty_rows() -> None:
     logits = torch.zeros(5, 8)
     logits[1, 3] = float("nan")
@@ -76,6 +58,7 @@ def test_nonfinite_rows_flags_nan_posinf_and_empty_rows() -> None:
     logits[3] = float("-inf")
     logits[4, :7] = float("-inf")  # one finite entry left: a masked row, not a broken one
     assert nonfinite_rows(logits).tolist() == [False, True, True, True, False]
+    assert torch.equal(nonfinite_rows(logits), nonfinite_mask(logits)), "one reduction, the sampler's semantics"
 
 
 def test_staging_and_readback_round_trip_on_cpu() -> None:

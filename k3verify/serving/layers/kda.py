@@ -164,18 +164,17 @@ class KimiDeltaAttention(nn.Module):
             assert b.slots is not None
             return list(conv_decode_qkv((xs[0], xs[1], xs[2]), weights, pool.conv_views(self.layer_idx), b.slots,
                                         keep.view(-1)))
-        windows: tuple[torch.Tensor | None, ...] = (None, None, None)
-        if continuing:
-            assert pool is not None and b.slots is not None  # forward sets continuing only with both
-            windows = pool.windows(self.layer_idx, b.slots, xs[0].dtype)
+        if (continuing or pool is not None) and (pool is None or b.slots is None):
+            raise RuntimeError(f"KDA layer {self.layer_idx}: a cached prefill needs the state pool and slots")
+        windows = pool.windows(self.layer_idx, b.slots, xs[0].dtype) if continuing and pool is not None and \
+            b.slots is not None else (None, None, None)
         outs, finals = [], []
         for proj, weight, init in zip(xs, weights, windows, strict=True):
             y, final = causal_conv(proj, weight, b.seg_ids, b.local_pos, b.cu_seqlens,
                                    None if init is None else init * keep)
             outs.append(y)
             finals.append(final)
-        if pool is not None:
-            assert b.slots is not None  # forward refuses a pool without slots
+        if pool is not None and b.slots is not None:
             pool.store_windows(self.layer_idx, b.slots, *finals)
         return outs
 

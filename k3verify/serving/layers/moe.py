@@ -109,15 +109,16 @@ class Expert(nn.Module):
         shapes = {"w1": (I, Din), "w3": (I, Din), "w2": (Din, I)}
         for name, (n_out, n_in) in shapes.items():
             if cfg.experts_quantized:
-                setattr(self, name, PackedWeight(n_out, n_in, cfg.quant.group_size, device))
+                setattr(self, name, PackedWeight(n_out, n_in, cfg.mxfp4_group_size, device))
             else:
                 setattr(self, name, linear(n_in, n_out, dtype, device))
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1 gate, w3 up, w2 down) dense in `dtype`."""
         out = []
-        for w in (self.w1, self.w3, self.w2):
-            out.append(w.dense(dtype) if isinstance(w, PackedWeight) else w.weight)
+        for name in ("w1", "w3", "w2"):
+            w = self.get_submodule(name)
+            out.append(w.dense(dtype) if isinstance(w, PackedWeight) else w.get_parameter("weight"))
         return out[0], out[1], out[2]
 
 
@@ -135,7 +136,7 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg, dtype, device) for _ in range(cfg.num_experts))
         self.shared_experts = GatedMLP(cfg, H, cfg.shared_intermediate_size, dtype, device, tile_tokens)
         if self.latent:
-            L = cfg.routed_expert_hidden_size
+            L = cfg.latent_size
             self.routed_expert_down_proj = linear(H, L, dtype, device)
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype)
@@ -180,17 +181,24 @@ class SparseMoE(nn.Module):
             I = self.intermediate_size
             if not self.quantized:
                 for e, ex in enumerate(self.experts):
-                    ex.w1.weight.data, ex.w3.weight.data, ex.w2.weight.data = w13[e, :I], w13[e, I:], w2[e]
+                    for name, view in (('w1', w13[e, :I]), ('w3', w13[e, I:]), ('w2', w2[e])):
+                        ex.get_parameter(f"{name}.weight").data = view
             elif self.mxfp4_mode == "cached":
                 self._dense = [(w13[e, :I], w13[e, I:], w2[e]) for e in range(self.num_experts)]
             self._stacked = (w13, w2)
         return self._stacked
 
+    def expert(self, e: int) -> Expert:
+        expert = self.experts[e]
+        if not isinstance(expert, Expert):
+            raise TypeError(f"experts[{e}] is a {type(expert).__name__}, not an Expert")
+        return expert
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.quantized or self.mxfp4_mode in ("per_use", "packed"):  # packed: the reference's dense view
-            return self.experts[e].weights(self.dtype)
+            return self.expert(e).weights(self.dtype)
         if self._dense is None:
-            self._dense = [ex.weights(self.dtype) for ex in self.experts]
+            self._dense = [self.expert(i).weights(self.dtype) for i in range(self.num_experts)]
         return self._dense[e]
 
     def combine(self, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
 
 log = logging.getLogger(__name__)
-MIRRORED = ("admit", "release", "prefill", "decode", "decode_next", "set_next_tokens")
+MIRRORED = ("admit", "release", "prefill", "decode", "decode_next", "set_next_tokens", "reset_caches")
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -86,6 +86,11 @@ class MirroredRunner(ModelRunner):
         ids = tokens if isinstance(tokens, list) else tokens.tolist()
         self.channel.send(("set_next_tokens", (seq_ids, ids)))
         super().set_next_tokens(seq_ids, ids)
+
+    def reset_caches(self) -> None:
+        """The engine supervisor's restart: every rank drops its sequences and reallocates its caches."""
+        self.channel.send(("reset_caches", ()))
+        super().reset_caches()
 
     def shutdown(self) -> None:
         """Tell the followers to leave their loop."""

@@ -6,8 +6,9 @@ the last accepted position). Sampling: standard speculative rejection sampling f
 (its proposal q is one-hot on the draft): draft d at row j is accepted with probability p_j(d); on the
 first rejection the emitted token is drawn from p_j with d removed (max(p - q, 0), renormalized); if every
 draft survives, the bonus token is drawn from p_k. p_j is the request's own distribution (temperature,
-top-k, top-p as the sampler applies them) and every draw uses the request's own generator, so each
-emitted token is distributed exactly as plain sampling would draw it.
+top-k, top-p as the sampler applies them) and every draw uses the request's counter-based numbers for its
+position (an acceptance coin and the token draw, independent streams), so each emitted token is distributed
+exactly as plain sampling would draw it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3verify.serving.sampler import SamplingParams, filter_logits
+from k3verify.serving.sampler import SamplingParams, accept_coin, draw_from, token_distribution
 
 
 @dataclass(frozen=True)
@@ -44,30 +45,30 @@ def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
 
 
 def token_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The request's sampling distribution over a [V] logit row (fp32, on the CPU where its generator lives)."""
-    scaled = filter_logits(row.float().cpu() / params.temperature, params.top_k, params.top_p)
-    return torch.softmax(scaled, dim=-1)
+    """The request's sampling distribution over a [V] logit row (what the sampler draws a token from)."""
+    return token_distribution(row, params)
 
 
-def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-                   generator: torch.Generator) -> Accepted:
-    """[k+1, V] logits, k drafts, a sampled request -> accepted drafts + one token drawn as described above."""
+def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int,
+                   position: int) -> Accepted:
+    """[k+1, V] logits, k drafts, a sampled request -> accepted drafts + one token drawn as described above.
+    Row j predicts the token at `position + j`; its coin and its draw are the request's counter-based numbers
+    for that position (serving/sampler.py), so no generator state is consumed and a batch cannot shift them."""
     _check(logits, drafts)
     if params.is_greedy:
         return accept_greedy(logits, drafts)
     for j, d in enumerate(drafts):
         p = token_probs(logits[j], params)
-        u = float(torch.rand((), generator=generator))
-        if u < float(p[d]):
+        if accept_coin(seed, position + j) < float(p[d]):
             continue
         residual = p.clone()
         residual[d] = 0.0
         total = float(residual.sum())
-        if total <= 0.0:  # p is one-hot on d, yet u >= p[d] = 1 cannot happen with u in [0, 1)
+        if total <= 0.0:  # p is one-hot on d, yet u >= p[d] = 1 cannot happen with u in (0, 1)
             raise RuntimeError(f"rejection sampling: draft {d} rejected with no mass left elsewhere (p[d]={p[d]})")
-        return Accepted(j, drafts[:j] + [int(torch.multinomial(residual / total, 1, generator=generator))])
+        return Accepted(j, drafts[:j] + [draw_from(residual / total, seed, position + j)])
     bonus = token_probs(logits[len(drafts)], params)
-    return Accepted(len(drafts), drafts + [int(torch.multinomial(bonus, 1, generator=generator))])
+    return Accepted(len(drafts), drafts + [draw_from(bonus, seed, position + len(drafts))])
 
 
 def _check(logits: torch.Tensor, drafts: list[int]) -> None:

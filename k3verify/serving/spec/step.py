@@ -3,7 +3,7 @@
 Engine._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
 drafts (the drafter proposed something), room in its budget for k+1 positions and speculation still on
 (policy.py) is verified in one packed pass; acceptance is greedy for greedy requests and rejection
-sampling with the request's own generator otherwise; the accepted prefixes are committed; the emitted
+sampling with the request's counter-based draws otherwise; the accepted prefixes are committed; the emitted
 tokens go out through the engine one by one (a stop token or max_tokens ends the request there, and the
 rest is dropped). The sequences it did not verify are returned for the plain decode step.
 """
@@ -85,7 +85,7 @@ class SpeculativeStep:
         bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
         best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
         results = [Accepted(0, []) if r in bad else accept_greedy_ids(best[r], drafts) if req.params.is_greedy
-                   else accept_sampled(logits[r], drafts, req.params, req.generator)
+                   else accept_sampled(logits[r], drafts, req.params, req.seed, req.next_position)
                    for r, (req, drafts) in enumerate(rows)]
         self.verifier.commit([a.num_accepted for a in results])
         c, now = self.counters, time.monotonic()
