@@ -122,7 +122,8 @@ def settle(server: RunningServer) -> None:
 def toy_server() -> Iterator[RunningServer]:
     runner = FakeRunner(max_context=256, num_pages=64, max_slots=8)
     with running_server(runner, model="toy", tokenizer=ByteTokenizer(), eos_ids=(EOS, IM_END),
-                        vocab_size=MODEL_VOCAB, encode_chat=lambda msgs: [ord(c) % 256 for c in str(msgs)][:64] or [1],
+                        vocab_size=MODEL_VOCAB,
+                        encode_chat=lambda msgs, tools=None: [ord(c) % 256 for c in str(msgs)][:64] or [1],
                         debug=True) as server:
         yield server
 
