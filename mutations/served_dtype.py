@@ -14,7 +14,7 @@ MUTANTS = [
         old="pool.store_state(self.layer_idx, b.slots, state)",
         new="pool.store_state(self.layer_idx, b.slots, state if x.dtype == torch.float32 else state * 0)",
         presets=("kl-tiny",),
-        killers=["model.served.*"],
+        killers=["served.*"],
     ),
     Mutant(
         id="served_dtype.kda_q_scale",

@@ -11,9 +11,9 @@ MUTANTS = [
     Mutant(
         id="tokenizer.special_tokens_in_user_text", quick=True,
         fault="chat content is encoded with specials allowed, so a user typing [EOS] or <|im_end|> injects the token",
-        target=f"{CHAT}:reference_chat_ids",
-        old="ids += tokenizer.encode(seg.text)",
-        new="ids += tokenizer.encode(seg.text, allow_special=True)",
+        target="k3verify.tokenizer.jinja_chat:_encode_rendered",
+        old="return ids + tokenizer.encode(user) + template_text(text[pos:])",
+        new="return ids + tokenizer.encode(user, allow_special=True) + template_text(text[pos:])",
         killers=["tokenizer.chat.user_text_plain"],
     ),
     Mutant(

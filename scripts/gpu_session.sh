@@ -24,7 +24,8 @@
 #                                        spec.* CUDA checks on k3-syn-25 and the gpu-marked spec tests
 #   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
-#                                        MAKE_S=150 DIGEST_S=40 PARITY_S=270 SERVE_S=110)
+#                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=90; measured on a cold
+#                                        H200: 49 s, 7 s, 300 s, 35 s)
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from k3verify.cli import UsageError
+from k3verify.commands.parity import SERVING_DTYPES
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.serving.parallel.world import ServingWorld, WorldSpec
 from k3verify.target import Target
@@ -55,7 +56,8 @@ def start_world(target: Target, args: argparse.Namespace, layout: ParallelLayout
     page_size = args.page_size or DEFAULT_PAGE_SIZE
     caches = {"num_pages": pages, "page_size": page_size, "num_slots": args.max_batch,
               "max_context": min((pages - 1) * page_size, target.cfg.max_position_embeddings)}
-    spec = WorldSpec(str(target.checkpoint_dir), layout.tp, layout.ep, torch.device(args.device).type, caches)
+    spec = WorldSpec(str(target.checkpoint_dir), layout.tp, layout.ep, torch.device(args.device).type, caches,
+                     dtype=SERVING_DTYPES[args.dtype], names=target.names)
     try:
         return ServingWorld(target.cfg, spec)
     except (LayoutError, ValueError) as exc:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.config import ModelConfig
 from k3verify.serving.batch import PackedBatch
@@ -39,6 +40,7 @@ UNCHOSEN_BIAS = -1.0e4  # added to a correction bias, no sigmoid score (< 1) can
 @dataclass(frozen=True)
 class SessionSpec:
     checkpoint_dir: str
+    names: str  # Target.names: "transformers" spellings are read through hf_interop's name map
     tp: int
     ep: int
     out_dir: str
@@ -239,7 +241,8 @@ def run_rank(rank: int, init_file: str, spec: SessionSpec) -> None:
     cfg = ModelConfig.from_file(Path(spec.checkpoint_dir) / "config.json")
     world = init_world(ParallelLayout(spec.world, spec.world, rank), torch.device("cpu"), init_file)
     try:
-        with CheckpointReader(spec.checkpoint_dir) as tensors:
+        with CheckpointReader(spec.checkpoint_dir) as reader:
+            tensors = normalize_hf_names(cfg, reader) if spec.names == "transformers" else reader
             models: dict[str, ParallelServingModel] = {}
             out = _run_layouts(spec, cfg, rank, tensors, models)
             if cfg.num_experts >= spec.world:  # on the asked layout when it splits experts, else on EP only

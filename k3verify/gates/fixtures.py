@@ -97,7 +97,8 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
     if dtype != ctx.dtype:
         require_whole_model(ctx, "a serving model", dtype)
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
-    if ctx.level in ("model", "serving"):
+    if ctx.level in ("model", "serving") and dtype in (torch.bfloat16, torch.float32):
+        # a float64 serving model is an instrument (a gold), not a dtype anything is served in
         ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
     if key not in ctx.cache:
         ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))

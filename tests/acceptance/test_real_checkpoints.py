@@ -90,7 +90,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _served_texts(ckpt: Path, report_dir: Path, dtype: str = "float32", prompts: list[str] = PROMPTS) -> list[str]:
+def _served_texts(ckpt: Path, report_dir: Path, dtype: str = "float32", prompts: list[str] = PROMPTS,
+                  chat_messages: list[dict] = CHAT) -> list[str]:
     port = _free_port()
     code = "from k3verify.cli import main; raise SystemExit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--checkpoint", str(ckpt), "--dtype", dtype,
@@ -113,10 +114,10 @@ def _served_texts(ckpt: Path, report_dir: Path, dtype: str = "float32", prompts:
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
-        chat = {"model": ckpt.name, "max_tokens": 4, "messages": CHAT}  # rendered by the checkpoint's own template
+        chat = {"model": ckpt.name, "max_tokens": 4, "messages": chat_messages}  # the checkpoint's own template
         r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] == len(encode_chat(KimiTokenizer.from_dir(ckpt), CHAT))
+        assert r.json()["usage"]["prompt_tokens"] == len(encode_chat(KimiTokenizer.from_dir(ckpt), chat_messages))
         return texts
     finally:
         proc.terminate()
@@ -137,7 +138,7 @@ def test_transformers_checkpoint_reconciles_passes_parity_and_serves_transformer
     assert results["serving.engine.eos_ids"]["status"] == "pass"
     assert any("only the distinguishing case" in n for n in results["serving.engine.eos_ids"]["notes"])
     assert any("names: transformers" in n for n in results["weights.reconcile.buckets"]["notes"])
-    assert results["model.served.vs_gold"]["status"] == "pass" and "float32" in data["run"]["dtypes"]
+    assert results["served.vs_gold"]["status"] == "pass" and "float32" in data["run"]["dtypes"]
     tokenizer = KimiTokenizer.from_dir(hf_dir)
     assert _served_texts(hf_dir, tmp_path) == _transformers_greedy(hf_dir, tokenizer)
 
@@ -207,11 +208,12 @@ def test_real_size_chain_on_cpu_gates_layer_by_layer_and_serves(tmp_path: Path,
     assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "report")]) == 0
     data = _assert_green(tmp_path / "report")
     status = {r["id"]: (r["status"], r["reason"] or "") for r in data["results"]}
-    for check in ("model.layerwise.sublayers", "model.served.vs_transformers", "serving.engine.eos_ids",
+    for check in ("model.layerwise.sublayers", "served.vs_transformers", "serving.engine.eos_ids",
                   "serving.state.slot_reuse", "weights.reconcile.buckets", "tokenizer.encode.exact_ids"):
         assert status[check][0] == "pass", (check, status[check])
-    for check in ("model.logits.fp32", "weights.loader.strict", "model.served.vs_gold", "kda.module.fp32"):
+    for check in ("model.logits.fp32", "weights.loader.strict", "served.vs_gold", "kda.module.fp32"):
         assert status[check][0] == "skipped" and "real size:" in status[check][1], (check, status[check])
     assert data["run"]["dtypes"] == ["bfloat16"]
-    [text] = _served_texts(ckpt, tmp_path / "report", dtype="bfloat16", prompts=["hello"])
+    [text] = _served_texts(ckpt, tmp_path / "report", dtype="bfloat16", prompts=["hello"],
+                           chat_messages=[{"role": "user", "content": "hi [EOS]"}])
     assert isinstance(text, str)

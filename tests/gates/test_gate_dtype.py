@@ -19,9 +19,9 @@ def _parity(tmp_path: Path, *argv: str) -> dict:
 
 
 def test_served_model_check_runs_in_the_requested_dtype_and_the_run_records_it(tmp_path: Path) -> None:
-    """model.served.vs_gold alone: the dtypes covered are exactly the one asked for, default bfloat16."""
-    bf16 = _parity(tmp_path / "bf16", "--only", "model.served.vs_gold")
-    fp32 = _parity(tmp_path / "fp32", "--only", "model.served.vs_gold", "--dtype", "float32")
+    """served.vs_gold alone: the dtypes covered are exactly the one asked for, default bfloat16."""
+    bf16 = _parity(tmp_path / "bf16", "--only", "served.vs_gold")
+    fp32 = _parity(tmp_path / "fp32", "--only", "served.vs_gold", "--dtype", "float32")
     assert bf16["run"]["dtypes"] == ["bfloat16"] and fp32["run"]["dtypes"] == ["float32"]
     [r16], [r32] = bf16["results"], fp32["results"]
     assert r16["status"] == r32["status"] == "pass"
@@ -42,3 +42,16 @@ def test_serve_builds_the_model_in_the_requested_dtype(tmp_path: Path) -> None:
     assert serve.parity_command(args).endswith(f"--dtype float32 --report-dir {args.report_dir}")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float16"])
+
+
+def test_an_fp64_instrument_model_is_not_coverage() -> None:
+    """A serving-level check may build an fp64 serving model as an instrument: that is no dtype `serve` runs."""
+    from k3verify.gates import CheckContext, fixtures
+    from k3verify.gates.suite import covered_dtypes
+    from k3verify.target import resolve_target
+
+    ctx = CheckContext(resolve_target("kl-tiny"), torch.device("cpu"), 0, torch.Generator(), "quick", {},
+                       level="serving")
+    fixtures.serving_model(ctx, torch.float64)
+    fixtures.serving_model(ctx, torch.float32)
+    assert covered_dtypes(ctx.cache) == ["float32"]

@@ -13,6 +13,7 @@ from k3verify.gates import fixtures as fx
 from k3verify.gates.compare import rel_rms_error
 from k3verify.gates.dist_session import empty_rank_step, prefill_logits, run_session
 from k3verify.gates.suite import derive_seed
+from k3verify.serving.model import ServingModel
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
 from k3verify.serving.runner import ModelRunner
 
@@ -88,6 +89,16 @@ def greedy_with_gaps(model: Any, prompts: list[list[int]], steps: int) -> tuple[
     return toks, gaps
 
 
+def _fp64_instrument(ctx: CheckContext) -> ServingModel:
+    """The single-process model in fp64: only the instrument that measures the fp32 noise, never a served
+    dtype (so it is built here, not through fixtures.serving_model, which records covered dtypes)."""
+    if "dist.fp64_instrument" not in ctx.cache:
+        model = ServingModel(ctx.cfg, torch.float64, ctx.device, "cached")
+        ctx.cache["dist.fp64_instrument"] = model.load(fx.checkpoint_tensors(ctx))
+    found: ServingModel = ctx.cache["dist.fp64_instrument"]
+    return found
+
+
 def _inputs(ctx: CheckContext) -> tuple[list[list[int]], list[list[int]]]:
     g = torch.Generator().manual_seed(derive_seed(ctx.seed, "dist.session"))
     V = ctx.cfg.vocab_size
@@ -104,12 +115,13 @@ def session(ctx: CheckContext) -> Session:
     key = f"dist.session.tp{layout[0]}.ep{layout[1]}"
     if key not in ctx.cache:
         pack, prompts = _inputs(ctx)
-        ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "tp": layout[0], "ep": layout[1],
+        ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "names": ctx.target.names,
+                             "tp": layout[0], "ep": layout[1],
                              "pack": pack, "prompts": prompts, "steps": STEPS})
         model = fx.serving_model(ctx)
         captures: dict[str, torch.Tensor] = {}
         logits = prefill_logits(model, pack, captures)
-        noise = rel_rms_error(prefill_logits(fx.serving_model(ctx, torch.float64), pack), logits)
+        noise = rel_rms_error(prefill_logits(_fp64_instrument(ctx), pack), logits)
         toks, gaps = greedy_with_gaps(model, prompts, STEPS)
         single = {"logits": logits, "captures": captures, "greedy": toks, "gaps": gaps,
                   "empty": empty_rank_step(model, pack, len(ranks)) if "empty.logits" in ranks[0] else None}

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates.checks._dist_common import (
     DIST_BAR,
@@ -23,7 +22,7 @@ from k3verify.gates.checks._dist_common import (
     session,
 )
 from k3verify.serving.parallel.layout import ParallelLayout
-from k3verify.serving.parallel.reconcile import cover_size, reconcile_slices
+from k3verify.serving.parallel.reconcile import cover_size, reconcile_slices, stored_shapes
 
 SUITES = ("full",)
 
@@ -166,8 +165,7 @@ def check_slices(ctx: CheckContext) -> Trial:
     ref = {src: _expected(ctx, src, got, dim, reader) for src, (got, dim) in built.items()}
     cand = {src: got for src, (got, _) in built.items()}
     ctrl = {src: got for src, (got, _) in shifted.items()}
-    stored = {name: entry.shape for name, entry in CheckpointReader(ctx.checkpoint_dir).entries.items()}
-    problems = reconcile_slices(ctx.cfg, ParallelLayout(*s.layout), stored)
+    problems = reconcile_slices(ctx.cfg, ParallelLayout(*s.layout), stored_shapes(reader))
     ref["reconcile.problems"] = torch.tensor(0)
     cand["reconcile.problems"] = torch.tensor(len(problems))
     ctrl["reconcile.problems"] = torch.tensor(len(problems))

@@ -7,9 +7,9 @@ in the same dtype? bar = max(floor, 1.5 x reference-at-dtype's own distance), bo
 decode steps, each row at its position). The outcome per part is a 0/1 flag; distances and bars are metrics.
 Control: the same decode with the KDA states never written back.
 
-- model.served.vs_gold: the K3 reference in fp64 is the gold, the reference in the serving dtype the baseline
+- served.vs_gold: the K3 reference in fp64 is the gold, the reference in the serving dtype the baseline
   (router near-ties pinned to the gold's choice); every preset that fits whole.
-- model.served.vs_transformers: transformers' KimiLinear in fp32 is the gold and the same model in the serving
+- served.vs_transformers: transformers' KimiLinear in fp32 is the gold and the same model in the serving
   dtype the baseline, built one after the other (meta build, storage on the device): the model-level check at
   real size, as the bench does it.
 """
@@ -115,7 +115,7 @@ def _usable(ctx: CheckContext) -> None:
         raise SkipCheck(f"no floor for serving dtype {ctx.dtype}")
 
 
-@register_check(id="model.served.vs_gold", component="model", level="model", kind=Kind.BITEXACT,
+@register_check(id="served.vs_gold", component="model", level="serving", kind=Kind.BITEXACT,
                 control="decode with the KDA states never written back (stale state)")
 @fx.single_thread
 def check_served_vs_gold(ctx: CheckContext) -> Trial:
@@ -142,7 +142,7 @@ def _narrow(model: nn.Module, dtype: torch.dtype) -> None:
             t.data = t.data.to(dtype)
 
 
-@register_check(id="model.served.vs_transformers", component="model", level="model", kind=Kind.BITEXACT,
+@register_check(id="served.vs_transformers", component="model", level="serving", kind=Kind.BITEXACT,
                 control="decode with the KDA states never written back (stale state)")
 @fx.single_thread
 def check_served_vs_transformers(ctx: CheckContext) -> Trial:

@@ -16,12 +16,21 @@ from collections.abc import Mapping
 import torch
 
 from k3verify.checkpoint.names import ignorable_reason, module_specs
+from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.config import ModelConfig
 from k3verify.serving.parallel.comm import Comm
 from k3verify.serving.parallel.layout import ParallelLayout
 from k3verify.serving.parallel.shards import SliceSpec, shard_specs
 
 Shapes = Mapping[str, tuple[int, ...]]  # checkpoint name -> stored shape
+
+
+def stored_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's stored shape: from the shard headers for a CheckpointReader (no data read), else by
+    looking at each tensor (a name-mapped view of a checkpoint)."""
+    if isinstance(tensors, CheckpointReader):
+        return {name: entry.shape for name, entry in tensors.entries.items()}
+    return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
 def rank_shapes(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, tuple[int, ...]]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.config import ModelConfig
 from k3verify.serving.parallel.comm import Comm, init_world, leave_world
@@ -32,6 +33,7 @@ class WorldSpec:
     device_type: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)
     caches: dict[str, int]  # ModelRunner's num_pages, page_size, num_slots, max_context
     dtype: torch.dtype = torch.bfloat16
+    names: str = "published"  # "transformers": tensor spellings read through hf_interop's name map
 
     @property
     def world(self) -> int:
@@ -49,7 +51,8 @@ def _join(spec: WorldSpec, rank: int, init_file: str) -> tuple[Comm, ControlChan
     comm = init_world(ParallelLayout(spec.tp, spec.ep, rank), device, init_file)
     channel = ControlChannel(spec.world)
     with CheckpointReader(spec.checkpoint_dir) as reader:
-        model = ParallelServingModel(cfg, comm, spec.dtype, device).load(reader)
+        tensors = normalize_hf_names(cfg, reader) if spec.names == "transformers" else reader
+        model = ParallelServingModel(cfg, comm, spec.dtype, device).load(tensors)
     return comm, channel, model
 
 
