@@ -3,6 +3,8 @@
 #   bash scripts/gpu_session.sh parity   cuda parity on k3-syn-25 (fla's Triton KDA as an extra reference,
 #                                        CUDA-graph checks; FULL_S=seconds adds the full suite's bf16 checks)
 #                                        + the gpu-marked tests, side by side
+#   bash scripts/gpu_session.sh noise    issue 12: the noise-barred checks measured on cuda (table + $OUT/noise-cuda.json),
+#                                        then the full cuda suite on k3-syn-25 with bars derived at run time
 #   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, the served path
 #                                        included, then speeds: prefill, decode, served under 1/16/64 streaming
 #                                        clients, then a decode profile at batch 1 and 64) -> $OUT/bench.json;
@@ -72,6 +74,19 @@ parity)
     wait
     step "gpu tests"
     tail -15 "$OUT/gpu-pytest.log"
+    ;;
+noise)
+    # Issue 12 on CUDA: every noise-barred check measured on the GPU (the recording is CPU-only, so CUDA runs
+    # derive their bars at run time); the table shows noise, bar, this run's metric and margin per check, and
+    # $OUT/noise-cuda.json holds it (not committed). Then the full cuda suite on k3-syn-25 with those bars.
+    step "noise-barred checks on cuda (k3-tiny, k3-syn-25)"
+    timeout "${NOISE_S:-300}" python3 scripts/measure_noise.py --device cuda --preset k3-tiny --preset k3-syn-25 \
+        --out "$OUT/noise-cuda.json" 2>&1 | quiet | tail -40
+    step "cuda parity k3-syn-25, full suite (bars from noise measured at run time)"
+    start=$(date +%s)
+    timeout "${FULL_S:-280}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --suite full \
+        --report-dir "$OUT/parity-full" 2>&1 | quiet | tail -12
+    echo "parity (full suite) wall: $(( $(date +%s) - start )) s"
     ;;
 bench)
     start=$(date +%s)
@@ -153,7 +168,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
     exit 2
     ;;
 esac

@@ -110,7 +110,7 @@ def write_setup_error_report(args: argparse.Namespace, device: torch.device, err
 
 def _print_list(checks: list[Check]) -> None:
     for c in checks:
-        bar = "-" if c.bar is None else f"{c.bar:g}"
+        bar = "noise" if c.noise is not None else ("-" if c.bar is None else f"{c.bar:g}")
         print(f"{c.id}\t{c.component}\t{c.level}\t{c.kind.value}\t{bar}\t{','.join(c.suites)}\t{c.control}")
 
 

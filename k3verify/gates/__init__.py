@@ -14,6 +14,7 @@ from k3verify.gates.compare import (
     WorstElement,
     compare,
 )
+from k3verify.gates.evaluate import evaluate_trial
 from k3verify.gates.gate import (
     REGISTRY,
     Check,
@@ -23,7 +24,6 @@ from k3verify.gates.gate import (
     SkipCheck,
     Status,
     Trial,
-    evaluate_trial,
     register_check,
 )
 from k3verify.gates.suite import (

@@ -57,11 +57,12 @@ def _fmt(value: float | None) -> str:
 
 def summary_table(results: Sequence[Result]) -> Table:
     """One row per check, a heading row per component; the check id never wraps (it is what you grep)."""
-    table = Table(title="k3verify parity")
+    table = Table(title="k3verify parity", caption="noise: r recorded (k3verify/gates/noise.json), m measured this "
+                  "run; a noise-derived RMS bar = max(4 x noise, floor): report.html#bars")
     table.add_column("check", no_wrap=True)
     for name in ("status", "kind"):
         table.add_column(name, no_wrap=True)
-    for name in ("metric", "bar", "margin"):
+    for name in ("metric", "bar", "noise", "margin"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("control", no_wrap=True)
     previous = None
@@ -72,8 +73,9 @@ def summary_table(results: Sequence[Result]) -> Table:
         margin = _fmt(r.margin) + (" [yellow]thin[/]" if r.thin else "")
         control = "—" if r.control is None else (
             "[green]caught[/]" if r.control.status == "fail" else "[magenta]NOT caught[/]")
+        noise = "—" if r.noise is None else f"{_fmt(r.noise['value'])} {r.noise['source'][0]}"
         table.add_row(f"  {r.id}", f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]", r.kind, _fmt(r.metric),
-                      _fmt(r.bar), margin, control)
+                      _fmt(r.bar), noise, margin, control)
     return table
 
 

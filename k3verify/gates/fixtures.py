@@ -19,7 +19,7 @@ from k3verify.checkpoint.loader import load_into
 from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.gate import CheckContext, SkipCheck
-from k3verify.gates.route_pin import RouteRecord, record_routes
+from k3verify.gates.route_pin import PinStats, RouteRecord, pin_routes, record_routes
 from k3verify.gates.suite import COVERED_DTYPES
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
@@ -29,6 +29,7 @@ from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
 
 _MISSING = object()
+SERVING_CONFIG = "serving.config"  # cache key: the config the serving stack is built from (default ctx.cfg)
 
 
 def single_thread(fn: Callable[[CheckContext], Any]) -> Callable[[CheckContext], Any]:
@@ -61,6 +62,13 @@ def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
     return _cached(ctx, "tensors", ctx.target.weights)
 
 
+def serving_config(ctx: CheckContext) -> ModelConfig:
+    """The config the serving stack is built from: ctx.cfg, unless ctx.cache[SERVING_CONFIG] holds another
+    (the config-field coverage test perturbs one field in the serving stack alone; the oracle keeps ctx.cfg)."""
+    cfg: ModelConfig = ctx.cache.get(SERVING_CONFIG, ctx.cfg)
+    return cfg
+
+
 # A whole model above this is not built for a check: a real-size target (kl-48b-8l: 27.7 GB in bf16) builds only
 # its served model; the oracle runs one layer at a time (model.layerwise.*) and the gold comes from transformers.
 WHOLE_MODEL_BYTES = 16 << 30
@@ -91,7 +99,7 @@ def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> Non
 
 
 def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
-    """ServingModel(ctx.cfg, dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
+    """ServingModel(serving_config(ctx), dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
     Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check).
     At real size only the served model (ctx.dtype) is built; any other is a skip naming the sizes."""
     if dtype != ctx.dtype:
@@ -101,7 +109,8 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
         # a float64 serving model is an instrument (a gold), not a dtype anything is served in
         ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
     if key not in ctx.cache:
-        ctx.cache[key] = ServingModel(ctx.cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
+        cfg = serving_config(ctx)
+        ctx.cache[key] = ServingModel(cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
     model.attn_res_storage = "prealloc"
     model.mla_absorb = True
@@ -134,6 +143,11 @@ def hf_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> nn.Module
     return _cached(ctx, f"oracle.hf.{_dtype_name(dtype)}", build)
 
 
+def layers(model: ServingModel | K3Reference) -> list[Any]:
+    """The decoder layers of either stack, untyped: which sub-modules a layer has depends on its kind."""
+    return list(model.model.layers)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -153,6 +167,20 @@ def reference_forward(ctx: CheckContext, ids: torch.Tensor,
         with record_routes(ref) as routes:
             out = ref(ids.to(ctx.device), capture=True)
         ctx.cache[key] = (out, routes)
+    return ctx.cache[key]
+
+
+def reference_gold(ctx: CheckContext, ids: torch.Tensor) -> Any:
+    """The oracle in fp64 on `ids` (with captures), its routing pinned to the fp32 oracle's choices where a
+    flip is a near-tie explained by drift: the same pinning the model checks apply to the candidate, so the
+    fp32-vs-fp64 noise of a whole model is not dominated by one token's expert flip. Cached per run."""
+    key = f"serving.oracle_gold.{hash(tuple(ids.tolist()))}"
+    if key not in ctx.cache:
+        _, routes = reference_forward(ctx, ids)
+        gold_model, stats = reference_model(ctx, torch.float64), PinStats()
+        with pin_routes(gold_model, routes, reference_model(ctx), ctx.cfg, stats):
+            ctx.cache[key] = gold_model(ids.to(ctx.device), capture=True)
+        ctx.cache[key + ".pins"] = stats
     return ctx.cache[key]
 
 

@@ -15,17 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from k3verify.gates.compare import (
-    THIN_MARGIN,
-    Comparison,
-    Kind,
-    WorstElement,
-    compare,
-    default_bar,
-    error_over_position,
-    localize_layers,
-    rel_rms_error,
-)
+from k3verify.gates.compare import Kind, WorstElement, default_bar
+from k3verify.gates.noise import NoiseLookup
 
 if TYPE_CHECKING:  # the check engine itself runs without a model (gates/suite.py)
     from k3verify.config import ModelConfig
@@ -74,6 +65,7 @@ class Trial:
     control_layers: LayerTrace | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    noise: tuple[Any, Any] | None = None  # (reference at the check's precision, the same reference in fp64)
     bar: float | None = None  # RMS only: a bar measured in this run (see evaluate_trial); the registered bar caps it
 
 
@@ -93,6 +85,13 @@ class CheckContext:
     dtype: torch.dtype = torch.bfloat16  # the serving dtype under test (`parity --dtype`)
     level: str = ""  # the running check's level: model/serving-level use of a serving model counts as coverage
     parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
+    noise: NoiseLookup | None = None  # the recorded noise of a noise-barred check (gates/noise.py)
+
+    @property
+    def needs_noise(self) -> bool:
+        """True when this check's bar derives from noise that is not recorded for this run: the check
+        must return Trial.noise, measured on its own inputs."""
+        return self.noise is not None and self.noise.value is None
 
     @property
     def cfg(self) -> ModelConfig:
@@ -124,10 +123,18 @@ class Check:
     control: str
     fn: CheckFn
     devices: tuple[str, ...] = ("cpu", "cuda")
+    noise: str | None = None  # the two references whose distance derives the bar (gates/noise.py)
 
     @property
     def module(self) -> str:
         return getattr(self.fn, "__module__", "?")
+
+    @property
+    def bar_source(self) -> str:
+        """noise (derived per run), fixed (a justified constant), format (the bf16 tolerance), none (bit-exact)."""
+        if self.noise is not None:
+            return "noise"
+        return {Kind.RMS: "fixed", Kind.BF16: "format", Kind.BITEXACT: "none"}[self.kind]
 
 
 @dataclass
@@ -165,6 +172,8 @@ class Result:
     instrument: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     traceback: str | None = None
+    bar_source: str = "none"
+    noise: dict[str, Any] | None = None
 
     @property
     def failed(self) -> bool:
@@ -221,6 +230,7 @@ def make_check(
     bar_reason: str | None = None,
     suites: tuple[str, ...] | list[str] = ("quick", "full"),
     devices: tuple[str, ...] | list[str] = ("cpu", "cuda"),
+    noise: str | None = None,
 ) -> Check:
     """Validate a spec and build the Check. Every rejection names the field and the value."""
     where = f"check {id!r} ({_origin(fn)})"
@@ -241,6 +251,15 @@ def make_check(
         raise ValueError(f"{where}: suites must be a non-empty subset of {sorted(SUITES)}; got {suites!r}")
     if not devices or not set(devices) <= DEVICES:
         raise ValueError(f"{where}: devices must be a non-empty subset of {sorted(DEVICES)}; got {devices!r}")
+    if noise is not None:
+        if kind is not Kind.RMS or bar is not None or bar_reason is not None:
+            raise ValueError(f"{where}: noise= derives an RMS bar; it takes kind RMS and no bar or bar_reason "
+                             f"(got kind={kind.value}, bar={bar}, bar_reason={bar_reason!r})")
+        if not (isinstance(noise, str) and noise.strip()):
+            raise ValueError(f"{where}: noise must name the two references whose distance is the noise; got {noise!r}")
+    elif kind is Kind.RMS and bar is None:
+        raise ValueError(f"{where}: an RMS check needs noise=<the two references> (bar derived from measured "
+                         "noise) or bar=<value> with a bar_reason")
     if bar is not None:
         if kind is not Kind.RMS:
             raise ValueError(f"{where}: only RMS checks take a bar; {kind.value} bars are fixed (got bar={bar})")
@@ -251,8 +270,9 @@ def make_check(
         bar = float(bar)
     elif bar_reason is not None:
         raise ValueError(f"{where}: bar_reason given without a bar override")
-    effective = bar if bar is not None else default_bar(kind)
-    return Check(id, component, level, kind, effective, bar_reason, suites, control.strip(), fn, devices)
+    effective = bar if bar is not None or noise is not None else default_bar(kind)
+    return Check(id, component, level, kind, effective, bar_reason, suites, control.strip(), fn, devices,
+                 None if noise is None else noise.strip())
 
 
 REGISTRY = Registry()
@@ -261,97 +281,3 @@ REGISTRY = Registry()
 def register_check(**spec: Any) -> Callable[[CheckFn], CheckFn]:
     """Decorator registering a check in the global REGISTRY (see docs/CHECK-API.md)."""
     return REGISTRY.register_check(**spec)
-
-
-def evaluate_trial(check: Check, trial: Trial) -> Result:
-    """The gate rules: candidate fails -> fail; else control passes -> vacuous; else pass.
-    NaN/Inf fail inside compare(); exceptions and skips are handled by the runner."""
-    if not isinstance(trial, Trial):
-        raise TypeError(f"check {check.id} returned {type(trial).__name__}; it must return a Trial")
-    rms_bar = check.bar if check.kind is Kind.RMS else None
-    if trial.bar is not None:
-        rms_bar = measured_bar(check, trial.bar)
-    comp = compare(check.kind, trial.reference, trial.candidate, rms_bar)
-    ctrl = compare(check.kind, trial.reference, trial.control, rms_bar)
-    control = ControlOutcome("pass" if ctrl.passed else "fail", check.control, ctrl.metric,
-                             comparison_metrics(ctrl), ctrl.reason)
-    result = Result(
-        id=check.id, component=check.component, level=check.level, kind=check.kind.value,
-        bar=check.bar if rms_bar is None else rms_bar, bar_reason=check.bar_reason, status=Status.PASS,
-        metric=comp.metric,
-        metrics={**comparison_metrics(comp), **{k: float(v) for k, v in trial.metrics.items()}},
-        per_key={k: {"passed": c.passed, "metric": c.metric, **comparison_metrics(c)} for k, c in comp.per_key.items()},
-        control=control, margin=comp.margin, worst=comp.worst, shapes=comp.shapes, dtypes=comp.dtypes,
-        notes=[str(n) for n in trial.notes],
-    )
-    if not comp.passed:
-        result.status, result.reason = Status.FAIL, comp.reason
-        if ctrl.passed:
-            result.notes.append("the control passes too: even a correct candidate could not be told from a wrong one")
-    elif ctrl.passed:
-        result.status = Status.VACUOUS
-        result.reason = f"control passed ({check.control}): this check cannot tell right from wrong"
-    result.thin = comp.passed and comp.margin is not None and comp.margin > THIN_MARGIN
-    if trial.gold is not None:
-        result.instrument = _instrument(trial, comp)
-        if result.instrument["flag"]:
-            result.reason = (f"{result.reason}; instrument suspect: the reference is farther from the fp64 gold "
-                             f"({result.instrument['ref_to_gold']:.3g}) than the candidate "
-                             f"({result.instrument['cand_to_gold']:.3g})")
-    if trial.layers or trial.position_dim is not None:
-        result.localization = _localize(check, trial, comp)
-    if trial.control_layers:
-        control.first_divergent_layer = localize_layers(check.kind, trial.control_layers, rms_bar)[1]
-    return result
-
-
-def measured_bar(check: Check, bar: float) -> float:
-    """A bar measured at run time (e.g. the oracle's own distance at the candidate's precision): RMS only, and
-    never above the registered bar, so a noisy measurement cannot loosen the check past what was justified."""
-    if check.kind is not Kind.RMS or check.bar is None:
-        raise ValueError(f"check {check.id}: only RMS checks take a measured bar; this one is {check.kind.value}")
-    if not 0.0 < bar <= check.bar:
-        raise ValueError(f"check {check.id}: measured bar {bar:.3g} is outside (0, {check.bar:g}], the registered "
-                         f"cap ({check.bar_reason})")
-    return bar
-
-
-def comparison_metrics(comp: Comparison) -> dict[str, float]:
-    out = {"max_abs": comp.max_abs}
-    for name in ("fail_fraction", "rms_ratio", "max_tol_ratio"):
-        value = getattr(comp, name)
-        if value is not None:
-            out[name] = value
-    if comp.kind is Kind.BITEXACT:
-        out["mismatches"] = comp.metric
-    return out
-
-
-def _instrument(trial: Trial, comp: Comparison) -> dict[str, Any]:
-    """PyTorch OpInfo's rule: whoever is farther from fp64 is wrong. Flag only when they disagree."""
-    ref_to_gold = rel_rms_error(trial.gold, trial.reference)
-    cand_to_gold = rel_rms_error(trial.gold, trial.candidate)
-    return {"flag": (not comp.passed) and ref_to_gold > cand_to_gold,
-            "ref_to_gold": ref_to_gold, "cand_to_gold": cand_to_gold}
-
-
-def _pick(value: Any, key: str | None) -> Any:
-    """The tensor to plot over position: the worst key of a dict (else its first key)."""
-    if not isinstance(value, dict):
-        return value
-    return value[key] if key in value else next(iter(value.values()))
-
-
-def _localize(check: Check, trial: Trial, comp: Comparison) -> dict[str, Any]:
-    rms_bar = check.bar if check.kind is Kind.RMS else None
-    out: dict[str, Any] = {"per_layer": [], "first_divergent_layer": None, "per_position": []}
-    if trial.layers:
-        per_layer, first = localize_layers(check.kind, trial.layers, rms_bar)
-        out["per_layer"] = [vars(e).copy() for e in per_layer]
-        out["first_divergent_layer"] = first
-    if trial.position_dim is not None:
-        key = comp.worst.key if comp.worst is not None else None
-        ref, cand = _pick(trial.reference, key), _pick(trial.candidate, key)
-        if getattr(ref, "shape", None) == getattr(cand, "shape", None):
-            out["per_position"] = [vars(e).copy() for e in error_over_position(ref, cand, trial.position_dim)]
-    return out

@@ -114,6 +114,42 @@ def _control_cell(control: Mapping[str, Any] | None) -> str:
     return f'{badge}{where}<div class="small">{_e(control["description"])}</div>'
 
 
+_SOURCE_WORD = {"noise": "from noise", "fixed": "fixed", "measured": "measured, capped", "format": "bf16 format",
+                "none": "bit for bit"}
+
+
+def _bar_cell(r: Mapping[str, Any]) -> str:
+    """The bar and where it comes from (the full derivation is in the Bars section)."""
+    source, n = r.get("bar_source", "none"), r.get("noise")
+    word = _SOURCE_WORD.get(source, source)
+    if source == "noise" and n:
+        word = f'{_num(n["factor"])}x noise {_num(n["value"])} ({_e(n["source"])})'
+    return f'{_num(r["bar"])}<div class="small"><a href="#bar-{_e(r["id"])}">{word}</a></div>'
+
+
+def _bars_section(results: Sequence[Mapping[str, Any]]) -> str:
+    """Every RMS bar with its noise and derivation (BF16 and bit-exact bars are fixed by their kind)."""
+    rows = []
+    for r in sorted(results, key=lambda r: r["id"]):
+        if r["kind"] != "rms" or r["bar"] is None:
+            continue
+        n = r.get("noise") or {}
+        derivation = n.get("derivation") or r.get("bar_reason") or ""
+        extra = " ".join(_e(n[k]) for k in ("why_measured", "note") if n.get(k))
+        rows.append(f'<tr id="bar-{_e(r["id"])}"><td><code>{_e(r["id"])}</code></td><td class="num">{_num(r["bar"])}'
+                    f'</td><td>{_e(r.get("bar_source"))}</td><td class="num">{_num(n.get("value"))}</td>'
+                    f'<td>{_e(n.get("source"))}</td><td class="small">{_e(n.get("pair"))}</td>'
+                    f'<td class="small">{_e(derivation)} {extra}</td></tr>')
+    rule = ("An RMS bar derives from measured noise: the relative RMS distance between the same reference at the "
+            "check's precision and in fp64, on the check's inputs (module checks: the oracle's module; whole models: "
+            "the oracle under the candidate's route pinning); bar = max(factor x noise, floor). No serving code "
+            "takes part, so a bug cannot widen its own bar. A fixed bar states its reason. BF16 checks hold every "
+            "element to |c-r| <= 1e-5 + 1.6e-2|r| (two bf16 ulps); bit-exact checks have no bar.")
+    return (f'<section id="bars"><h2>Bars</h2><p class="small">{rule}</p><table><tr><th>check</th><th>bar</th>'
+            f'<th>source</th><th>noise</th><th>noise from</th><th>pair</th><th>derivation</th></tr>{"".join(rows)}'
+            "</table></section>")
+
+
 def _margin_cell(r: Mapping[str, Any]) -> str:
     if r["margin"] is None:
         return '<span class="small">exact</span>' if r["kind"] == "bitexact" and r["status"] == "pass" else ""
@@ -130,7 +166,7 @@ def _results_section(results: Sequence[Mapping[str, Any]]) -> str:
         for r in group:
             out.append(f'<tr id="check-{_e(r["id"])}"><td><code>{_e(r["id"])}</code></td><td>{_e(r["level"])}</td>'
                        f'<td>{_status(r["status"])}</td><td>{_e(r["kind"])}</td><td class="num">{_num(r["metric"])}'
-                       f'</td><td class="num">{_num(r["bar"])}</td><td>{_margin_cell(r)}</td>'
+                       f'</td><td class="num">{_bar_cell(r)}</td><td>{_margin_cell(r)}</td>'
                        f'<td>{_control_cell(r.get("control"))}</td><td class="num">{r["duration_s"]:.2f}</td>'
                        f"<td>{_notes_cell(r)}</td></tr>")
     out.append("</table></section>")
@@ -200,7 +236,8 @@ def render_html(data: Mapping[str, Any]) -> str:
     """The whole report as one HTML string (data is a validated report dict)."""
     verdict = data["summary"]["verdict"].upper()
     body = "".join([
-        _banner(data), "<main>", _results_section(data["results"]), _charts_section(data["results"]),
+        _banner(data), "<main>", _results_section(data["results"]), _bars_section(data["results"]),
+        _charts_section(data["results"]),
         _kill_matrix(data.get("mutations") or []), _run_table(data["run"]), _environment(data["run"]),
         "</main>",
     ])

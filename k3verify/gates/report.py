@@ -51,7 +51,8 @@ def result_to_dict(result: Result) -> dict[str, Any]:
     """One Result as it appears in report.json["results"] (before NaN/Inf become strings)."""
     out: dict[str, Any] = {
         "id": result.id, "component": result.component, "level": result.level, "kind": result.kind,
-        "bar": result.bar, "bar_reason": result.bar_reason, "status": result.status.value,
+        "bar": result.bar, "bar_reason": result.bar_reason, "bar_source": result.bar_source,
+        "noise": None if result.noise is None else dict(result.noise), "status": result.status.value,
         "reason": result.reason, "metric": result.metric, "metrics": dict(result.metrics),
         "per_key": result.per_key, "margin": result.margin, "thin": result.thin,
         "control": None if result.control is None else asdict(result.control),

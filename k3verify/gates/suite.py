@@ -26,7 +26,10 @@ import torch
 import k3verify
 from k3verify.cli import UsageError
 from k3verify.gates.binding import source_digest, verdict_from_counts
-from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status, evaluate_trial
+from k3verify.gates.evaluate import evaluate_trial
+from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
+from k3verify.gates.noise import NoiseLookup
+from k3verify.gates.noise import lookup as noise_lookup
 
 if TYPE_CHECKING:
     from k3verify.endpoint.session import EndpointSession
@@ -144,15 +147,20 @@ COVERED_DTYPES = "covered_dtypes"  # ctx.cache key: serving dtypes model/serving
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
                          dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None,
                          endpoint: EndpointSession | None = None,
-                         parallel: tuple[int, int] | None = None) -> ContextFactory:
+                         parallel: tuple[int, int] | None = None, measure_noise: bool = False) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
-    generator per check; `parallel` is the (tp, ep) layout the dist.* checks run."""
+    generator per check; `parallel` is the (tp, ep) layout the dist.* checks run; each noise-barred check gets its
+    recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py regenerates it)."""
     shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 
     def factory(check: Check, generator: torch.Generator) -> CheckContext:
+        found = None
+        if check.noise is not None:
+            found = (NoiseLookup(None, None, "noise measured on request (--measure-noise)") if measure_noise
+                     else noise_lookup(target, dev.type, seed, check.id))
         return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level,
-                            parallel=parallel)
+                            parallel=parallel, noise=found)
 
     return factory
 
@@ -172,7 +180,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         # Global RNG too: code under test (module init, dropout) may draw from it despite ctx.generator.
         torch.manual_seed(check_seed)
         generator = torch.Generator().manual_seed(check_seed)
-        result = evaluate_trial(check, check.fn(ctx_factory(check, generator)))
+        ctx = ctx_factory(check, generator)
+        result = evaluate_trial(check, check.fn(ctx), ctx.noise)
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
     except Exception as exc:
@@ -185,7 +194,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
 
 def bare_result(check: Check, status: Status, reason: str) -> Result:
     return Result(id=check.id, component=check.component, level=check.level, kind=check.kind.value,
-                  bar=check.bar, bar_reason=check.bar_reason, status=status, reason=reason)
+                  bar=check.bar, bar_reason=check.bar_reason, status=status, reason=reason,
+                  bar_source=check.bar_source)
 
 
 def import_error_results(import_errors: Mapping[str, str]) -> list[Result]:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x² + eps), not F.normalize's max(‖x‖, eps)
 RENORM_EPS = 1e-20
+MLA_LORA_EPS = 1e-6  # the two MLA LoRA norms, whatever rms_norm_eps says (SPEC §1)
 
 
 def hi(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +204,7 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
         kv_a_proj: torch.Tensor, kv_a_norm: torch.Tensor, kv_b_proj: torch.Tensor, o_proj: torch.Tensor,
         q_proj: torch.Tensor | None = None, q_a_proj: torch.Tensor | None = None,
         q_a_norm: torch.Tensor | None = None, q_b_proj: torch.Tensor | None = None,
-        g_proj: torch.Tensor | None = None, lora_eps: float = 1e-6) -> torch.Tensor:
+        g_proj: torch.Tensor | None = None, lora_eps: float = MLA_LORA_EPS) -> torch.Tensor:
     """MLA of one sequence without rotary (mla_use_nope): x [T, H] -> [T, H].
 
     q = q_b(q_a_layernorm(q_a(x))) (or q_proj); [c | k_rot] = kv_a_proj_with_mqa(x);
@@ -213,8 +214,10 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
     T = x.shape[0]
     if q_proj is not None:
         q = linear(x, q_proj)
-    else:
+    elif q_a_proj is not None and q_a_norm is not None and q_b_proj is not None:
         q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, lora_eps), q_b_proj)
+    else:
+        raise ValueError("mla needs q_proj, or q_a_proj, q_a_norm and q_b_proj")
     q = q.view(T, heads, qk_nope + qk_rope).transpose(0, 1)  # [h, T, dq]
     c, k_rot = linear(x, kv_a_proj).split([kv_lora_rank, qk_rope], dim=-1)
     kv = linear(rms_norm(c, kv_a_norm, lora_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)

@@ -45,8 +45,8 @@ def run_checks() -> RunFactory:
 def mixed_registry(registry: Registry) -> Registry:
     """One check of every outcome: pass, fail, vacuous, error, skipped."""
 
-    @registry.register_check(id="kda.t.pass", component="kda", level="module", kind=Kind.RMS,
-                             control="output scaled by 2")
+    @registry.register_check(id="kda.t.pass", component="kda", level="module", kind=Kind.RMS, bar=5e-3,
+                             bar_reason="test bar", control="output scaled by 2")
     def passing(ctx: CheckContext) -> Trial:
         r = torch.randn(8, 16, generator=ctx.generator)
         return Trial(reference=r, candidate=r * (1 + 1e-4), control=r * 2, position_dim=0)

@@ -51,7 +51,7 @@ def test_error_over_position_peaks_at_the_broken_token() -> None:
 def test_trial_localization_reaches_result_report_and_html() -> None:
     layers = _layers(fault_at=3)
     check = make_check(lambda ctx: None, id="model.t.stack", component="model", level="model",  # type: ignore[arg-type]
-                       kind=Kind.RMS, control="fault from layer 0")
+                       kind=Kind.RMS, bar=5e-3, bar_reason="test bar", control="fault from layer 0")
     trial = Trial(reference=layers[-1][1], candidate=layers[-1][2], control=layers[-1][1] * 2, layers=layers,
                   position_dim=0, control_layers=_layers(fault_at=0))
     result = evaluate_trial(check, trial)

@@ -74,6 +74,8 @@ def test_list_prints_selected_checks(capsys: pytest.CaptureFixture[str]) -> None
     assert {line.split("\t")[0] for line in lines} == {
         "gates.selftest.fp32_sum_order", "gates.selftest.bitexact_pack", "gates.selftest.bf16_linear",
         "gates.selftest.layer_stack"}
+    bars = {line.split("\t")[0]: line.split("\t")[4] for line in lines}  # a derived bar has no fixed value
+    assert bars["gates.selftest.fp32_sum_order"] == "noise" and bars["gates.selftest.bitexact_pack"] == "-"
 
 
 def test_green_run_exits_0_and_writes_valid_reports(fake_target: None, tmp_path: Path) -> None:

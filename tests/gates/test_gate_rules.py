@@ -19,7 +19,7 @@ def _noop(ctx: CheckContext) -> Trial:
 
 
 def _spec(**over: object) -> dict[str, object]:
-    spec: dict[str, object] = {"id": "kda.t.x", "component": "kda", "level": "module", "kind": Kind.RMS,
+    spec: dict[str, object] = {"id": "kda.t.x", "component": "kda", "level": "module", "kind": Kind.BITEXACT,
                                "control": "something broken"}
     spec.update(over)
     return spec
@@ -27,16 +27,20 @@ def _spec(**over: object) -> dict[str, object]:
 
 def test_rms_bar_override_without_reason_raises_at_registration(registry: Registry) -> None:
     with pytest.raises(ValueError, match="needs a one-line bar_reason"):
-        registry.register_check(**_spec(bar=1e-2))(_noop)
+        registry.register_check(**_spec(kind=Kind.RMS, bar=1e-2))(_noop)
     assert "kda.t.x" not in registry
-    registry.register_check(**_spec(bar=1e-2, bar_reason="K=16k bf16 GEMM accumulates ~1e-2"))(_noop)
+    registry.register_check(**_spec(kind=Kind.RMS, bar=1e-2, bar_reason="K=16k bf16 GEMM accumulates ~1e-2"))(_noop)
     assert registry.get("kda.t.x").bar == 1e-2
 
 
 @pytest.mark.parametrize(("over", "message"), [
     ({"kind": Kind.BITEXACT, "bar": 1e-3, "bar_reason": "x"}, "only RMS checks take a bar"),
     ({"kind": Kind.BF16, "bar": 1e-3, "bar_reason": "x"}, "only RMS checks take a bar"),
-    ({"bar": -1.0, "bar_reason": "x"}, "positive finite"),
+    ({"kind": Kind.RMS, "bar": -1.0, "bar_reason": "x"}, "positive finite"),
+    ({"kind": Kind.RMS}, "an RMS check needs noise="),
+    ({"kind": Kind.RMS, "noise": "a vs b", "bar": 1e-3, "bar_reason": "x"}, "takes kind RMS and no bar"),
+    ({"kind": Kind.BF16, "noise": "a vs b"}, "takes kind RMS and no bar"),
+    ({"kind": Kind.RMS, "noise": "  "}, "must name the two references"),
     ({"bar_reason": "why"}, "bar_reason given without a bar"),
     ({"component": "kdaa"}, "component must be one of"),
     ({"level": "layer"}, "level must be one of"),
@@ -68,6 +72,8 @@ def test_duplicate_ids_raise(registry: Registry) -> None:
 
 
 def _check(kind: Kind = Kind.RMS, **over: object):  # noqa: ANN202
+    if kind is Kind.RMS and "bar" not in over and "noise" not in over:
+        over.update(bar=5e-3, bar_reason="the engine's default RMS bar, for the rule tests")
     return make_check(_noop, **_spec(kind=kind, **over))  # type: ignore[arg-type]
 
 

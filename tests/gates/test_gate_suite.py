@@ -18,7 +18,8 @@ RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 
 
 def _seed_probe(registry: Registry, check_id: str) -> None:
-    @registry.register_check(id=check_id, component="gates", level="module", kind=Kind.RMS, control="scaled")
+    @registry.register_check(id=check_id, component="gates", level="module", kind=Kind.RMS, bar=5e-3,
+                             bar_reason="test bar", control="scaled")
     def probe(ctx: CheckContext) -> Trial:
         r = torch.randn(16, generator=ctx.generator) + 3.0
         return Trial(reference=r, candidate=r, control=r * 2, metrics={"first_draw": float(r[0]), "seed": ctx.seed})

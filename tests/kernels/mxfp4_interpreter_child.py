@@ -127,8 +127,8 @@ def check_dry_run() -> dict[str, Any]:
     """kernel.mxfp4.grouped_vs_torch's own code (CUDA-only) on small shapes, the Triton path forced."""
     from k3verify.gates import CheckContext
     from k3verify.gates.checks import serving_mxfp4
+    from k3verify.gates.evaluate import evaluate_trial
     from k3verify.gates.gate import REGISTRY as CHECKS
-    from k3verify.gates.gate import evaluate_trial
     from k3verify.kernels import mxfp4
     from k3verify.kernels.mxfp4 import triton_impl
     from k3verify.kernels.registry import REGISTRY, TRITON

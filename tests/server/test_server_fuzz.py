@@ -118,12 +118,16 @@ def settle(server: RunningServer) -> None:
     server.engine.check_integrity()
 
 
+def byte_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A toy chat encoder (server/state.py's ChatEncoder shape): the messages' repr as bytes, at most 64."""
+    return [ord(c) % 256 for c in str(messages)][:64] or [1]
+
+
 @pytest.fixture(scope="module")
 def toy_server() -> Iterator[RunningServer]:
     runner = FakeRunner(max_context=256, num_pages=64, max_slots=8)
     with running_server(runner, model="toy", tokenizer=ByteTokenizer(), eos_ids=(EOS, IM_END),
-                        vocab_size=MODEL_VOCAB,
-                        encode_chat=lambda msgs, tools=None: [ord(c) % 256 for c in str(msgs)][:64] or [1],
+                        vocab_size=MODEL_VOCAB, encode_chat=byte_chat,
                         debug=True) as server:
         yield server
 

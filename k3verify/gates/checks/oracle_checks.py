@@ -38,8 +38,7 @@ def _kda_inputs(ctx: CheckContext, B: int, T: int, h: int, dk: int, dv: int, gat
 
 @register_check(
     id="oracle.kda.naive_recurrent_vs_chunk", component="oracle", level="module", kind=Kind.RMS,
-    bar=1e-4, bar_reason="fp32 recurrent vs chunked (WY) KDA: measured rel RMS ~1e-6 on these inputs (fp64 gold "
-    "within 2e-7 of the recurrent one); 1e-4 leaves 100x for op-order noise, the beta-dropped control sits near 1",
+    noise="fla's naive chunk form (the less exact of the two references) in fp32 vs the fp64 recurrence",
     control="chunk form with beta not applied (beta = 1)",
 )
 def check_kda_recurrent_vs_chunk(ctx: CheckContext) -> Trial:
@@ -54,7 +53,7 @@ def check_kda_recurrent_vs_chunk(ctx: CheckContext) -> Trial:
         d = {k: t.double() for k, t in x.items()}
         gold[name] = torch.stack([Fn.recurrent_kda(d["q"][b], d["k"][b], d["v"][b], d["g"][b], d["beta"][b], scale)
                                   for b in range(B)])
-    return Trial(reference=ref, candidate=cand, control=ctrl, gold=gold, position_dim=1,
+    return Trial(reference=ref, candidate=cand, control=ctrl, gold=gold, position_dim=1, noise=(cand, gold),
                  notes=["fla naive_recurrent_kda (reference) vs naive_chunk_kda padded to the 64-token grid; "
                         "gold is k3verify's own fp64 recurrence"])
 
@@ -136,7 +135,8 @@ def check_oracle_pins(ctx: CheckContext) -> Trial:
             pinned[f"{name}:{path}"], actual[f"{name}:{path}"] = f["pinned_sha256"], f["sha256"]
     altered = dict(actual)
     key = next(k for k, v in altered.items() if v and not k.endswith(":version"))
-    altered[key] = ("0" if altered[key][0] != "0" else "1") + altered[key][1:]
+    sha = str(altered[key])
+    altered[key] = ("0" if sha[0] != "0" else "1") + sha[1:]
     return Trial(reference=_pin_bytes(pinned), candidate=_pin_bytes(actual), control=_pin_bytes(altered),
                  notes=mismatches(prov) or ["every oracle version and source hash matches pins.json"])
 
@@ -178,8 +178,8 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
     if ctx.device.type == "cuda" and "[package]" not in routing["chunk_kimi_delta_attention"]:
         raise RuntimeError(f"transformers' KDA did not route to fla on CUDA: {routing}")
     ids = torch.randint(0, ctx.cfg.vocab_size, (130,), generator=ctx.generator).to(ctx.device)
-    ref = fixtures.reference_model(ctx, torch.float32)(ids, capture=True)
-    gold = fixtures.reference_model(ctx, torch.float64)(ids).logits
+    ref, _ = fixtures.reference_forward(ctx, ids)
+    gold = fixtures.reference_gold(ctx, ids).logits
     hf = fixtures.hf_model(ctx, torch.float32)
     logits, caps = hf_forward(hf, ids, capture=True)
     params = dict(hf.named_parameters())
@@ -191,6 +191,7 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
         ctrl_logits, ctrl_caps = hf_forward(hf, ids, capture=True)
     names = list(ref.captures)
     return Trial(reference=ref.logits, candidate=logits, control=ctrl_logits, gold=gold, position_dim=0,
+                 noise=(logits, gold),
                  layers=[(n, ref.captures[n], caps[n]) for n in names],
                  control_layers=[(n, ref.captures[n], ctrl_caps[n]) for n in names],
                  notes=["reference: K3Reference fp32; candidate: transformers KimiLinearForCausalLM fp32, eager "
@@ -203,9 +204,9 @@ _CONTROL_SWAP = ("transformers with two KDA layers' o_norm weights swapped (the 
 
 @register_check(
     id="oracle.k3_reference_vs_transformers", component="oracle", level="model", kind=Kind.RMS,
-    bar=1e-4, bar_reason="fp32 whole model: transformers' chunked torch KDA and F.conv1d vs the reference's "
-    "naive recurrent KDA and per-tap conv round differently; measured logits rel RMS ~1e-6 on kl-tiny (T=130); "
-    "a swapped o_norm weight moves it to ~0.2", devices=("cpu",), control=_CONTROL_SWAP,
+    noise="transformers' KimiLinear (the less exact of the two references) in fp32 vs the K3 reference in fp64 "
+    "(routes pinned)", devices=("cpu",),
+    control=_CONTROL_SWAP,
 )
 def check_reference_vs_transformers(ctx: CheckContext) -> Trial:
     return _reference_vs_transformers(ctx)
@@ -213,7 +214,9 @@ def check_reference_vs_transformers(ctx: CheckContext) -> Trial:
 
 @register_check(
     id="oracle.k3_reference_vs_transformers_fla", component="oracle", level="model", kind=Kind.RMS,
-    devices=("cuda",), control=_CONTROL_SWAP,
+    bar=5e-3, bar_reason="fla's own KDA bar: on CUDA transformers runs fla's chunk_kda, whose fp32 dots are "
+    "TF32 (measured 7.4e-4 on an H200, the reference 1600x closer to fp64): a property of that reference, "
+    "far above the fp32-vs-fp64 noise of either model", devices=("cuda",), control=_CONTROL_SWAP,
 )
 def check_reference_vs_transformers_fla(ctx: CheckContext) -> Trial:
     """On CUDA transformers runs fla's Triton chunk_kda on fp32 inputs: measured logits rel RMS 7.4e-4

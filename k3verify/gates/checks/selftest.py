@@ -20,16 +20,18 @@ def _sequential_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @register_check(
     id="gates.selftest.fp32_sum_order", component="gates", level="module", kind=Kind.RMS,
+    noise="the sequential sum in fp32 vs fp64",
     control="accumulate the same sums in a bf16 accumulator",
 )
 def check_fp32_sum_order(ctx: CheckContext) -> Trial:
     # B rows, N terms; a positive mean makes the bf16 accumulator stagnate, which the control relies on.
     x = (torch.randn(64, 1024, generator=ctx.generator) + 1.0).to(ctx.device)
+    reference, gold = _sequential_sum(x, torch.float32), _sequential_sum(x.double(), torch.float64)
     return Trial(
-        reference=_sequential_sum(x, torch.float32),
+        reference=reference,
         candidate=x.sum(dim=1),
         control=_sequential_sum(x, torch.bfloat16).float(),
-        gold=x.double().sum(dim=1),
+        gold=gold, noise=(reference, gold),
         notes=["sequential vs pairwise fp32 summation of the same numbers"],
     )
 
@@ -88,6 +90,7 @@ def _stack(h: torch.Tensor, weights: list[torch.Tensor], *, broadcast: bool, dro
 
 @register_check(
     id="gates.selftest.layer_stack", component="gates", level="model", kind=Kind.RMS,
+    noise="the GEMM stack in fp32 vs fp64",
     control="residual connection dropped at layer 3",
 )
 def check_layer_stack(ctx: CheckContext) -> Trial:
@@ -100,7 +103,7 @@ def check_layer_stack(ctx: CheckContext) -> Trial:
     gold = _stack(x.double(), [w.double() for w in weights], broadcast=False)
     names = [f"layers.{i}" for i in range(n_layers)]
     return Trial(
-        reference=ref[-1], candidate=cand[-1], control=ctrl[-1], gold=gold[-1],
+        reference=ref[-1], candidate=cand[-1], control=ctrl[-1], gold=gold[-1], noise=(ref[-1], gold[-1]),
         layers=list(zip(names, ref, cand, strict=True)), position_dim=0,
         control_layers=list(zip(names, ref, ctrl, strict=True)),
     )

@@ -93,6 +93,8 @@ def _naive(x: dict[str, torch.Tensor], cu: list[int], beta: torch.Tensor | None 
         o, S = fla_ref.naive_recurrent(q[None, s:e], k[None, s:e], x["v"][None, s:e], x["g"][None, s:e],
                                        b[None, s:e], scale=DK**-0.5, initial_state=x["s0"][n:n + 1],
                                        output_final_state=True)
+        if S is None:
+            raise RuntimeError("fla's naive_recurrent returned no final state despite output_final_state=True")
         outs.append(o[0])
         finals.append(S[0])
     return torch.cat(outs), torch.stack(finals)
@@ -113,9 +115,8 @@ def _gold(x: dict[str, torch.Tensor], cu: list[int]) -> tuple[torch.Tensor, torc
 
 
 @register_check(
-    id="kernel.kda.prefill", component="kernel", level="kernel", kind=Kind.RMS, bar=1e-4,
-    bar_reason="fp32 chunked (ours) vs token-recurrent (fla naive): measured rel RMS ~1e-7 with initial states "
-    "and ragged chunks; beta dropped moves it to ~1",
+    id="kernel.kda.prefill", component="kernel", level="kernel", kind=Kind.RMS,
+    noise="fla's naive recurrence in fp32 vs the same recurrence in fp64, same inputs",
     control="beta dropped (beta = 1)",
 )
 @fx.single_thread
@@ -129,14 +130,15 @@ def check_kda_prefill_kernel(ctx: CheckContext) -> Trial:
     o_bad, s_bad = kda_ref.kda_prefill_torch(x["q"], x["k"], x["v"], x["g"], torch.ones_like(x["beta"]), cu, x["s0"],
                                              DK**-0.5)
     o_gold, s_gold = _gold(x, cu)
-    return Trial(reference={"o": o_ref, "state": s_ref}, candidate={"o": o, "state": s},
-                 control={"o": o_bad, "state": s_bad}, gold={"o": o_gold, "state": s_gold}, position_dim=0,
+    ref, gold = {"o": o_ref, "state": s_ref}, {"o": o_gold, "state": s_gold}
+    return Trial(reference=ref, candidate={"o": o, "state": s}, noise=(ref, gold),
+                 control={"o": o_bad, "state": s_bad}, gold=gold, position_dim=0,
                  notes=[f"lengths {LENS}, {H} heads, dk {DK}, dv {DV}, random initial states; gold: fp64 token loop"])
 
 
 @register_check(
-    id="kernel.kda.decode", component="kernel", level="kernel", kind=Kind.RMS, bar=1e-5,
-    bar_reason="one fp32 step each side, same formula in another association: measured rel RMS ~1e-8",
+    id="kernel.kda.decode", component="kernel", level="kernel", kind=Kind.RMS,
+    noise="fla's naive recurrence in fp32 vs the same step in fp64, same inputs",
     control="state not decayed before the update (g ignored)",
 )
 @fx.single_thread
@@ -147,12 +149,17 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
     o, s = kda_ref.kda_decode_torch(x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"], DK**-0.5)
     o_bad, s_bad = kda_ref.kda_decode_torch(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]), x["beta"], x["s0"],
                                             DK**-0.5)
-    return Trial(reference={"o": o_ref, "state": s_ref}, candidate={"o": o, "state": s},
+    ref, (o_gold, s_gold) = {"o": o_ref, "state": s_ref}, _gold(x, list(range(B + 1)))
+    return Trial(reference=ref, candidate={"o": o, "state": s}, noise=(ref, {"o": o_gold, "state": s_gold}),
                  control={"o": o_bad, "state": s_bad}, notes=[f"{B} sequences, one token each, from random states"])
 
 
 @register_check(
     id="kernel.kda.triton_vs_torch", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=5e-3,
+    bar_reason="fla's own bar for its Triton KDA against a torch reference; bf16 q/k/v with in-kernel products "
+    "in reduced precision, which the noise of one reference in bf16 vs fp64 does not describe (CUDA only, "
+    "not measured on CPU)",
     control="beta squashed twice before the Triton kernel",
 )
 @fx.single_thread
@@ -180,6 +187,10 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
 
 @register_check(
     id="kernel.kda.decode_slots_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=5e-3,
+    bar_reason="fla's own bar for its Triton KDA against a torch reference; bf16 q/k/v with in-kernel products "
+    "in reduced precision, which the noise of one reference in bf16 vs fp64 does not describe (CUDA only, "
+    "not measured on CPU)",
     control="beta squashed twice before the Triton kernel",
 )
 @fx.single_thread
@@ -305,14 +316,14 @@ def check_attn_sdpa(ctx: CheckContext) -> Trial:
         h, d, dv = 5, 18, 10
         q, k, v = (torch.randn(h, n, w, generator=g) for n, w in ((Lq, d), (offset + Lq, d), (offset + Lq, dv)))
         scale = d**-0.5
-        bf = [t.bfloat16().to(ctx.device) for t in (q, k, v)]
+        bq, bk, bv = (t.bfloat16().to(ctx.device) for t in (q, k, v))
         key = f"Lq{Lq}.offset{offset}"
-        cand[key] = attn_ops.causal_attention(*bf, offset, scale).float().cpu()
+        cand[key] = attn_ops.causal_attention(bq, bk, bv, offset, scale).float().cpu()
         fx.assert_routed(attn_ops.CAUSAL, backend=CUDA)
         ref[key] = attn_ref.causal_attention(q.double(), k.double(), v.double(), offset, scale).float()
         late = offset + 1 if Lq > 1 else offset  # one query sees every key anyway: the control needs Lq > 1
-        ctrl[key] = attn_sdpa.causal_attention_sdpa(*bf, late, scale).float().cpu()
-        eager[key] = compare(Kind.RMS, ref[key], attn_ref.causal_attention(*bf, offset, scale).float().cpu(),
+        ctrl[key] = attn_sdpa.causal_attention_sdpa(bq, bk, bv, late, scale).float().cpu()
+        eager[key] = compare(Kind.RMS, ref[key], attn_ref.causal_attention(bq, bk, bv, offset, scale).float().cpu(),
                              1.0).metric
     return Trial(reference=ref, candidate=cand, control=ctrl, metrics={f"eager_bf16_rms.{k}": m for k, m in
                                                                       eager.items()},

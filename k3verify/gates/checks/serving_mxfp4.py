@@ -120,8 +120,10 @@ def check_moe_packed(ctx: CheckContext) -> Trial:
     packed = fx.serving_model(ctx, torch.bfloat16, mxfp4_mode="packed")
     cached = fx.serving_model(ctx, torch.bfloat16, mxfp4_mode="cached")
     backend = TRITON if ctx.device.type == "cuda" else TORCH
-    ref, cand, ctrl = {}, {}, {}
+    ref, cand, ctrl, low, high = {}, {}, {}, {}, {}
     reference_layers = _moe_layers(cached)
+    oracle = fx.layers(fx.reference_model(ctx, torch.bfloat16))
+    oracle64 = fx.layers(fx.reference_model(ctx, torch.float64))
     for i, (_, moe) in _moe_layers(packed).items():
         norm, reference = reference_layers[i]
         x = norm(fx.layer_inputs(ctx, 80, torch.bfloat16))
@@ -135,5 +137,6 @@ def check_moe_packed(ctx: CheckContext) -> Trial:
                                 p.group)
         with fx.patched(moe, "packed_experts", lambda swapped=swapped: swapped):
             ctrl[key] = moe(x)
-    return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0,
+        low[key], high[key] = oracle[i].ffn(x), oracle64[i].ffn(x.double())  # the fixed bar's noise, for the report
+    return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0, noise=(low, high),
                  notes=[f"{len(ref)} MoE layer(s), T=80, bf16; packed op on {backend}"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +17,7 @@ from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.oracle import functional as Fn
 from k3verify.serving.layers import attn_res
-from k3verify.serving.layers.attn_res import attn_res_mix, num_blocks
+from k3verify.serving.layers.attn_res import ConcatBlocks, num_blocks
 
 T_ROUTER = 256
 
@@ -83,87 +85,117 @@ def check_router_bf16(ctx: CheckContext) -> Trial:
 
 
 
-@register_check(
-    id="norm.module", component="norm", level="module", kind=Kind.BITEXACT,
-    control="every norm at the other eps (1e-6 for layer norms, the layer eps for the MLA LoRA norms)",
-)
-@fx.single_thread
-@fx.torch_path(norm_ops.RMS, norm_ops.GATED_RMS)
-def check_norms(ctx: CheckContext) -> Trial:
-    """Final RMSNorm, an MLA LoRA norm and a KDA gated o_norm, in fp32 and bf16, on inputs small
-    enough (rms ~3e-3) that the eps shows; the torch norm path on every device."""
-    cfg = ctx.cfg
-    ref_out: dict[str, torch.Tensor] = {}
-    cand: dict[str, torch.Tensor] = {}
-    ctrl: dict[str, torch.Tensor] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model, tag = fx.serving_model(ctx, dtype), str(dtype).removeprefix("torch.")
-        norms: list[tuple[str, nn.Module, float]] = [("final_norm", model.model.norm, 1e-6)]
-        if cfg.has_mla:
-            norms.append(("kv_a_layernorm", model.model.layers[cfg.full_attn_layers[0]].self_attn.kv_a_layernorm,
-                          cfg.rms_norm_eps))
-        for name, norm, wrong_eps in norms:
-            x = (torch.randn(64, norm.weight.numel(), generator=ctx.generator) * 3e-3).to(dtype).to(ctx.device)
-            key = f"{name}.{tag}"
-            ref_out[key] = Fn.rms_norm(x, norm.weight, norm.eps)
-            cand[key] = norm(x)
-            with fx.patched(norm, "eps", wrong_eps):
-                ctrl[key] = norm(x)
-        if cfg.has_kda:
-            o_norm = model.model.layers[cfg.kda_layers[0]].self_attn.o_norm
-            h, dk = cfg.kda_num_heads, cfg.kda_head_dim
-            x = (torch.randn(64, h, dk, generator=ctx.generator) * 3e-3).to(dtype).to(ctx.device)
-            gate = (torch.randn(64, h, dk, generator=ctx.generator) * 2).to(dtype).to(ctx.device)
-            key = f"o_norm.{tag}"
-            ref_out[key] = Fn.gated_rms_norm(x, gate, o_norm.weight, o_norm.eps)
-            cand[key] = o_norm(x, gate)
-            with fx.patched(o_norm, "eps", 1e-6):
-                ctrl[key] = o_norm(x, gate)
-    return Trial(reference=ref_out, candidate=cand, control=ctrl,
-                 notes=["oracle functional.rms_norm / gated_rms_norm with the serving module's own weight and eps"])
+def _mix_sources(ctx: CheckContext, w: torch.Tensor, n: int, T: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """[n+1, T, H] mix inputs on which the mix's constants and precision show. Each source is a * w_hat * sqrt(H)
+    + unit noise with a in [2, 4], so every score sits near sqrt(H)|w| (15-20 on the presets: one bf16 rounding
+    of a score moves its alpha by ~5%) with O(1) differences between sources; magnitudes vary per source; odd
+    tokens are scaled to mean(V^2) ~ eps, where the eps inside K is a third of the norm."""
+    H = w.numel()
+    g = ctx.generator
+    w_hat = (w.float() / w.float().norm()).cpu()
+    a = 2.0 + 2.0 * torch.rand(n + 1, T, 1, generator=g)
+    V = (a * w_hat * math.sqrt(H) + torch.randn(n + 1, T, H, generator=g)) * torch.exp(0.5 * torch.randn(n + 1, T, 1,
+                                                                                                          generator=g))
+    V[:, 1::2] *= math.sqrt(eps) / 3.0
+    return V.to(dtype).to(ctx.device)
+
+
+MixFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p [T, H], blocks [n, T, H]) -> [T, H]
+
+
+def _serving_mixes(model: Any) -> list[tuple[str, MixFn, torch.Tensor]]:
+    """(site, the serving mix through its module, the site's score weight) for every mix site."""
+    sites: list[tuple[str, MixFn, torch.Tensor]] = []
+    for i, layer in enumerate(fx.layers(model)):
+        for pair in ("self_attention_res", "mlp_res"):
+            w = getattr(layer, f"{pair}_norm").weight.float() * getattr(layer, f"{pair}_proj").weight.float()
+            sites.append((f"layers.{i}.{pair}", _layer_mix(layer, pair), w.reshape(-1)))
+    out_w = model.model.output_attn_res_norm.weight.float() * model.model.output_attn_res_proj.weight.float()
+    sites.append(("output", lambda p, b: model.finish(p, _blocks(b)), out_w.reshape(-1)))
+    return sites
+
+
+def _oracle_mixes(ref: Any) -> list[MixFn]:
+    """The oracle's mix at the same sites, in _serving_mixes' order, with the oracle's own eps."""
+    out: list[MixFn] = []
+    for layer in fx.layers(ref):
+        for pair in ("self_attention_res", "mlp_res"):
+            out.append(_oracle_layer_mix(layer, pair))
+    out.append(lambda p, b: _oracle_finish(ref, p, list(b)))
+    return out
+
+
+def _layer_mix(layer: Any, pair: str) -> MixFn:
+    def mix(p: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = layer.mix(p, _blocks(b), pair)
+        return out
+    return mix
+
+
+def _oracle_layer_mix(layer: Any, pair: str) -> MixFn:
+    def mix(p: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = layer.mix(pair, p, list(b))
+        return out
+    return mix
+
+
+def _blocks(entries: torch.Tensor) -> ConcatBlocks:
+    blocks = ConcatBlocks()
+    for e in entries:
+        blocks.append(e)
+    return blocks
+
+
+def _oracle_finish(ref: Any, p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The oracle's last step: output mix with its own eps, then the final norm."""
+    m = ref.model
+    return m.norm(Fn.attn_res_mix(p, blocks, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight,
+                                  ref.cfg.rms_norm_eps))
 
 
 def _attn_res_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     cfg = ctx.cfg
     if not cfg.uses_attn_res:
         raise SkipCheck("preset has no Block Attention Residuals")
-    model, H, T = fx.serving_model(ctx, dtype), cfg.hidden_size, 48
-    pairs = [(f"layers.{i}.{p}", getattr(layer, f"{p}_norm").weight, getattr(layer, f"{p}_proj").weight)
-             for i, layer in enumerate(model.model.layers) for p in ("self_attention_res", "mlp_res")]
-    pairs.append(("output", model.model.output_attn_res_norm.weight, model.model.output_attn_res_proj.weight))
-    ref_out, cand, ctrl = {}, {}, {}
-    max_n = num_blocks(cfg)
-    scaled = attn_res._score
-    for j, (name, nw, pw) in enumerate(pairs):
-        n = 1 + j % max_n
-        # sources of very different scales, as block sums are: the softmax must see all of them
-        scales = torch.exp(torch.randn(n + 1, generator=ctx.generator))
-        V = (torch.randn(n + 1, T, H, generator=ctx.generator) * scales[:, None, None]).to(dtype).to(ctx.device)
-        blocks, p = V[:n], V[n]
-        ref_out[name] = Fn.attn_res_mix(p, list(blocks), nw, pw, cfg.rms_norm_eps)
-        cand[name] = attn_res_mix(p, blocks.transpose(0, 1), nw, pw, cfg.rms_norm_eps)
-        with fx.patched(attn_res, "_score", lambda v, w, eps: scaled(v, w, eps) / math.sqrt(H)):
-            ctrl[name] = attn_res_mix(p, blocks.transpose(0, 1), nw, pw, cfg.rms_norm_eps)
-    return Trial(reference=ref_out, candidate=cand, control=ctrl,
-                 notes=[f"{len(pairs)} (norm, proj) pairs with 1..{max_n} block entries, T={T}, {dtype}; "
-                        "not bitexact: the score is a row reduction here, a GEMV in the oracle"])
+    noisy = dtype == torch.float32 and ctx.needs_noise
+    golds = _oracle_mixes(fx.reference_model(ctx, torch.float64)) if noisy else None
+    oracles = _oracle_mixes(fx.reference_model(ctx, dtype))
+    T, max_n, scaled = 48, num_blocks(cfg), attn_res._score
+    ref, cand, ctrl, gold = {}, {}, {}, {}
+    for j, (name, serving, w) in enumerate(_serving_mixes(fx.serving_model(ctx, dtype))):
+        n, oracle = 1 + j % max_n, oracles[j]
+        V = _mix_sources(ctx, w, n, T, cfg.rms_norm_eps, dtype)
+        ref[name], cand[name] = oracle(V[n], V[:n]), serving(V[n], V[:n])
+        with fx.patched(attn_res, "_score", lambda v, w, eps: scaled(v, w, eps) / math.sqrt(cfg.hidden_size)):
+            ctrl[name] = serving(V[n], V[:n])
+        if golds is not None:
+            gold[name] = golds[j](V[n].double(), V[:n].double())
+    return Trial(reference=ref, candidate=cand, control=ctrl, noise=(ref, gold) if gold else None,
+                 notes=[f"{len(ref)} mix sites (each layer's two pairs through DecoderLayer.mix, the output mix "
+                        f"through ServingModel.finish) with 1..{max_n} block entries, T={T}, {dtype}; the oracle's "
+                        "modules and eps; not bitexact: the score is a row reduction here, a GEMV in the oracle"])
+
+
+_MIX_CONTROL = "scores divided by sqrt(H) (a 1/sqrt(d) the mix must not have)"
 
 
 @register_check(
-    id="attn_res.module.fp32", component="attn_res", level="module", kind=Kind.RMS, bar=1e-5,
-    bar_reason="same fp32 formula, scores reduced in another order: measured rel RMS ~1e-7; the scaled-score "
-    "control moves it by >1e-1",
-    control="scores divided by sqrt(H) (a 1/sqrt(d) the mix must not have)",
+    id="attn_res.module.fp32", component="attn_res", level="module", kind=Kind.RMS,
+    noise="the oracle's mix sites (layer mix, output mix + final norm) in fp32 vs fp64, same inputs",
+    control=_MIX_CONTROL,
 )
 @fx.single_thread
+@fx.torch_path(norm_ops.RMS)
 def check_attn_res_fp32(ctx: CheckContext) -> Trial:
     return _attn_res_trial(ctx, torch.float32)
 
 
-@register_check(
-    id="attn_res.module.bf16", component="attn_res", level="module", kind=Kind.RMS, suites=("full",),
-    control="scores divided by sqrt(H) (a 1/sqrt(d) the mix must not have)",
-)
+@register_check(id="attn_res.module.bf16", component="attn_res", level="module", kind=Kind.BF16, suites=("full",),
+                control=_MIX_CONTROL)
 @fx.single_thread
+@fx.torch_path(norm_ops.RMS)
 def check_attn_res_bf16(ctx: CheckContext) -> Trial:
-    return _attn_res_trial(ctx, torch.bfloat16)
+    trial = _attn_res_trial(ctx, torch.bfloat16)
+    trial.notes.append("per element: scores near 15-20, where a softmax (or a score reduction) done in bf16 moves "
+                       "alpha by several percent")
+    return trial

@@ -105,9 +105,9 @@ def _verify_rows(ctx: CheckContext) -> list[list[int]]:
 
 
 @register_check(
-    id="spec.verify.logits", component="serving", level="serving", kind=Kind.RMS, bar=1e-4,
-    bar_reason="fp32; the verify pack's GEMMs run k+1 rows per sequence where decode runs one, and MLA pads its "
-    "masked context differently: rounding only, measured rel RMS ~1e-6; a row missing its first token is O(1) off",
+    id="spec.verify.logits", component="serving", level="serving", kind=Kind.RMS,
+    noise="the K3 reference's logits in fp32 vs fp64 (routes pinned) on each prompt + its verify row, at the "
+    "verified positions (the verify pack's GEMMs run k+1 rows per sequence where decode runs one: rounding only)",
     control="the verify row is built without the last accepted token (drafts shifted one position early)",
 )
 @fx.single_thread
@@ -122,11 +122,23 @@ def check_verify_logits(ctx: CheckContext) -> Trial:
         verifier.commit([0] * len(rows))
         return logits
 
-    runner, _ = _prefilled(ctx, poison=False)
+    runner, prompts = _prefilled(ctx, poison=False)
     ref = torch.stack([runner.decode([(sid, r[j]) for sid, r in enumerate(rows)]) for j in range(NUM_DRAFT + 1)], 1)
-    return Trial(reference=ref, candidate=verified(False), control=verified(True), position_dim=1, notes=[
+    noise = _oracle_verify_rows(ctx, prompts, rows) if ctx.needs_noise else None
+    return Trial(reference=ref, candidate=verified(False), control=verified(True), position_dim=1, noise=noise, notes=[
         f"prompts {PROMPT_LENS}, one verify pack of {NUM_DRAFT + 1} tokens each vs {NUM_DRAFT + 1} decode steps "
         "of the same tokens"])
+
+
+def _oracle_verify_rows(ctx: CheckContext, prompts: list[list[int]], rows: list[list[int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's logits [B, k+1, V] at each verified position, in fp32 and in fp64 (routes pinned)."""
+    low, high = [], []
+    for prompt, row in zip(prompts, rows, strict=True):
+        ids, span = torch.tensor(prompt + row), slice(len(prompt), len(prompt) + len(row))
+        low.append(fx.reference_forward(ctx, ids)[0].logits[span])
+        high.append(fx.reference_gold(ctx, ids).logits[span])
+    return torch.stack(low), torch.stack(high)
 
 
 def _committed(ctx: CheckContext, accepted: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

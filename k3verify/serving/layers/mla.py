@@ -45,6 +45,11 @@ def decode_rows(b: PackedBatch, cache: PagedLatentCache) -> tuple[torch.Tensor, 
     return valid, cache.rows(b.page_table, seq, torch.where(valid, pos, 0))
 
 
+def attention_probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim (keys) in fp32, the reference's precision, cast to `dtype` once."""
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
@@ -141,6 +146,6 @@ class MultiHeadLatentAttention(nn.Module):
         q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_k)
         scores = (torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, k_rot)) * self.scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = attention_probs(scores, q.dtype)
         o_lat = torch.einsum("bhl,blr->bhr", probs, c)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_v)
