@@ -58,9 +58,9 @@ MUTANTS = [
     Mutant(
         id="endpoint.engine.batch_rows_reversed",
         fault="with more than one sequence in a step, sampled tokens are handed to the requests in reverse order",
-        target="k3verify.serving.engine:Engine._process",
-        old="self._deliver(req, safe[i], int(tokens[i]), now)",
-        new="self._deliver(req, safe[i], int(tokens[::-1][i]), now)",
+        target="k3verify.serving.step_loop:StepLauncher.collect",
+        old="zip(step.seq_ids, tokens, bad, lps,",
+        new="zip(step.seq_ids, tokens[::-1], bad, lps[::-1],",
         killers=["endpoint.batch.invariance"],
     ),
 ]

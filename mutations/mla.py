@@ -19,7 +19,7 @@ MUTANTS = [
         id="mla.gate.dropped", quick=True,
         fault="K3's MLA output gate sigmoid(g_proj(x)) is never applied",
         target=f"{MLA}:MultiHeadLatentAttention.forward",
-        old="out = out * torch.sigmoid(self.g_proj(x))",
+        old="out = out * torch.sigmoid(gate[0])",
         new="out = out",
         killers=["mla.*"],
     ),
@@ -27,8 +27,8 @@ MUTANTS = [
         id="mla.gate.after_o_proj",
         fault="the MLA output gate is applied after o_proj (gate logits projected to hidden width) instead of before",
         target=f"{MLA}:MultiHeadLatentAttention.forward",
-        old="            out = out * torch.sigmoid(self.g_proj(x))\n        return self.o_proj(out)",
-        new="            return self.o_proj(out) * torch.sigmoid(self.o_proj(self.g_proj(x)))\n"
+        old="            out = out * torch.sigmoid(gate[0])\n        return self.o_proj(out)",
+        new="            return self.o_proj(out) * torch.sigmoid(self.o_proj(gate[0]))\n"
             "        return self.o_proj(out)",
         killers=["mla.*"],
     ),

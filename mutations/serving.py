@@ -58,8 +58,44 @@ MUTANTS = [
         id="serving.graph.padding_on_minus_one", devices=("cuda",),
         fault="padded rows of a graph bucket park on state slot -1 (the last real slot) instead of the scratch slot",
         target="k3verify.serving.graphs:StaticInputs.fill",
-        old="*slots, *[SCRATCH] * pad,",
-        new="*slots, *[-1] * pad,",
-        killers=["serving.graph.*"],
+        old="*[0] * pad, *slots, *[SCRATCH] * pad,",
+        new="*[0] * pad, *slots, *[-1] * pad,",
+        also=[("self.meta, [*slots, *[SCRATCH] * pad,", "self.meta, [*slots, *[-1] * pad,")],
+        killers=["serving.graph.*", "serving.engine.step_loop*"],
+    ),
+    Mutant(
+        id="serving.step.first_token_not_stored",
+        fault="the step loop stores only decode rows' sampled tokens on the device: a sequence's first decode "
+              "after its prefill feeds whatever its slot held",
+        target="k3verify.serving.step_loop:StepLauncher.launch",
+        old="self.runner.set_next_tokens(seq_ids, token_ids)",
+        new="self.runner.set_next_tokens(seq_ids[len(seq_ids) - len(plan.decode):], "
+            "token_ids[len(seq_ids) - len(plan.decode):])",
+        killers=["serving.engine.step_loop_vs_offline"],
+    ),
+    Mutant(
+        id="serving.step.decode_position_plus_one",
+        fault="decode_next places each new token one position late (its cached count + 1)",
+        target="k3verify.serving.runner:ModelRunner.decode_next",
+        old="slots, positions = [s.slot for s in states], [s.cached for s in states]",
+        new="slots, positions = [s.slot for s in states], [s.cached + 1 for s in states]",
+        killers=["serving.engine.step_loop_logprobs"],
+    ),
+    Mutant(
+        id="serving.sched.continuation_chunk_drops_token",
+        fault="a prompt chunk that continues a sequence starts one token late (the boundary token is lost)",
+        target="k3verify.serving.scheduler:Scheduler._chunk",
+        old="plan.prefill.append(PrefillChunk(seq, start, start + n))",
+        new="plan.prefill.append(PrefillChunk(seq, start + (start > 0), start + n))",
+        killers=["serving.engine.step_loop_vs_offline"],
+    ),
+    Mutant(
+        id="serving.fused.weights_not_aliased",
+        fault="a fused projection's members get copies of their blocks: loading fills the copies and the one GEMM "
+              "reads a weight nothing wrote",
+        target="k3verify.serving.layers.fused:FusedLinears.__init__",
+        old="lin.weight = nn.Parameter(block, requires_grad=False)",
+        new="lin.weight = nn.Parameter(block.clone(), requires_grad=False)",
+        killers=["kda.module.bf16", "mla.module.bf16"],
     ),
 ]

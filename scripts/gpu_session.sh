@@ -5,8 +5,14 @@
 #                                        + the gpu-marked tests, side by side
 #   bash scripts/gpu_session.sh noise    issue 12: the noise-barred checks measured on cuda (table + $OUT/noise-cuda.json),
 #                                        then the full cuda suite on k3-syn-25 with bars derived at run time
-#   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, then speeds,
-#                                        then a decode profile at batch 1 and 64)
+#   bash scripts/gpu_session.sh bench    k3verify bench on kl-48b-8l (parity in the same run, the served path
+#                                        included, then speeds: prefill, decode, served under 1/16/64 streaming
+#                                        clients, then a decode profile at batch 1 and 64) -> $OUT/bench.json;
+#                                        then, in the time left, k3-slice-4l against the fp32 K3 reference gold
+#                                        -> $OUT/bench-k3.json; prints both tables
+#   bash scripts/gpu_session.sh bench-k3 the k3-slice-4l bench alone (when `bench` left it no time)
+#   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
+#                                        Triton kernels, fla flags, graph signature/padding, the engine step)
 #   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
 #                                        per-GPU memory against the measured CUDA peak of the same prefill
 #                                        (passes within 10%); JSON under $OUT/plan-*.json
@@ -34,6 +40,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }
+bench_k3() {  # k3-slice-4l against the fp32 K3 reference gold, within $1 seconds
+    step "bench k3-slice-4l vs the fp32 K3 reference ($1 s)"
+    timeout "$1" python3 -m k3verify bench --preset k3-slice-4l --prefill 1024 --profile 1 \
+        --json "$OUT/bench-k3.json" 2>"$OUT/bench-k3.log" >/dev/null
+    echo "k3-slice-4l bench exit $?"
+}
+show_bench() {  # the stage lines, parity, speeds and profile of each run, then the README tables
+    for run in bench bench-k3; do
+        [ -f "$OUT/$run.log" ] || continue
+        step "$run"
+        grep -E "^\[bench|^  (parity|prefill|decode|served|profile|kernel fallback)|^      " "$OUT/$run.log" \
+            | quiet | tail -60
+        [ -f "$OUT/$run.json" ] && python3 -m k3verify bench --table "$OUT/$run.json"
+    done
+}
 case "${1:-}" in
 parity)
     step "gpu tests (background) + cuda parity k3-syn-25"
@@ -68,9 +89,25 @@ noise)
     echo "parity (full suite) wall: $(( $(date +%s) - start )) s"
     ;;
 bench)
-    step "bench kl-48b-8l"
-    timeout "${BENCH_S:-560}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 \
-        --json "$OUT/bench.json" 2>&1 >/dev/null | quiet | tail -80
+    start=$(date +%s)
+    step "bench kl-48b-8l (served 1,16,64; profile 1,64)"
+    timeout "${BENCH_S:-500}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --served 1,16,64 \
+        --json "$OUT/bench.json" 2>"$OUT/bench.log" >/dev/null
+    echo "kl-48b-8l bench exit $? after $(( $(date +%s) - start )) s"
+    left=$(( ${SESSION_S:-555} - ($(date +%s) - start) ))
+    if [ "$left" -gt 90 ]; then bench_k3 "$left"; else echo "k3-slice-4l skipped (${left} s left): run bench-k3"; fi
+    show_bench
+    ;;
+bench-k3)
+    bench_k3 "${BENCH_S:-540}"
+    show_bench
+    ;;
+mutate-cuda)
+    step "k3verify mutate --device cuda (CUDA-path mutants)"
+    timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout 300 \
+        --report-dir "$OUT/mutate-cuda" --only 'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
+        'kernel.router.triton*' 'kernel.mxfp4.triton*' 'kernel.attn.*' 'serving.graph.*' 'serving.step.*' \
+        'serving.sched.*' 2>&1 | quiet | tail -40
     ;;
 plan)
     rc=0
@@ -131,7 +168,7 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
 PY
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|mxfp4|spec|realsize|endpoint|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
     exit 2
     ;;
 esac

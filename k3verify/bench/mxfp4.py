@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from k3verify.bench.floor import decode_floor_bytes, expert_bytes
-from k3verify.bench.run import generate_ours, judge, measured_distinct_experts
+from k3verify.bench.parity import judge
+from k3verify.bench.speeds import generate_ours, measured_distinct_experts
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
@@ -204,15 +205,15 @@ def time_decode(cfg: ModelConfig, runners: dict[str, ModelRunner], graphs: Mappi
     row: dict[str, Any] = {"batch": B}
     for name, runner in runners.items():
         generate_ours(runner, graphs[name], prompts, plan.new_tokens)  # warm-up (captures this bucket)
-        steps: list[float] = []
+        spans: list[float] = []  # device time after the prefill, per generate
 
         def generate(r: ModelRunner = runner, g: GraphDecoder | None = graphs[name],
-                     steps: list[float] = steps) -> object:
-            return generate_ours(r, g, prompts, plan.new_tokens, steps)
+                     spans: list[float] = spans) -> object:
+            return generate_ours(r, g, prompts, plan.new_tokens, spans)
 
         t = cuda_time(generate, warmup=0, repeats=2)
         row[f"{name}_tok_s"] = B * plan.new_tokens / t.median_s
-        row[f"{name}_step_ms"] = sorted(steps)[len(steps) // 2] * 1e3
+        row[f"{name}_step_ms"] = sorted(spans)[len(spans) // 2] / max(plan.new_tokens - 1, 1) * 1e3
     touched = measured_distinct_experts(runners["packed"], prompts)
     for name, packed in (("packed", True), ("dequantized", False)):
         floor = decode_floor_bytes(cfg, B, plan.prompt_len + plan.new_tokens, distinct_experts=touched,

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from k3verify.bench import mxfp4 as m
-from k3verify.bench.run import decode_parity, graph_parity, progress
+from k3verify.bench.parity import decode_parity, graph_parity
+from k3verify.bench.run import progress
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.registry import REGISTRY

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from k3verify.bench import run as plain_bench
 from k3verify.bench import spec_parity
+from k3verify.bench.parity import gold_logits, load_baseline, model_parity
+from k3verify.bench.run import progress
+from k3verify.bench.speeds import generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
@@ -82,7 +84,7 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
     """Plain greedy decode, then speculative greedy decode per acceptance, on the same prompts."""
     runner, cfg = verifier.runner, verifier.runner.model.cfg
     prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
-    plain, plain_s = _timed(lambda: plain_bench.generate_ours(runner, dgraphs, prompts, plan.new_tokens).tolist())
+    plain, plain_s = _timed(lambda: generate_ours(runner, dgraphs, prompts, plan.new_tokens).tolist())
     refs = {i: p + o for i, (p, o) in enumerate(zip(prompts.tolist(), plain, strict=True))}
     levels = plan.accept if plan.drafter == "controlled" else (float("nan"),)
     rows = []
@@ -141,14 +143,14 @@ def run_spec_bench(plan: SpecPlan, cfg: ModelConfig, hf_dict: dict[str, Any], de
     result = SpecBenchResult(plan.preset, name, "fused" if plan.fused else "unfused", plan.num_draft)
     n, max_b = plan.num_draft + 1, max(plan.batches)
     ctx = plan.prompt_len + plan.new_tokens + 2 * n + 8
-    plain_bench.progress(f"generating {plan.preset} weights on {device}")
+    progress(f"generating {plan.preset} weights on {device}")
     tensors = synthetic_tensors(cfg, plan.seed, device=device)
     ids = random_prompt(1, plan.parity_len, cfg.vocab_size, plan.seed + 7, device)[0]
     gold = theirs = None
     if plan.baseline and not cfg.is_k3:
-        plain_bench.progress("fp32 gold and bf16 baseline (transformers+fla)")
-        gold = plain_bench.gold_logits(cfg, hf_dict, tensors, ids, device)
-        hf = plain_bench.load_baseline(cfg, hf_dict, tensors, device)
+        progress("fp32 gold and bf16 baseline (transformers+fla)")
+        gold = gold_logits(cfg, hf_dict, tensors, ids, device)
+        hf = load_baseline(cfg, hf_dict, tensors, device)
         with torch.no_grad():
             theirs = hf(input_ids=ids[None], use_cache=False).logits[0].float()
         del hf
@@ -169,10 +171,10 @@ def run_spec_bench(plan: SpecPlan, cfg: ModelConfig, hf_dict: dict[str, Any], de
 
 def _parity(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgraphs: VerifyGraphs | None,
             ids: torch.Tensor, gold: torch.Tensor | None, theirs: torch.Tensor | None, device: torch.device) -> None:
-    plain_bench.progress("parity")
+    progress("parity")
     cfg = verifier.runner.model.cfg
     if gold is not None and theirs is not None:
-        result.parity.append(plain_bench.model_parity(verifier.runner, theirs, ids, gold, plan.parity_bar))
+        result.parity.append(model_parity(verifier.runner, theirs, ids, gold, plan.parity_bar))
         # the parity pack runs eagerly: a graph bucket of one row sized to the decode context would not hold it
         result.parity.append(spec_parity.verify_logits_parity(verifier, None, ids, gold, theirs, plan.parity_chunks,
                                                                plan.parity_bar))
@@ -192,10 +194,10 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
                             "speeds withheld")
     elif all(r["status"] == "pass" for r in result.parity):
         for B in plan.batches:
-            plain_bench.progress(f"speculative decode batch {B}")
+            progress(f"speculative decode batch {B}")
             result.speed.extend(speed_rows(plan, verifier, vgraphs, dgraphs, B))
         for rows in plan.layer_rows:
-            plain_bench.progress(f"KDA layer verify cost, {rows} rows")
+            progress(f"KDA layer verify cost, {rows} rows")
             result.layer_cost.append(layer_cost(verifier.runner.model.cfg, device, rows, plan.num_draft, plan.seed))
         result.speeds_reported = True
     else:
@@ -205,7 +207,7 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
         ran = REGISTRY.last_backend.get(VERIFY_FUSED, "none")
         result.kda_verify_path = "fused" if ran == "triton" and not fused else f"unfused (fused refused: {fused})"
     result.kernel_fallbacks = sorted({f"{op}: {reason}" for op, reason in REGISTRY.fallbacks})
-    plain_bench.progress("done")
+    progress("done")
     return result
 
 

@@ -1,6 +1,6 @@
 """The speculative bench's parity, run before any speed: teacher-forced verify logits against the fp32 gold,
 the fused KDA verify against the unfused one bit for bit (rows 1/4/8, eager and graph replay), and the captured
-verify step against the same step eager. Each is a bench trial judged like the parity checks (bench.run.judge)."""
+verify step against the same step eager. Each is a bench trial judged like the parity checks (bench.parity.judge)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.run import judge
+from k3verify.bench.parity import judge
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
 from k3verify.serving.spec.graphs import VerifyGraphs

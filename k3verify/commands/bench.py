@@ -15,6 +15,9 @@ from k3verify.cli import Subparsers, UsageError
 if TYPE_CHECKING:  # bench code imports CUDA-side modules lazily: `--table` runs without them
     from k3verify.bench.run import BenchResult
 
+if TYPE_CHECKING:
+    from k3verify.bench.run import BenchResult
+
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
@@ -31,6 +34,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (no ratios reported)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
     p.add_argument("--profile", default="", help="decode batch sizes to profile (kernels, launch gaps, host)")
+    p.add_argument("--served", nargs="?", const="1,16,64", default="", metavar="C1,C2,..",
+                   help="also the real engine and HTTP server under C concurrent streaming clients (default "
+                        "1,16,64; each must be a benchmarked batch): parity with the bench path, then speeds")
+    p.add_argument("--served-requests", type=int, default=3, metavar="N", help="requests per served client")
     p.add_argument("--parity-bar", type=float, default=5e-3)
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
@@ -92,11 +99,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--profile {profile}: only batch sizes that are also benchmarked ({batches}) can be profiled")
     if args.speculative is not None:
         return _run_spec(args, batches)
+    served = _ints(args.served, "--served") if args.served else []
+    if set(served) - set(batches):
+        raise UsageError(f"--served {served}: each concurrency must be a benchmarked batch ({batches}): the served "
+                         "parity compares with the bench path at the same batch")
+    if args.served_requests < 1:
+        raise UsageError(f"--served-requests must be >= 1; got {args.served_requests}")
     from k3verify.bench import run as b
 
     plan = b.BenchPlan(args.preset, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
                        baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar,
-                       profile_batches=tuple(profile))
+                       profile_batches=tuple(profile), served_concurrency=tuple(served),
+                       served_requests_per_client=args.served_requests)
     result = b.run_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"),
                          b.measure_bandwidth())
     _emit(result, args.json)
@@ -173,6 +187,11 @@ def _emit(result: BenchResult, path: Path | None) -> None:
                      f"{r.get('baseline_tok_s', float('nan')):>8.1f}  ratio {r.get('ratio', float('nan')):.2f}x  "
                      f"step {r['ours_step_ms']:.3f} ms  floor {r['floor_step_ms']:.3f} ms  "
                      f"{100 * r['fraction_of_floor']:.1f}% of floor")
+    for r in result.served:
+        ratio = r.get("served_over_bench", float("nan"))
+        lines.append(f"  served c{r['concurrency']:>3}: {r['tok_s']:>9.1f} tok/s ({ratio:.2f}x the bench path)"
+                     f"  TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms  ITL p50 "
+                     f"{r['itl_p50_ms']:.2f} ms p99 {r['itl_p99_ms']:.2f} ms")
     for f in result.kernel_fallbacks:
         lines.append(f"  kernel fallback {f}")
     for p in result.profile:

@@ -24,6 +24,7 @@ from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.serving.engine import Engine
+from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import SpecPolicy
@@ -56,7 +57,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N", help="packed prefill token budget")
+    p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
+                   help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.add_argument("--nonfinite-threshold", type=int, default=HealthPolicy.max_nonfinite, metavar="N",
                    help="requests failed by non-finite logits within --health-window after which /health answers "
@@ -142,7 +144,7 @@ def target_for(args: argparse.Namespace) -> Target:
 
 def require_gate(args: argparse.Namespace) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
-    for name in ("max_batch", "num_pages", "page_size", "max_prefill_tokens"):
+    for name in ("max_batch", "num_pages", "page_size", "max_step_tokens"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
@@ -188,17 +190,20 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     if layout.world > 1 and args.speculative is not None:
         raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
                          "ranks yet; serve a parallel layout without speculative decoding")
+    graphs = None
     if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
         args.serving_world = serve_parallel.start_world(target, args, layout)
-        runner: ModelRunner = args.serving_world.runner
+        runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
     else:
         runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
                               device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+        graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
     if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
         raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
                          "(its digest no longer matches the gated one)")
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_prefill_tokens=args.max_prefill_tokens, debug=args.debug, health_policy=health_policy(args),
+                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
+                    health_policy=health_policy(args),
                     speculator=_speculator(args, runner))
     return engine, tokenizer
 

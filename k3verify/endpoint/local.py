@@ -12,6 +12,7 @@ import torch
 from k3verify.server.app import create_app
 from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
+from k3verify.serving.graphs import graphs_for
 from k3verify.serving.runner import build_runner
 from k3verify.target import Target
 
@@ -26,7 +27,9 @@ def serve_locally(target: Target, dtype: torch.dtype, device: torch.device, *, n
     runner: Any = build_runner(target.cfg, target.weights(), dtype=dtype, device=device, num_slots=num_slots)
     if wrap_runner is not None:
         runner = wrap_runner(runner)
-    engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size)
+    graphs = graphs_for(runner.model, runner.max_context, num_slots)  # on CUDA, the graph decode `serve` runs
+    engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
+                    graphs=graphs)
     app = create_app(engine.start(), tokenizer, model_name=target.name)
     try:
         with ServerThread(app) as server:

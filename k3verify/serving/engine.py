@@ -10,6 +10,11 @@ request fails that request only. Non-finite logits fail their request with the r
 `inject_fault`) is handled by the supervisor: the admitted requests fail with a clear error, the
 caches are reallocated, waiting requests stay queued, and the restart is counted; past
 `HealthPolicy.max_restarts` restarts in the window it gives up and the loop stays dead.
+
+Each turn of the loop schedules step n+1 (decode rows + prompt chunks under max_step_tokens), launches
+it (serving/step_loop.py: sampling on the device, CUDA graphs when given) and only then collects step
+n's token ids: the host's bookkeeping overlaps the GPU's step instead of following it. With a
+speculator, steps run in order (the drafter proposes from the tokens the host holds).
 """
 
 from __future__ import annotations
@@ -23,8 +28,6 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from k3verify.serving.admission import check_request_fits, longest_completion
 from k3verify.serving.events import (
     ContextLengthError,
@@ -35,19 +38,13 @@ from k3verify.serving.events import (
     Tokenizer,
     TokenText,
 )
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.health import EngineHealth, HealthPolicy, HealthStatus
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import (
-    SamplingParams,
-    TokenLogprob,
-    apply_logit_bias,
-    nonfinite_mask,
-    request_seed,
-    sample_tokens,
-    token_logprobs,
-)
-from k3verify.serving.scheduler import ScheduledSeq, Scheduler
+from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
+from k3verify.serving.scheduler import Scheduler, StepPlan
+from k3verify.serving.step_loop import LaunchedStep, RowResult, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
 if TYPE_CHECKING:
@@ -60,17 +57,25 @@ __all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "In
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
-                 max_prefill_tokens: int = 2048, max_running: int | None = None, debug: bool = False,
-                 observer: Observer | None = None, stall_timeout_s: float = 120.0, idle_wait_s: float = 0.05,
-                 health_policy: HealthPolicy | None = None, speculator: SpeculativeStep | None = None) -> None:
+                 max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
+                 debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
+                 idle_wait_s: float = 0.05, health_policy: HealthPolicy | None = None,
+                 speculator: SpeculativeStep | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
+        if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
+            raise ValueError(f"graph buckets {graphs.buckets} do not cover a decode batch of "
+                             f"{max_running or runner.state_pool.num_slots} sequences (max_running, else every "
+                             f"state slot)")
         self.runner = runner
+        # Decoding through graphs, a sequence's whole budget must fit their (possibly shorter) context.
+        self.max_context = runner.max_context if graphs is None else min(runner.max_context, graphs.max_context)
         self.token_text = TokenText(tokenizer)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
-        self.max_prefill_tokens, self.max_running = max_prefill_tokens, max_running
-        self.scheduler = Scheduler(runner, max_prefill_tokens=max_prefill_tokens, max_running=max_running)
+        self.max_step_tokens, self.max_running = max_step_tokens, max_running
+        self.scheduler = Scheduler(runner, max_step_tokens=max_step_tokens, max_running=max_running)
+        self.launcher = StepLauncher(runner, graphs)
         self.debug = debug
         self.observer = observer
         self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
@@ -82,6 +87,7 @@ class Engine:
         self.num_steps = 0
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
+        self._in_flight: LaunchedStep | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._error: str | None = None
@@ -120,11 +126,11 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError/ContextLengthError for a request that could never be served (serving/admission.py)."""
-        check_request_fits(self.runner, self.vocab_size, prompt_ids, max_tokens)
+        check_request_fits(self.runner, self.vocab_size, prompt_ids, max_tokens, self.max_context)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
-        return longest_completion(self.runner, prompt_len)
+        return longest_completion(self.runner, prompt_len, self.max_context)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
@@ -176,9 +182,9 @@ class Engine:
             return
 
     def _loop(self) -> None:
-        while self._handle_commands(block=self.scheduler.is_idle()):
+        while self._handle_commands(block=self._is_idle()):
             self._heartbeat = time.monotonic()
-            if not self.scheduler.is_idle():
+            if not self._is_idle():
                 self._step()
                 if self.debug:
                     self.runner.check_integrity()
@@ -190,13 +196,13 @@ class Engine:
             return False
         waiting = list(self.scheduler.waiting)
         lost = [r for sid, r in self._requests.items() if sid not in {w.seq_id for w in waiting}]
+        self._in_flight = None  # its rows belong to the lost requests
         try:
             self.runner.reset_caches()
         except Exception:
             log.exception("engine restart failed: the caches could not be reallocated")
             return False
-        self.scheduler = Scheduler(self.runner, max_prefill_tokens=self.max_prefill_tokens,
-                                   max_running=self.max_running)
+        self.scheduler = Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running)
         for seq in waiting:
             self.scheduler.add(seq)
         for req in lost:
@@ -234,61 +240,68 @@ class Engine:
             except queue.Empty:
                 return True
 
+    def _is_idle(self) -> bool:
+        return self.scheduler.is_idle() and self._in_flight is None
+
     def _step(self) -> None:
-        new = self.scheduler.schedule_prefill()
+        """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
+        if self.speculator is not None:
+            self._step_in_order()
+            return
+        plan = self._plan()
+        previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
+        if previous is not None:
+            self._process(previous)
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _step_in_order(self) -> None:
+        """With speculative decoding each step is collected before the next is planned: the drafter proposes
+        from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
+        assert self.speculator is not None
+        plan = self._plan()
+        if plan.decode:
+            rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
+            for seq in plan.decode:
+                if seq not in rest and seq.seq_id in self._requests:  # verified and still running
+                    seq.num_launched = len(seq.output_ids)
+                    self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
+            plan.decode = rest
+        launched = self.launcher.launch(plan, self._requests) if plan else None
+        if launched is not None:
+            self._process(launched)
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _plan(self) -> StepPlan:
+        plan = self.scheduler.schedule()
         if self._fault is not None:  # after admission, as a runner fault would strike
             fault, self._fault = self._fault, None
             raise fault
-        if new:
-            self._process(new, self.runner.prefill([(s.seq_id, s.prompt_ids) for s in new]))
-        batch = self.scheduler.decode_batch(exclude=new)
-        if batch and self.speculator is not None:
-            batch = self.speculator.run(self, batch)  # verifies what it can; the rest decodes plainly
-        if batch:
-            self._process(batch, self.runner.decode([(s.seq_id, s.last_token) for s in batch]))
-        if not new and not batch and self.scheduler.num_running == 0 and self.scheduler.waiting:
+        return plan
+
+    def _refuse_unadmittable_head(self) -> None:
+        """Nothing ran, nothing runs: the head of the queue can never be admitted (it would wait forever)."""
+        if self.scheduler.num_running == 0 and self.scheduler.waiting:
             head = self.scheduler.waiting[0]
             self._finish(self._requests[head.seq_id], EngineEvent(
                 error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
                 prompt_tokens=len(head.prompt_ids)))
-        self.num_steps += 1
 
-    def _process(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise RuntimeError(f"runner returned logits {tuple(logits.shape)} for {len(seqs)} sequences")
-        reqs = [self._requests[s.seq_id] for s in seqs]
-        bad = nonfinite_mask(logits)
-        safe = logits.float().masked_fill(bad[:, None], 0.0)  # a poisoned row must not poison the batched draw
-        try:
-            tokens, is_bad = torch.stack([self._sample(safe, reqs), bad.long()]).tolist()
-        except Exception:
-            log.exception("batched sampling failed; sampling row by row to find the request at fault")
-            tokens, is_bad = self._sample_rows(safe, reqs), bad.tolist()
+    def _process(self, step: LaunchedStep) -> None:
         now = time.monotonic()
-        for i, req in enumerate(reqs):
-            if is_bad[i]:
+        for row in self.launcher.collect(step):
+            req = self._requests.get(row.seq_id)
+            if req is None:
+                continue  # finished (stop token, error) or aborted after this step was launched
+            if row.nonfinite:
                 self._fail_nonfinite(req)
-            elif tokens[i] is not None:
-                self._deliver(req, safe[i], int(tokens[i]), now)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Tokens for raw [n, V] logits: logit_bias steers the draw only (logprobs stay the model's)."""
-        params = [r.params for r in reqs]
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(logits.device)
-        positions = torch.tensor([r.next_position for r in reqs], dtype=torch.int64).to(logits.device)
-        return sample_tokens(apply_logit_bias(logits, params), params, seeds, positions)
-
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | None]:
-        """One draw per row (each row's draw is the same as in the batch); a row that raises fails its request."""
-        out: list[int | None] = []
-        for i, req in enumerate(reqs):
-            try:
-                out.append(int(self._sample(logits[i:i + 1], [req])[0]))
-            except Exception as exc:
-                log.exception("sampling failed for request %d", req.seq_id)
-                self._fail_request(req, f"sampling failed: {type(exc).__name__}: {exc}", "sampling_failed")
-                out.append(None)
-        return out
+            elif row.error is not None:
+                self._fail_request(req, row.error, "sampling_failed")
+            else:
+                self._deliver(req, row, now)
 
     def _fail_nonfinite(self, req: Request) -> None:
         self.health_tracker.record_nonfinite()
@@ -297,15 +310,12 @@ class Engine:
         self._fail_request(req, f"model produced non-finite logits (NaN/inf) at step {len(req.output_ids)}",
                            "nonfinite_logits")
 
-    def _deliver(self, req: Request, row: torch.Tensor, token: int, now: float) -> None:
-        """Logprobs, detokenization, stops and the sink for one request; a failure there fails it alone."""
-        if req.seq_id not in self._requests:
-            return  # failed earlier in this step
+    def _deliver(self, req: Request, row: RowResult, now: float) -> None:
+        """Detokenization, stops and the sink for one request; a failure there fails it alone."""
         try:
-            lp = token_logprobs(row[None], [token], [req.params.logprobs])[0]
-            self._advance(req, token, lp, now)
+            self._advance(req, row.token, row.logprob, now)
         except Exception as exc:
-            log.exception("request %d failed while delivering token %d", req.seq_id, token)
+            log.exception("request %d failed while delivering token %d", req.seq_id, row.token)
             self._fail_request(req, f"internal error while serving this request: {type(exc).__name__}: {exc}",
                                "request_failed")
 
@@ -368,6 +378,7 @@ class Engine:
             self._error = reason
         pending = list(self._requests.values())
         self._requests.clear()
+        self._in_flight = None
         self.scheduler.drain()
         while True:
             try:

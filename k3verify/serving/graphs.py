@@ -14,12 +14,14 @@ captured step (it is per-pass scratch), so K3 models capture whole.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.model import ServingModel
+from k3verify.serving.staging import HostStaging
 
 log = logging.getLogger("k3verify.graphs")
 
@@ -43,9 +45,8 @@ class StaticInputs:
     """Device buffers one bucket's graph reads; rows past the live batch hold scratch values."""
 
     input_ids: torch.Tensor  # [B] int64
-    slots: torch.Tensor  # [B] int64
+    meta: torch.Tensor  # [2, B] int64: the slots row and the positions row (one copy fills both)
     page_table: torch.Tensor  # [B, P] int64
-    positions: torch.Tensor  # [B] int64: tokens already cached = position of the new token
     cu_seqlens: torch.Tensor  # [B+1] int64 0..B: one token per sequence (constant)
     zeros: torch.Tensor  # [B] int64 zeros: every token's offset in its sequence (constant)
 
@@ -55,11 +56,19 @@ class StaticInputs:
             return torch.full(shape, SCRATCH, dtype=torch.long, device=device)
 
         cu = torch.arange(batch + 1, dtype=torch.long, device=device)
-        return cls(z(batch), z(batch), z(batch, pages_per_seq), z(batch), cu, torch.zeros_like(cu[:batch]))
+        return cls(z(batch), z(2, batch), z(batch, pages_per_seq), cu, torch.zeros_like(cu[:batch]))
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.meta[0]
+
+    @property
+    def positions(self) -> torch.Tensor:  # tokens already cached = position of the new token
+        return self.meta[1]
 
     def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], positions: list[int]) -> None:
         """Copy a live batch into the first rows; the rest park on the scratch slot and page."""
@@ -72,9 +81,25 @@ class StaticInputs:
             raise ValueError(f"a page table longer than the captured width {P}")
         host = torch.tensor([*ids, *[0] * pad, *slots, *[SCRATCH] * pad, *positions, *[0] * pad], dtype=torch.long)
         self.input_ids.copy_(host[:B], non_blocking=True)
-        self.slots.copy_(host[B:2 * B], non_blocking=True)
-        self.positions.copy_(host[2 * B:], non_blocking=True)
+        self.meta.view(-1).copy_(host[B:], non_blocking=True)
         self.page_table.copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+
+    def fill_from_slots(self, slots: list[int], positions: list[int], tokens_by_slot: torch.Tensor,
+                        pages_by_slot: torch.Tensor, staging: HostStaging) -> None:
+        """The live batch by state slot: one pinned copy of (slots, positions), then each row's input token
+        and page table gathered on the device from per-slot tables (no host sync, no per-step page lists).
+        Padded rows read slot SCRATCH: its token is never written and its page row is all scratch."""
+        n, B, P = len(slots), self.size, self.page_table.shape[1]
+        if n > B or len(positions) != n:
+            raise ValueError(f"{n} slots / {len(positions)} positions for a bucket of {B}")
+        if pages_by_slot.shape[1] < P:
+            raise ValueError(f"per-slot page tables are {pages_by_slot.shape[1]} pages wide; this bucket reads {P}")
+        pad = B - n
+        staging.copy_into(self.meta, [*slots, *[SCRATCH] * pad, *positions, *[0] * pad])
+        torch.index_select(tokens_by_slot, 0, self.slots, out=self.input_ids)
+        # Wider tables (a runner sized for long prefills) are cut to the captured context: the runner only
+        # sends sequences whose whole budget fits it (ModelRunner.decode_next), so the cut drops no page.
+        torch.index_select(pages_by_slot[:, :P], 0, self.slots, out=self.page_table)
 
 
 def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -> torch.Tensor:
@@ -106,6 +131,7 @@ class GraphDecoder:
         self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
         self._inputs: dict[int, StaticInputs] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = {}
+        self.staging = HostStaging(model.device)
         self.captures = 0  # how many captures happened (re-captures included): tests assert on it
         self.check_signature = True  # the control of the shrink test turns this off to show what it prevents
 
@@ -120,9 +146,12 @@ class GraphDecoder:
             self._inputs[bucket] = StaticInputs.allocate(bucket, self.pages_per_seq, self.model.device)
         return self._inputs[bucket]
 
-    def _capture(self, bucket: int) -> None:
+    def capture(self, bucket: int) -> None:
+        """Capture (or re-capture) one bucket's graph. Warm-up steps execute: they run on scratch rows only,
+        never on a live sequence's state."""
+        if not self.use_graphs:
+            raise RuntimeError("capture needs use_graphs=True (a CUDA model)")
         inputs = self._static(bucket)
-        # Warm-up steps execute: run them on scratch rows only, never on a live sequence's state.
         inputs.fill([], [], [], [])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -138,26 +167,36 @@ class GraphDecoder:
 
     def decode(self, ids: list[int], slots: list[int], tables: list[list[int]], positions: list[int]
                ) -> torch.Tensor:
-        """[n, V] fp32 logits for n live sequences (rows of the bucket beyond n are scratch)."""
-        n = len(ids)
+        """[n, V] fp32 logits for n live sequences (rows of the bucket beyond n are scratch); a copy."""
+        return self._step(len(ids), lambda inputs: inputs.fill(ids, slots, tables, positions)).clone()
+
+    def decode_slots(self, slots: list[int], positions: list[int], tokens_by_slot: torch.Tensor,
+                     pages_by_slot: torch.Tensor) -> torch.Tensor:
+        """[n, V] fp32 logits for the sequences on `slots`, whose input tokens and page tables live in the
+        per-slot device tables. A view of the bucket's output buffer: valid until the next step of this
+        bucket (read or copy it before then; stream order makes that safe without a sync)."""
+        return self._step(len(slots), lambda inputs: inputs.fill_from_slots(slots, positions, tokens_by_slot,
+                                                                            pages_by_slot, self.staging))
+
+    def _step(self, n: int, fill: Callable[[StaticInputs], None]) -> torch.Tensor:
         bucket = self.bucket_for(n)
         inputs = self._static(bucket)
-        inputs.fill(ids, slots, tables, positions)
         if not self.use_graphs:
+            fill(inputs)
             with torch.no_grad():
-                return static_decode(self.model, inputs, self.max_context)[:n].clone()
+                return static_decode(self.model, inputs, self.max_context)[:n]
         entry = self._graphs.get(bucket)
         if entry is not None and self.check_signature and entry[2] != capture_signature(self.model):
             log.warning("graph for bucket %d was captured over other cache tensors (address/shape/stride "
                         "changed): re-capturing", bucket)
             entry = None
         if entry is None:
-            self._capture(bucket)
+            self.capture(bucket)
             entry = self._graphs[bucket]
-            inputs.fill(ids, slots, tables, positions)
+        fill(inputs)
         graph, out, _ = entry
         graph.replay()
-        return out[:n].clone()
+        return out[:n]
 
     def replay_stale(self, n: int) -> torch.Tensor | None:
         """Replay the bucket's graph over whatever its static inputs hold now, without refilling them (a
@@ -167,3 +206,18 @@ class GraphDecoder:
             return None
         entry[0].replay()
         return entry[1][:n].clone()
+
+
+def engine_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two below max_batch, then max_batch itself: every decode batch of up to max_batch fits."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1; got {max_batch}")
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch}))
+
+
+def graphs_for(model: ServingModel, max_context: int, max_batch: int) -> GraphDecoder | None:
+    """The engine's graph decoder on a CUDA model (buckets up to every state slot decoding at once); None on
+    other devices, where the engine decodes eagerly."""
+    if model.device.type != "cuda":
+        return None
+    return GraphDecoder(model, max_context, buckets=engine_buckets(max_batch))

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3verify.config import ModelConfig
-from k3verify.serving.batch import PackedBatch
+from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.model import ServingModel
+from k3verify.serving.staging import HostStaging
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
@@ -42,6 +43,18 @@ class ModelRunner:
         self._cache_shape = (num_pages, page_size, num_slots)
         self._seqs: dict[int, SequenceCache] = {}
         self._allocate_caches()
+        # Per state slot, on the device: the page table (pages are reserved whole at admission, so a row is
+        # written once) and the token the next decode feeds (written by set_next_tokens from sampled ids).
+        # The engine's decode step gathers both by slot instead of sending ids and page lists every step.
+        device = model.device
+        self.max_pages = self.kv_cache.pages_needed(max_context)
+        self.pages_by_slot = torch.full((num_slots + 1, self.max_pages), SCRATCH, dtype=torch.long, device=device)
+        self.tokens_by_slot = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+        self.staging = HostStaging(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     def reset_caches(self) -> None:
         """Forget every sequence and allocate fresh caches (the engine supervisor's restart): nothing a failed
@@ -99,6 +112,8 @@ class ModelRunner:
         slot = self.state_pool.allocate()
         self.kv_cache.reserve(seq_id, num_tokens)
         self._seqs[seq_id] = SequenceCache(slot, num_tokens)
+        table = self.kv_cache.table(seq_id)
+        self.staging.copy_into(self.pages_by_slot[slot], table + [SCRATCH] * (self.max_pages - len(table)))
 
     def release(self, seq_id: int) -> None:
         seq = self._get(seq_id)
@@ -132,14 +147,7 @@ class ModelRunner:
     def decode(self, seqs: list[tuple[int, int]], graphs: GraphDecoder | None = None) -> torch.Tensor:
         """One token per sequence (seq_id, last token) -> [n, V] fp32 logits; through `graphs` (captured
         CUDA graphs over the same model and caches) when given, else eagerly."""
-        if not seqs:
-            raise ValueError("decode needs at least one sequence")
-        states = [self._get(sid) for sid, _ in seqs]
-        if len({sid for sid, _ in seqs}) != len(seqs):
-            raise ValueError(f"a sequence appears twice in one decode: {[sid for sid, _ in seqs]}")
-        for (sid, _), st in zip(seqs, states, strict=True):
-            if st.cached + 1 > st.budget:
-                raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
+        states = self._decodable([sid for sid, _ in seqs])
         args = self.decode_args([sid for sid, _ in seqs])
         if graphs is not None:
             logits = graphs.decode([tok for _, tok in seqs], *args)
@@ -149,6 +157,46 @@ class ModelRunner:
         for st in states:
             st.cached += 1
         return logits
+
+    def decode_next(self, seq_ids: list[int], graphs: GraphDecoder | None = None) -> torch.Tensor:
+        """One token per sequence, each fed the token set_next_tokens stored for it (on the device) ->
+        [n, V] fp32 logits. Through `graphs` the inputs are gathered by slot on the device and the result
+        is a view of the graph's output, valid until the next decode of that bucket."""
+        states = self._decodable(seq_ids)
+        slots, positions = [s.slot for s in states], [s.cached for s in states]
+        if graphs is not None:
+            limit = graphs.max_context
+            longer = [(sid, st.budget) for sid, st in zip(seq_ids, states, strict=True) if st.budget > limit]
+            if longer:
+                raise CacheError(f"sequence(s) {longer} (id, budget) exceed the graphs' context {graphs.max_context}")
+            logits = graphs.decode_slots(slots, positions, self.tokens_by_slot, self.pages_by_slot)
+        else:
+            ids = self.tokens_by_slot.index_select(0, self.staging.to_device(slots))
+            logits = self.model.decode(ids, slots, [self.kv_cache.table(sid) for sid in seq_ids], positions)
+        for st in states:
+            st.cached += 1
+        return logits
+
+    def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor | list[int]) -> None:
+        """Store the token each sequence feeds on its next decode_next ([n] int64 on the model's device, or
+        host ids: a verify pass's last emitted token, a follower rank's copy)."""
+        if isinstance(tokens, list):
+            tokens = self.staging.to_device(tokens)
+        if tokens.shape != (len(seq_ids),):
+            raise ValueError(f"{tuple(tokens.shape)} tokens for {len(seq_ids)} sequences")
+        slots = self.staging.to_device([self._get(sid).slot for sid in seq_ids])
+        self.tokens_by_slot.index_copy_(0, slots, tokens.to(torch.long))
+
+    def _decodable(self, seq_ids: list[int]) -> list[SequenceCache]:
+        if not seq_ids:
+            raise ValueError("decode needs at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one decode: {seq_ids}")
+        states = [self._get(sid) for sid in seq_ids]
+        for sid, st in zip(seq_ids, states, strict=True):
+            if st.cached + 1 > st.budget:
+                raise CacheError(f"sequence {sid}: decoding token {st.cached + 1} exceeds its budget {st.budget}")
+        return states
 
     def decode_args(self, seq_ids: list[int]) -> tuple[list[int], list[list[int]], list[int]]:
         """(state slots, page tables, positions) of the next decode step of `seq_ids`, in order."""

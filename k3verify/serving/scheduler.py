@@ -1,16 +1,20 @@
-"""The FIFO continuous-batching scheduler over a ModelRunner's admission API.
+"""The FIFO continuous-batching scheduler: one StepPlan per engine step under a per-step token budget.
 
-Waiting sequences are admitted strictly in arrival order (no overtaking, so a long prompt cannot
-starve) while the runner says they fit now and the packed prefill stays within its token budget;
-admitted sequences join the running decode batch on the next step. A Sequence turns its sampled
-tokens into text deltas, holding back any tail that could still become a stop string.
+Every step decodes each running sequence that has a token to feed (one token each) and spends what is
+left of the budget on prompt chunks: first the unfinished prompts of running sequences, then waiting
+sequences admitted strictly in arrival order (no overtaking, so a long prompt cannot starve) while the
+runner says they fit. A prompt longer than the budget is cut into chunks (on the KDA chunk grid where it
+can be), so a long prompt never stalls the running streams for more than one budget of tokens.
+
+The plan is committed when it is made: the engine launches step n+1 before it has read step n's tokens
+(host/GPU overlap), so "has a token to feed" means "its last prompt chunk or its previous decode was
+launched", not "its token reached the host".
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from k3verify.serving.runner import ModelRunner
@@ -23,7 +27,9 @@ class ScheduledSeq:
     seq_id: int
     prompt_ids: list[int]
     max_new_tokens: int
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # tokens that reached the host
+    num_prefilled: int = 0  # prompt tokens whose chunk was launched
+    num_launched: int = 0  # generated tokens whose sampling was launched (reached the host or not)
 
     @property
     def num_reserved_tokens(self) -> int:
@@ -31,20 +37,68 @@ class ScheduledSeq:
 
     @property
     def last_token(self) -> int:
+        """The newest token the host holds (the prompt's last before any output)."""
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_prefilled == len(self.prompt_ids)
+
+    @property
+    def can_decode(self) -> bool:
+        """Its previous token was launched and the length limit leaves room for another."""
+        return self.is_prefilled and 0 < self.num_launched < self.max_new_tokens
+
+    @property
+    def next_sample_position(self) -> int:
+        """Absolute position of the token the next launched sampling produces (the counter-RNG key)."""
+        return len(self.prompt_ids) + self.num_launched
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    seq: ScheduledSeq
+    start: int  # prompt offsets [start, end) of this chunk
+    end: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.prompt_ids[self.start:self.end]
+
+    @property
+    def is_last(self) -> bool:
+        """The chunk that ends the prompt: its logits sample the first generated token."""
+        return self.end == len(self.seq.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    decode: list[ScheduledSeq] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.end - c.start for c in self.prefill)
 
 
 class Scheduler:
     """Owns the waiting queue and the running set; calls runner.admit/release, nothing else."""
 
-    def __init__(self, runner: ModelRunner, *, max_prefill_tokens: int, max_running: int | None = None) -> None:
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1; got {max_prefill_tokens}")
+    def __init__(self, runner: ModelRunner, *, max_step_tokens: int, max_running: int | None = None,
+                 chunk_align: int = 64) -> None:
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1; got {max_step_tokens}")
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running must be >= 1 or None; got {max_running}")
+        if chunk_align < 1:
+            raise ValueError(f"chunk_align must be >= 1; got {chunk_align}")
         self.runner = runner
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_step_tokens = max_step_tokens
         self.max_running = max_running
+        self.chunk_align = chunk_align
         self.waiting: deque[ScheduledSeq] = deque()
         self.running: dict[int, ScheduledSeq] = {}
 
@@ -62,30 +116,42 @@ class Scheduler:
     def add(self, seq: ScheduledSeq) -> None:
         self.waiting.append(seq)
 
-    def schedule_prefill(self) -> list[ScheduledSeq]:
-        """Admit waiting sequences in FIFO order; the first one is admitted even when its prompt alone
-        exceeds the token budget (else it could never run)."""
-        admitted: list[ScheduledSeq] = []
-        budget = self.max_prefill_tokens
-        while self.waiting:
+    def schedule(self) -> StepPlan:
+        """The next step: every decodable running sequence, then prompt chunks within the rest of the budget.
+        Commits the plan (prefill offsets and launched-token counts advance)."""
+        plan = StepPlan(decode=[s for s in self.running.values() if s.can_decode])
+        budget = self.max_step_tokens - len(plan.decode)
+        for seq in self.running.values():
+            if budget <= 0:
+                break
+            if not seq.is_prefilled:
+                budget -= self._chunk(plan, seq, budget)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.max_running is not None and len(self.running) >= self.max_running:
-                break
-            if admitted and len(seq.prompt_ids) > budget:
                 break
             if not self.runner.can_admit(seq.num_reserved_tokens):
                 break
             self.runner.admit(seq.seq_id, seq.num_reserved_tokens)
             self.waiting.popleft()
             self.running[seq.seq_id] = seq
-            admitted.append(seq)
-            budget -= len(seq.prompt_ids)
-        return admitted
+            budget -= self._chunk(plan, seq, budget)
+        for seq in plan.decode:
+            seq.num_launched += 1
+        return plan
 
-    def decode_batch(self, exclude: Iterable[ScheduledSeq] = ()) -> list[ScheduledSeq]:
-        """Running sequences that already have a token to feed (those just prefilled are excluded)."""
-        skip = {s.seq_id for s in exclude}
-        return [s for s in self.running.values() if s.seq_id not in skip and s.output_ids]
+    def _chunk(self, plan: StepPlan, seq: ScheduledSeq, budget: int) -> int:
+        """Append the next chunk of seq's prompt (at most `budget` tokens) to the plan; returns its length.
+        A chunk that does not end the prompt is cut on the chunk_align grid when the budget allows."""
+        start, left = seq.num_prefilled, len(seq.prompt_ids) - seq.num_prefilled
+        n = min(left, budget)
+        if n < left and n >= self.chunk_align:
+            n -= (start + n) % self.chunk_align
+        plan.prefill.append(PrefillChunk(seq, start, start + n))
+        seq.num_prefilled += n
+        if seq.is_prefilled:
+            seq.num_launched += 1
+        return n
 
     def finish(self, seq_id: int) -> ScheduledSeq | None:
         """Drop a sequence wherever it is; running ones release their cache immediately."""

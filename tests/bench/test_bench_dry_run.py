@@ -17,7 +17,7 @@ def dry_run():  # type: ignore[no-untyped-def]
     from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 
     plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64,
-                     profile_batches=(3,))
+                     profile_batches=(3,), served_concurrency=(1, 3), served_requests_per_client=2)
     with torch_kda_paths(torch.device("cpu")):
         return run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
 
@@ -25,10 +25,12 @@ def dry_run():  # type: ignore[no-untyped-def]
 def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type: ignore[no-untyped-def]
     """Parity ran (candidate passed, control failed) before any speed, and every row carries a ratio."""
     assert [p["id"] for p in dry_run.parity] == ["bench.prefill_logits_vs_fp32_gold",
-                                                 "bench.decode_logits_vs_fp32_gold"]
+                                                 "bench.decode_logits_vs_fp32_gold",
+                                                 "bench.served_vs_bench_path.c1", "bench.served_vs_bench_path.c3"]
     for parity in dry_run.parity:
         assert parity["status"] == "pass", parity
-        assert parity["control_metric"] > parity["bar"] > parity["metric"]
+        assert parity["control_metric"] > parity["metric"]
+        assert parity["bar"] is None if parity["kind"] == "bitexact" else parity["metric"] <= parity["bar"]
     assert dry_run.speeds_reported
     assert [r["tokens"] for r in dry_run.prefill] == [64]
     assert [r["batch"] for r in dry_run.decode] == [1, 3]
@@ -43,6 +45,11 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
     assert b1["floor_bytes"] == b1["floor_bytes_uniform_routing"]
     assert cfg.num_experts_per_token <= b3["distinct_experts_per_layer"] <= min(cfg.num_experts,
                                                                                  3 * cfg.num_experts_per_token)
+    assert [r["concurrency"] for r in dry_run.served] == [1, 3]
+    for row, bench in zip(dry_run.served, dry_run.decode, strict=True):
+        assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == row["requests"] * 4
+        assert row["tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0
+        assert row["bench_tok_s"] == bench["ours_tok_s"] and row["served_over_bench"] > 0
     (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured
     assert prof["batch"] == 3 and prof["host_step_ms"] > 0 and prof["kernels_per_step"] == 0
 
@@ -58,6 +65,20 @@ def test_speeds_are_withheld_when_parity_is_red(monkeypatch: pytest.MonkeyPatch)
         result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
     assert not result.speeds_reported and result.prefill == [] and result.decode == []
     assert any("withheld" in n for n in result.notes)
+
+
+def test_served_parity_red_withholds_every_speed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served path whose tokens differ from the bench path's stops the run before any speed."""
+    from k3verify.bench import served
+    from k3verify.oracle.hf_kimi_linear import torch_kda_paths
+
+    monkeypatch.setattr(served, "served_parity", lambda *a, **k: {"id": "bench.served_vs_bench_path.c1",
+                                                                    "status": "fail"})
+    plan = BenchPlan("kl-tiny", prefill_lens=(32,), batches=(1,), new_tokens=2, prompt_len=4, parity_len=32,
+                     served_concurrency=(1,))
+    with torch_kda_paths(torch.device("cpu")):
+        result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+    assert not result.speeds_reported and result.prefill == result.decode == result.served == []
 
 
 def test_bench_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,7 +107,18 @@ def test_readme_table_from_the_json(dry_run, tmp_path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "| hardware | workload | ours | baseline" in out
     assert "decode batch 3" in out and "prefill 64 tokens" in out and "% (floor" in out
+    assert "3 streaming clients, 6 requests" in out and "ITL p50 / p99" in out
     withheld = {**dry_run.to_dict(), "speeds_reported": False, "notes": ["parity is not green"]}
     path.write_text(json.dumps(withheld))
     assert main(["bench", "--table", str(path)]) == 1
     assert "No speeds" in capsys.readouterr().out
+
+
+def test_k3_preset_is_gated_on_the_k3_reference_gold() -> None:
+    """transformers has no K3: the fp32 K3 reference is the gold, the bf16 reference the baseline distance."""
+    plan = BenchPlan("k3-tiny", prefill_lens=(32,), batches=(1,), new_tokens=3, prompt_len=4, parity_len=48)
+    result = run_bench(plan, get_preset("k3-tiny"), preset_hf_config("k3-tiny"), torch.device("cpu"), 1e10)
+    assert [p["id"] for p in result.parity] == ["bench.prefill_logits_vs_fp32_gold",
+                                                "bench.decode_logits_vs_fp32_gold"]
+    assert all(p["status"] == "pass" and p["baseline_vs_gold_rms"] > 0 for p in result.parity)
+    assert result.speeds_reported and result.baseline_name == "K3 reference (bf16)"

@@ -24,8 +24,14 @@ class WrongTokenAt:
         return getattr(self.runner, name)
 
     def decode(self, seqs: list[tuple[int, int]], *args: Any, **kw: Any) -> torch.Tensor:
-        logits = self.runner.decode(seqs, *args, **kw).clone()
-        for row, (seq_id, _) in enumerate(seqs):
+        return self._runner_up_at_step([sid for sid, _ in seqs], self.runner.decode(seqs, *args, **kw).clone())
+
+    def decode_next(self, seq_ids: list[int], *args: Any, **kw: Any) -> torch.Tensor:
+        """The engine's decode (each sequence fed the token stored for it on the device)."""
+        return self._runner_up_at_step(seq_ids, self.runner.decode_next(seq_ids, *args, **kw).clone())
+
+    def _runner_up_at_step(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for row, seq_id in enumerate(seq_ids):
             self.decodes[seq_id] = self.decodes.get(seq_id, 0) + 1
             if self.decodes[seq_id] == self.step:
                 top = int(logits[row].argmax())

@@ -133,11 +133,15 @@ BROKEN = {  # controls: the kernel's own source with one fault, compared the sam
                            "tl.store(win + j * s_tap, tap, mask=mask)"),
     "keep_ignored": ("keep = tl.load(keep_ptr + b).to(tl.float32)",
                      "keep = tl.load(keep_ptr + b).to(tl.float32) * 0.0 + 1.0"),
+    "row_stride_ignored": ("x = tl.load(x_ptr + b * s_x + d", "x = tl.load(x_ptr + b * D + d"),
 }
 
 
-def _compare_kernel(launch: Any, dtype: torch.dtype, W: int, D: int) -> dict[str, float]:
+def _compare_kernel(launch: Any, dtype: torch.dtype, W: int, D: int, fused: bool = False) -> dict[str, float]:
     xs, weights, windows = _case(dtype, D, W, seed=W * 10_000 + D)
+    if fused:  # q/k/v as column slices of one wider projection output, as the layer's fused GEMM makes them
+        wide = torch.cat([*xs, torch.full((xs[0].shape[0], 5), 1e30).to(dtype)], dim=1)
+        xs = (wide[:, :D], wide[:, D:2 * D], wide[:, 2 * D:3 * D])
     slots, keep = torch.tensor(SLOTS), torch.tensor(KEEP).to(dtype)
     ref_pool, tri_pool = tuple(w.clone() for w in windows), tuple(w.clone() for w in windows)
     ref = torch_ref.causal_conv_decode_torch(xs, weights, ref_pool, slots, keep)
@@ -158,6 +162,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     for dt, W, D in INTERP_CASES:
         report["cases"][f"{dt}-W{W}-D{D}"] = _compare_kernel(decode_kernel.conv_decode_qkv_triton,
                                                              getattr(torch, dt), W, D)
+    report["cases"]["bfloat16-W4-D72-fused-slices"] = _compare_kernel(decode_kernel.conv_decode_qkv_triton,
+                                                                      torch.bfloat16, 4, 72, fused=True)
     source = Path(decode_kernel.__file__).read_text()
     for name, (old, new) in BROKEN.items():
         if source.count(old) != 1:
@@ -168,7 +174,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        report["broken"][name] = _compare_kernel(module.conv_decode_qkv_triton, torch.bfloat16, 4, 72)
+        report["broken"][name] = _compare_kernel(module.conv_decode_qkv_triton, torch.bfloat16, 4, 72,
+                                                 fused=name == "row_stride_ignored")
     return report
 
 
@@ -205,6 +212,7 @@ def test_interpreter_comparison_catches_broken_kernels(interpreter_report: dict[
     broken = interpreter_report["broken"]
     assert broken["window_not_shifted"]["windows_equal"] == 0.0, broken
     assert broken["keep_ignored"]["max_ulp"] > 1 and broken["keep_ignored"]["frac_diff"] > 1e-3, broken
+    assert broken["row_stride_ignored"]["frac_diff"] > 0.5, broken
 
 
 @pytest.mark.gpu
@@ -260,13 +268,13 @@ def test_layer_decode_convs_equal_packed_path(preset: str, dtype: torch.dtype) -
     assert pool is not None
     before = {k: v.clone() for k, v in pool.tensors().items()}
     calls = REGISTRY.counts[(conv_ops.CAUSAL_DECODE, TORCH)]
-    fast = layer.short_convs(x, model._context(batch, None), keep, True)
+    fast = layer.short_convs(layer.in_proj(x)[:3], model._context(batch, None), keep, True)
     assert REGISTRY.counts[(conv_ops.CAUSAL_DECODE, TORCH)] == calls + 1
     after_fast = {k: v.clone() for k, v in pool.tensors().items()}
     for k, v in before.items():
         pool.tensors()[k].copy_(v)
     packed = PackedBatch(**{**batch.__dict__, "is_decode": False})
-    slow = layer.short_convs(x, model._context(packed, None), keep, True)
+    slow = layer.short_convs(layer.in_proj(x)[:3], model._context(packed, None), keep, True)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     for k, v in pool.tensors().items():
@@ -289,12 +297,12 @@ def test_decode_conv_stage_is_a_few_ops() -> None:
     x = torch.randn(4, model.cfg.hidden_size).bfloat16()
     keep = (batch.start_pos > 0).bfloat16()[:, None, None]
     ctx = model._context(batch, None)
-    layer.short_convs(x, ctx, keep, True)  # casts and caches the conv weights
+    layer.short_convs(layer.in_proj(x)[:3], ctx, keep, True)  # casts and caches the conv weights
     with torch.no_grad(), _CountOps() as decode:
-        layer.short_convs(x, ctx, keep, True)
+        layer.short_convs(layer.in_proj(x)[:3], ctx, keep, True)
     packed = model._context(PackedBatch(**{**batch.__dict__, "is_decode": False}), None)
     with torch.no_grad(), _CountOps() as general:
-        layer.short_convs(x, packed, keep, True)
+        layer.short_convs(layer.in_proj(x)[:3], packed, keep, True)
     assert decode.ops <= 32 and general.ops > 5 * decode.ops, (decode.ops, general.ops)
 
 

@@ -58,10 +58,13 @@ class _Slot:
     reserved: int
     history: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    next_token: int | None = None  # what decode_next feeds (set_next_tokens)
 
 
 class FakeRunner:
     """ModelRunner protocol over toy_logits, with pages of `page_size` tokens and `max_slots` slots."""
+
+    device = torch.device("cpu")
 
     def __init__(self, *, max_context: int = 512, num_pages: int = 96, page_size: int = 16, max_slots: int = 8,
                  eos_bias: float = 0.0) -> None:
@@ -98,13 +101,15 @@ class FakeRunner:
             raise exc
 
     def prefill(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Prompt tokens (a whole prompt or its next chunk) of admitted sequences that have not decoded yet."""
         self._maybe_fail()
         rows = []
         for seq_id, tokens in seqs:
             slot = self.slots[seq_id]
-            if slot.history or not tokens or len(tokens) > slot.reserved:
+            if not tokens or len(slot.history) + len(tokens) > slot.reserved or slot.next_token is not None:
                 raise RuntimeError(f"bad prefill of seq {seq_id}: {len(tokens)} tokens, slot {slot}")
-            slot.history, slot.prompt_len = list(tokens), len(tokens)
+            slot.history += list(tokens)
+            slot.prompt_len = len(slot.history)
             rows.append(self.logits_for(slot))
         self.prefill_calls.append(len(seqs))
         self.max_batch_seen = max(self.max_batch_seen, len(seqs))
@@ -121,6 +126,16 @@ class FakeRunner:
             rows.append(self.logits_for(slot))
         self.max_batch_seen = max(self.max_batch_seen, len(seqs))
         return torch.stack(rows)
+
+    def decode_next(self, seq_ids: list[int], graphs: object = None) -> torch.Tensor:
+        missing = [sid for sid in seq_ids if self.slots[sid].next_token is None]
+        if missing:
+            raise RuntimeError(f"decode_next of seq(s) {missing} before any set_next_tokens")
+        return self.decode([(sid, int(self.slots[sid].next_token or 0)) for sid in seq_ids])
+
+    def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor) -> None:
+        for sid, tok in zip(seq_ids, tokens.tolist(), strict=True):
+            self.slots[sid].next_token = int(tok)
 
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id)

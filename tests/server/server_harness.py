@@ -81,6 +81,11 @@ class RecordingRunner:
         self.decode_sizes.append(len(seqs))
         return self._step(self.runner.decode(seqs))
 
+    def decode_next(self, seq_ids: list[int], graphs: Any = None) -> torch.Tensor:
+        self._before()
+        self.decode_sizes.append(len(seq_ids))
+        return self._step(self.runner.decode_next(seq_ids, graphs))
+
     @property
     def max_batch_seen(self) -> int:
         return max(self.prefill_sizes + self.decode_sizes, default=0)

@@ -12,7 +12,7 @@ from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _S
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.request import find_stop, partial_stop_len
 from k3verify.serving.sampler import SamplingParams
-from k3verify.serving.scheduler import ScheduledSeq, Scheduler
+from k3verify.serving.scheduler import ScheduledSeq, Scheduler, StepPlan
 
 
 class ScriptedRunner(FakeRunner):
@@ -72,29 +72,51 @@ def test_find_stop_and_partial_hold() -> None:
     assert partial_stop_len("xEN", 2, ["END"]) == 0  # "E" was already sent: only "N" is unsent
 
 
+def _admitted(plan: StepPlan) -> list[int]:
+    return [c.seq.seq_id for c in plan.prefill if c.start == 0]
+
+
 def test_scheduler_is_fifo_without_overtaking() -> None:
     """A head that does not fit blocks smaller later requests (no starvation of long prompts)."""
     runner = FakeRunner(num_pages=10, page_size=16)
-    sched = Scheduler(runner, max_prefill_tokens=10_000)
+    sched = Scheduler(runner, max_step_tokens=10_000)
     sched.add(ScheduledSeq(1, [1] * 100, 40))  # 9 pages
-    assert [s.seq_id for s in sched.schedule_prefill()] == [1]
+    assert _admitted(sched.schedule()) == [1]
     sched.add(ScheduledSeq(2, [1] * 100, 40))  # does not fit now
     sched.add(ScheduledSeq(3, [1] * 4, 4))  # would fit, but must not overtake 2
-    assert sched.schedule_prefill() == [] and sched.num_waiting == 2
+    plan = sched.schedule()
+    assert _admitted(plan) == [] and [s.seq_id for s in plan.decode] == [1] and sched.num_waiting == 2
     sched.finish(1)
-    assert [s.seq_id for s in sched.schedule_prefill()] == [2, 3]
+    assert _admitted(sched.schedule()) == [2, 3]
     runner.check_integrity()
 
 
-def test_scheduler_packs_within_token_budget() -> None:
-    """Prefill packs waiting prompts up to the budget; a single prompt over budget still runs alone."""
-    sched = Scheduler(FakeRunner(num_pages=200), max_prefill_tokens=64)
-    for i in range(3):
-        sched.add(ScheduledSeq(i, [1] * 30, 4))
-    assert [s.seq_id for s in sched.schedule_prefill()] == [0, 1]
-    sched.add(ScheduledSeq(9, [1] * 100, 4))
-    assert [s.seq_id for s in sched.schedule_prefill()] == [2]
-    assert [s.seq_id for s in sched.schedule_prefill()] == [9]
+def test_scheduler_chunks_prompts_within_the_step_budget() -> None:
+    """Decode rows take one token each; prompts fill the rest in FIFO chunks cut on the 64-token grid."""
+    sched = Scheduler(FakeRunner(num_pages=200), max_step_tokens=100)
+    sched.add(ScheduledSeq(0, [1] * 30, 4))
+    sched.add(ScheduledSeq(1, [1] * 150, 4))
+    plan = sched.schedule()
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(0, 0, 30), (1, 0, 64)]
+    assert plan.decode == [] and not plan.prefill[1].is_last and plan.prefill[0].is_last
+    sched.add(ScheduledSeq(2, [1] * 10, 4))
+    plan = sched.schedule()  # seq 0 decodes; seq 1 continues (99 left: 86 finish it); 2 gets the remaining 13
+    assert [s.seq_id for s in plan.decode] == [0]
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(1, 64, 150), (2, 0, 10)]
+    assert plan.num_tokens == 1 + 86 + 10
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.decode] == [0, 1, 2] and plan.prefill == []
+
+
+def test_scheduler_stops_launching_at_max_tokens() -> None:
+    """A sequence is decoded until max_new_tokens tokens were launched (the prefill's counts as the first)."""
+    sched = Scheduler(FakeRunner(num_pages=20), max_step_tokens=64)
+    seq = ScheduledSeq(0, [1, 2, 3], 3)
+    sched.add(seq)
+    plans = [sched.schedule() for _ in range(4)]
+    assert [len(p.prefill) for p in plans] == [1, 0, 0, 0]
+    assert [len(p.decode) for p in plans] == [0, 1, 1, 0]
+    assert seq.num_launched == 3 and not seq.can_decode
 
 
 def test_stop_string_spanning_tokens_never_leaks() -> None:

@@ -36,7 +36,7 @@ def test_greedy_through_server_equals_offline_under_concurrency() -> None:
     prompts = [[rng.randrange(4096) for _ in range(n)] for n in PROMPT_LENGTHS]
     expected, min_gap = offline_greedy(prompts, MAX_NEW)
     assert min_gap > MIN_GAP, f"offline trajectories contain a near-tie (gap {min_gap:.2e}); choose other prompts"
-    with running_server(max_prefill_tokens=256) as server:
+    with running_server(max_step_tokens=64) as server:
         with ThreadPoolExecutor(20) as pool:
             noise = [pool.submit(noise_request, server.url, random.Random(i)) for i in range(12)]
             greedy = [pool.submit(greedy_request, server.url, p) for p in prompts]

@@ -127,8 +127,8 @@ class PoisonRunner(RecordingRunner):
 
     poison_next = False
 
-    def decode(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
-        logits = super().decode(seqs)
+    def decode_next(self, seq_ids: list[int], graphs: object = None) -> torch.Tensor:
+        logits = super().decode_next(seq_ids, graphs)
         if self.poison_next:
             self.poison_next = False
             logits = logits.clone()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from server_fakes import EOS, MODEL_VOCAB, ByteTokenizer, FakeRunner, _Slot
 
-import k3verify.serving.engine as engine_mod
+import k3verify.serving.step_loop as step_loop_mod
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.health import EngineHealth, HealthPolicy
 from k3verify.serving.sampler import SamplingParams
@@ -139,7 +139,7 @@ def test_nonfinite_past_threshold_is_unhealthy_but_still_serving() -> None:
 
 def test_sampling_failure_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """If batched sampling raises, rows are drawn one by one; only the row that raises loses its request."""
-    real = engine_mod.sample_tokens
+    real = step_loop_mod.sample_tokens
 
     def fragile(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
@@ -147,7 +147,7 @@ def test_sampling_failure_fails_only_its_request(monkeypatch: pytest.MonkeyPatch
             raise RuntimeError("sampler broke on this row")
         return real(logits, params, seeds, positions)
 
-    monkeypatch.setattr(engine_mod, "sample_tokens", fragile)
+    monkeypatch.setattr(step_loop_mod, "sample_tokens", fragile)
     runner = FakeRunner()
     engine, c = make_engine(runner), Collector()
     try:

@@ -192,9 +192,9 @@ def _gate_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
         key = f"layers.{i}"
         out["ref"][key] = (Fn.kda_gate_plain(raw, a_log, ref_attn.dt_bias) if ref_attn.lower_bound is None
                            else Fn.kda_gate_safe(raw, a_log, ref_attn.dt_bias, ref_attn.lower_bound))
-        out["cand"][key] = attn.forget_gate(x)
+        out["cand"][key] = attn.forget_gate(attn.f_a_proj(x))  # the layer hands the gate f_a_proj(x)
         with fx.patched(attn, "lower_bound", wrong):
-            out["ctrl"][key] = attn.forget_gate(x)
+            out["ctrl"][key] = attn.forget_gate(attn.f_a_proj(x))
     return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"], notes=[
         f"{len(cfg.kda_layers)} KDA forget gates, {dtype}; gate_lower_bound {cfg.gate_lower_bound}; control: "
         f"lower bound {wrong}"])

@@ -2,9 +2,12 @@
 
 - replay vs eager: the captured step replayed equals the same static step run eagerly, bit for bit,
   over many steps; control: a replay over stale static inputs.
-- shrunk cache: after the latent cache is re-created with fewer pages (the allocator may hand back
-  the same base address), replay still equals eager because the signature (shape + stride, not only
-  data_ptr) forces a re-capture; control: the same with the signature check turned off.
+- shrunk cache: after the latent cache is re-created with fewer pages AT THE SAME BASE ADDRESS (the
+  allocator may do that; the check makes it certain by laying the new cache over the old storage) and
+  the same KDA state tensors, replay still equals eager because the signature (shape + stride, not
+  only data_ptr) forces a re-capture. Control: the same with the signature check turned off, which
+  must replay the stale graph (asserted: no re-capture) over slice offsets of the old page count.
+  A signature of data pointers alone is exactly that control, so it goes red.
 """
 
 from __future__ import annotations
@@ -43,20 +46,40 @@ def check_graph_replay(ctx: CheckContext) -> Trial:
                  metrics={"captures": float(graphs.captures)}, notes=["24 steps, 3 sequences in a bucket of 4"])
 
 
+def _shrunk_in_place(runner: ModelRunner, num_pages: int) -> ModelRunner:
+    """A runner over the same model with `num_pages` pages whose latent cache begins at the old cache's
+    address (a view of its storage) and that keeps the old KDA state pool: between the two, only the
+    latent cache's shape and strides differ, so every MLA slice above the first moves."""
+    old_kv, old_pool = runner.kv_cache.data, runner.state_pool
+    small = ModelRunner(runner.model, num_pages=num_pages, page_size=PAGE, num_slots=old_pool.num_slots,
+                        max_context=runner.max_context)
+    kv = small.kv_cache
+    kv.data = old_kv.view(-1)[: kv.data.numel()].view(kv.data.shape).zero_()
+    small.state_pool = small.model.state_pool = old_pool
+    if kv.data.data_ptr() != old_kv.data_ptr() or kv.data.shape == old_kv.shape:
+        raise RuntimeError("the shrunk cache is not at the old address with a new shape: the check would test nothing")
+    return small
+
+
 @register_check(id="serving.graph.shrunk_cache", component="serving", level="serving", kind=Kind.BITEXACT,
                 control="capture signature checks data_ptr only (stale slice offsets replayed)",
                 devices=("cuda",))
 def check_graph_shrunk_cache(ctx: CheckContext) -> Trial:
+    if len(ctx.cfg.full_attn_layers) < 2:
+        raise SkipCheck(f"needs >= 2 MLA layers (a shrunk cache moves the slices above the first); the preset "
+                        f"has {len(ctx.cfg.full_attn_layers)}")
     outs = {}
     for checked in (True, False):
         runner = _runner(ctx, 64)
         graphs = GraphDecoder(runner.model, runner.max_context, buckets=(4,))
         graphs.check_signature = checked
         replay_vs_eager(runner, graphs, _prompts(ctx), steps=2)  # captures over the 64-page cache
-        small = ModelRunner(runner.model, num_pages=24, page_size=PAGE, num_slots=8, max_context=256)
+        small = _shrunk_in_place(runner, 24)
         del runner
         ref, cand, _ = replay_vs_eager(small, graphs, _prompts(ctx), steps=6)
-        outs[checked] = (ref, cand)
-    ref, cand = outs[True]
-    return Trial(reference=ref, candidate=cand, control=outs[False][1],
-                 notes=["cache re-created with 24 of 64 pages after capture"])
+        outs[checked] = (ref, cand, graphs.captures)
+    if outs[False][2] != 1:
+        raise RuntimeError(f"the control re-captured ({outs[False][2]} captures): it must replay the stale graph")
+    ref, cand, captures = outs[True]
+    return Trial(reference=ref, candidate=cand, control=outs[False][1], metrics={"captures": float(captures)},
+                 notes=["latent cache re-created with 24 of 64 pages at the same base address, same state pool"])

@@ -68,7 +68,7 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: object,
 
 
 def _beta_twice(layer: Any) -> Any:
-    return fx.patched(layer, "beta", lambda x: torch.sigmoid(torch.sigmoid(layer.b_proj(x).float())))
+    return fx.patched(layer, "beta", lambda b_logits: torch.sigmoid(torch.sigmoid(b_logits.float())))
 
 
 @register_check(
@@ -139,7 +139,7 @@ def check_mla_module_fp32(ctx: CheckContext) -> Trial:
     control="MLA LoRA norms at eps 1e-5 instead of 1e-6",
 )
 @fx.single_thread
-@fx.torch_path(attn_ops.CAUSAL, norm_ops.RMS, norm_ops.GATED_RMS)
+@fx.torch_path(attn_ops.CAUSAL, attn_ops.CAUSAL_PACKED, norm_ops.RMS, norm_ops.GATED_RMS)
 def check_mla_module_bf16(ctx: CheckContext) -> Trial:
     return _attn_trial(ctx, "mla", BF16, _lora_eps, gold=False)
 

@@ -35,7 +35,7 @@ def _round(x, BF16: tl.constexpr):
 
 
 @triton.jit
-def _conv_row(x_ptr, w_ptr, win_ptr, out_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap,
+def _conv_row(x_ptr, w_ptr, win_ptr, out_ptr, b, slot, keep, d, mask, D, s_x, s_slot, s_d, s_tap,
               W: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
     """One conv, one row: taps oldest first, acc = round(acc + round(tap * w)), then silu."""
     win = win_ptr + slot * s_slot + d * s_d
@@ -46,7 +46,7 @@ def _conv_row(x_ptr, w_ptr, win_ptr, out_ptr, b, slot, keep, d, mask, D, s_slot,
         acc = _round(acc + _round(tap * w, BF16), BF16)
         if j > 0:  # shift: tap j moves to j-1 (tap j-1 was read one iteration earlier)
             tl.store(win + (j - 1) * s_tap, tap, mask=mask)
-    x = tl.load(x_ptr + b * D + d, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * s_x + d, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + d * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
     acc = _round(acc + _round(x * w, BF16), BF16)
     tl.store(win + (W - 2) * s_tap, x, mask=mask)
@@ -56,15 +56,15 @@ def _conv_row(x_ptr, w_ptr, win_ptr, out_ptr, b, slot, keep, d, mask, D, s_slot,
 
 @triton.jit
 def conv_decode_qkv_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, outq, outk, outv, slots_ptr, keep_ptr,
-                           D, s_slot, s_d, s_tap, W: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+                           D, s_x, s_slot, s_d, s_tap, W: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < D
     slot = tl.load(slots_ptr + b)
     keep = tl.load(keep_ptr + b).to(tl.float32)
-    _conv_row(xq, wq, winq, outq, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
-    _conv_row(xk, wk, wink, outk, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
-    _conv_row(xv, wv, winv, outv, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
+    _conv_row(xq, wq, winq, outq, b, slot, keep, d, mask, D, s_x, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
+    _conv_row(xk, wk, wink, outk, b, slot, keep, d, mask, D, s_x, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
+    _conv_row(xv, wv, winv, outv, b, slot, keep, d, mask, D, s_x, s_slot, s_d, s_tap, W, BF16, BLOCK_D)
 
 
 def conv_decode_qkv_triton(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -74,14 +74,18 @@ def conv_decode_qkv_triton(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     """Same contract as torch_ref.causal_conv_decode_torch (callers check triton_path.accepts_decode)."""
     B, D = xs[0].shape
     W = weights[0].shape[1]
-    xq, xk, xv = (x.contiguous() for x in xs)
+    # q/k/v usually arrive as column slices of one fused projection: read them in place when they share a
+    # row stride (unit column stride), instead of copying each to a contiguous tensor.
+    if any(x.stride(1) != 1 for x in xs) or len({x.stride(0) for x in xs}) != 1:
+        xs = (xs[0].contiguous(), xs[1].contiguous(), xs[2].contiguous())
+    xq, xk, xv = xs
     wq, wk, wv = (w.contiguous() for w in weights)
     out = torch.empty((3, B, D), dtype=xq.dtype, device=xq.device)
     block = min(MAX_BLOCK_D, max(32, triton.next_power_of_2(D)))
     grid = (B, triton.cdiv(D, block))
     conv_decode_qkv_kernel[grid](
         xq, xk, xv, wq, wk, wv, *windows, out[0], out[1], out[2], slots.contiguous(), keep.contiguous(),
-        D, *windows[0].stride(), W=W, BF16=xq.dtype == torch.bfloat16, BLOCK_D=block,
+        D, xq.stride(0), *windows[0].stride(), W=W, BF16=xq.dtype == torch.bfloat16, BLOCK_D=block,
         num_warps=4 if block >= 256 else 1,
         enable_fp_fusion=False,  # no mul+add -> fma contraction: fp32 products and sums round like torch's
     )

@@ -1,14 +1,15 @@
 """KDA layer (Kimi Delta Attention) over a packed token stream.
 
-x [T, H] -> q/k/v projections [T, D] -> per-sequence causal conv + SiLU (windows from the state pool
-for continuations / decode) -> q, k L2-normalized in fp32 inside the recurrence, q scaled by dk^-0.5
--> recurrence with fp32 state (kernels.kda) -> gated RMSNorm with the output gate -> o_proj.
+x [T, H] -> q/k/v projections [T, D] (one GEMM with f_a, the gate input and b) -> per-sequence causal
+conv + SiLU (windows from the state pool for continuations / decode) -> q, k L2-normalized in fp32 inside
+the recurrence, q scaled by dk^-0.5 -> recurrence with fp32 state (kernels.kda) -> gated RMSNorm with the
+output gate -> o_proj.
 D = heads * dk; the KDA value head dim equals dk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from k3verify.kernels.conv import causal_conv, conv_decode_qkv
 from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
 from k3verify.kernels.kda.verify import kda_verify
 from k3verify.serving.context import ForwardContext
+from k3verify.serving.layers.fused import FusedLinears
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.norm import GatedRMSNorm
 
@@ -103,11 +105,14 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = linear(dk, D, dtype, device)
         self.o_norm = GatedRMSNorm(dk, cfg.rms_norm_eps)
         self.o_proj = linear(D, H, dtype, device)
+        gate_in = self.g_proj if cfg.use_full_rank_gate else self.g_a_proj
+        self.in_proj = FusedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj])
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe L sigmoid(exp(A) .)."""
+    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """f_a_proj(x) [T, dk] -> log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe
+        L sigmoid(exp(A) .)."""
         # bf16 + fp32 promotes to fp32 in one kernel: exactly .float() + dt_bias, one launch fewer
-        raw = torch.add(self.f_b_proj(self.f_a_proj(x)), self.dt_bias.float())
+        raw = torch.add(self.f_b_proj(f_a), self.dt_bias.float())
         raw = raw.view(-1, self.heads, self.head_dim)
         A = self.decay_rate()
         if self.lower_bound is None:
@@ -132,14 +137,15 @@ class KimiDeltaAttention(nn.Module):
 
         return self._from_weights("decay", (self.A_log,), make)
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+    def output_gate(self, gate_in: torch.Tensor) -> torch.Tensor:
+        """g_proj(x) (full rank: already the gate) or g_a_proj(x) [T, dk] -> the gate [T, D]."""
         if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return gate_in
+        return self.g_b_proj(gate_in)
 
-    def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, h] fp32: the one and only sigmoid on beta (the kernels get post-sigmoid values)."""
-        return torch.sigmoid(self.b_proj(x).float())
+    def beta(self, b_logits: torch.Tensor) -> torch.Tensor:
+        """b_proj(x) [T, h] -> [T, h] fp32: the one and only sigmoid on beta (the kernels get post-sigmoid values)."""
+        return torch.sigmoid(b_logits.float())
 
     def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
         """q/k/v conv weights [D, W] in the activation dtype (K3 ships them fp32), cast once per dtype."""
@@ -147,19 +153,20 @@ class KimiDeltaAttention(nn.Module):
         return self._from_weights(("conv", dtype), tuple(c.weight for c in convs),
                                   lambda: tuple(c.weight.to(dtype).reshape(c.weight.shape[0], -1) for c in convs))
 
-    def short_convs(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor,
+    def short_convs(self, xs: Sequence[torch.Tensor], ctx: ForwardContext, keep: torch.Tensor,
                     continuing: bool) -> list[torch.Tensor]:
-        """q, k, v projections through their causal convs [T, D]; windows come from / go to the pool.
-        Decode runs the three convs as one step on the pool's windows; prefill runs the packed gather conv."""
+        """q, k, v projections [T, D] (column slices of the fused GEMM) through their causal convs [T, D];
+        windows come from / go to the pool. Decode runs the three convs as one step on the pool's windows;
+        prefill runs the packed gather conv."""
         b, pool = ctx.batch, ctx.state_pool
-        weights = self.conv_weights(x.dtype)
-        xs = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        weights = self.conv_weights(xs[0].dtype)
         if b.is_decode and pool is not None:
             assert b.slots is not None
-            return list(conv_decode_qkv(xs, weights, pool.conv_views(self.layer_idx), b.slots, keep.view(-1)))
+            return list(conv_decode_qkv((xs[0], xs[1], xs[2]), weights, pool.conv_views(self.layer_idx), b.slots,
+                                        keep.view(-1)))
         if (continuing or pool is not None) and (pool is None or b.slots is None):
             raise RuntimeError(f"KDA layer {self.layer_idx}: a cached prefill needs the state pool and slots")
-        windows = pool.windows(self.layer_idx, b.slots, x.dtype) if continuing and pool is not None and \
+        windows = pool.windows(self.layer_idx, b.slots, xs[0].dtype) if continuing and pool is not None and \
             b.slots is not None else (None, None, None)
         outs, finals = [], []
         for proj, weight, init in zip(xs, weights, windows, strict=True):
@@ -180,8 +187,9 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("a KDA pass with a state pool needs batch.slots")
         continuing = pool is not None and (b.is_decode or b.has_prefix)
         keep = ctx.fresh_mask(x.dtype)  # [B, 1, 1]: 0 for fresh sequences (zero windows/state), else 1
-        q, k, v = (t.view(T, h, dk) for t in self.short_convs(x, ctx, keep, continuing))
-        g, beta, scale = self.forget_gate(x), self.beta(x), dk**-0.5
+        q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
+        q, k, v = (t.view(T, h, dk) for t in self.short_convs((q_in, k_in, v_in), ctx, keep, continuing))
+        g, beta, scale = self.forget_gate(f_a), self.beta(b_logits), dk**-0.5
         if b.is_decode:
             if pool is None or b.slots is None:
                 raise ValueError("KDA decode needs the state pool and batch.slots")
@@ -202,7 +210,7 @@ class KimiDeltaAttention(nn.Module):
             if pool is not None:
                 assert b.slots is not None
                 pool.store_state(self.layer_idx, b.slots, state)
-        o = self.o_norm(o, self.output_gate(x).view(T, h, dk))
+        o = self.o_norm(o, self.output_gate(gate_in).view(T, h, dk))
         return self.o_proj(o.reshape(T, h * dk))
 
     def verify_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -216,12 +224,15 @@ class KimiDeltaAttention(nn.Module):
         B, n, T, h, dk = b.num_seqs, spec.num_positions, x.shape[0], self.heads, self.head_dim
         if T != B * n:
             raise ValueError(f"a verify pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
-        xs = (self.q_proj(x).view(B, n, -1), self.k_proj(x).view(B, n, -1), self.v_proj(x).view(B, n, -1))
+        q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
+        # the verify kernel's layout: [B, n, D] contiguous (the fused GEMM's outputs are column slices)
+        xs = (q_in.reshape(B, n, -1).contiguous(), k_in.reshape(B, n, -1).contiguous(),
+              v_in.reshape(B, n, -1).contiguous())
         state_records, conv_records = spec.arena.records(self.layer_idx, B)
         _, y = kda_verify(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
                           pool.state_view(self.layer_idx), b.slots, ctx.fresh_mask(x.dtype).view(-1),
-                          self.forget_gate(x).view(B, n, h, dk), self.beta(x).view(B, n, h),
-                          self.output_gate(x).view(B, n, h, dk), self.o_norm.weight, self.o_norm.eps, dk**-0.5,
-                          conv_records, state_records, fused=spec.fused)
+                          self.forget_gate(f_a).view(B, n, h, dk), self.beta(b_logits).view(B, n, h),
+                          self.output_gate(gate_in).reshape(B, n, h, dk).contiguous(), self.o_norm.weight,
+                          self.o_norm.eps, dk**-0.5, conv_records, state_records, fused=spec.fused)
         ctx.bump("kda_verify")
         return self.o_proj(y.reshape(T, h * dk))

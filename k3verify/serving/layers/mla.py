@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.kernels.attn import causal_attention
+from k3verify.kernels.attn import causal_attention_packed
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
+from k3verify.serving.layers.fused import FusedLinears
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.norm import RMSNorm
 
@@ -70,20 +71,26 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = linear(nh * self.v_dim, H, dtype, device)
         if cfg.mla_use_output_gate:
             self.g_proj = linear(H, nh * self.v_dim, dtype, device)
+        # Every projection of x as one GEMM: the query input, the latent, and K3's output gate.
+        q_in = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+        gate = [self.g_proj] if cfg.mla_use_output_gate else []
+        self.in_proj = FusedLinears([q_in, self.kv_a_proj_with_mqa, *gate])
 
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, rank + rope]: what the cache stores."""
-        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+    def latent(self, kv_a: torch.Tensor) -> torch.Tensor:
+        """kv_a_proj_with_mqa(x) [T, rank + rope] -> [T, rank + rope]: what the cache stores."""
+        c, k_rot = kv_a.split([self.rank, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.heads, self.nope + self.rope)
+    def queries(self, q_in: torch.Tensor) -> torch.Tensor:
+        """q_proj(x), or q_a_proj(x) with a query LoRA -> [T, heads, nope + rope]."""
+        q = q_in if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(q_in))
+        return q.view(q_in.shape[0], self.heads, self.nope + self.rope)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, cache = ctx.batch, ctx.kv_cache
         T = x.shape[0]
-        q, lat = self.queries(x), self.latent(x)
+        q_in, kv_a, *gate = self.in_proj(x)
+        q, lat = self.queries(q_in), self.latent(kv_a)
         if cache is not None:
             if ctx.kv_rows is None:
                 raise ValueError("an MLA pass with a latent cache needs ctx.kv_rows")
@@ -95,8 +102,8 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             out = self._attend(q, lat, ctx)
         out = out.reshape(T, self.heads * self.v_dim)
-        if hasattr(self, "g_proj"):
-            out = out * torch.sigmoid(self.g_proj(x))
+        if gate:
+            out = out * torch.sigmoid(gate[0])
         return self.o_proj(out)
 
     def _context_latents(self, lat: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]]:
@@ -121,13 +128,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = keys_lat[:, None, self.rank:].expand(-1, self.heads, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)  # [Tk, nh, nope + rope]
-        b = ctx.batch
-        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
-        for i, (k0, k1, offset) in enumerate(key_ranges(b, key_cu)):
-            q0, q1 = b.cu_list[i], b.cu_list[i + 1]
-            out[q0:q1] = causal_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
-                                          v[k0:k1].transpose(0, 1), offset, self.scale).transpose(0, 1)
-        return out
+        return causal_attention_packed(q, k, v, ctx.batch.cu_list, key_ranges(ctx.batch, key_cu), self.scale)
 
     def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Every query token against its sequence's cached context up to itself, in the latent space (one token

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
 
 log = logging.getLogger(__name__)
-MIRRORED = ("admit", "release", "prefill", "decode", "reset_caches")
+MIRRORED = ("admit", "release", "prefill", "decode", "decode_next", "set_next_tokens", "reset_caches")
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -73,6 +73,19 @@ class MirroredRunner(ModelRunner):
             raise ValueError("CUDA graphs over collectives need the multi-GPU run; a parallel runner decodes eagerly")
         self.channel.send(("decode", (seqs,)))
         return super().decode(seqs)
+
+    def decode_next(self, seq_ids: list[int], graphs: GraphDecoder | None = None) -> torch.Tensor:
+        if graphs is not None:
+            raise ValueError("CUDA graphs over collectives need the multi-GPU run; a parallel runner decodes eagerly")
+        self.channel.send(("decode_next", (seq_ids,)))
+        return super().decode_next(seq_ids)
+
+    def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor | list[int]) -> None:
+        """The followers need the ids themselves, so a parallel engine reads each step's ids on the host here
+        (no host/GPU overlap across ranks)."""
+        ids = tokens if isinstance(tokens, list) else tokens.tolist()
+        self.channel.send(("set_next_tokens", (seq_ids, ids)))
+        super().set_next_tokens(seq_ids, ids)
 
     def reset_caches(self) -> None:
         """The engine supervisor's restart: every rank drops its sequences and reallocates its caches."""

@@ -1,0 +1,217 @@
+"""`bench --served`: the real engine behind the real HTTP server, under concurrent streaming clients.
+
+The engine runs over the bench's own runner (same model, same caches), decoding through CUDA graphs for
+every batch up to the largest concurrency, captured before any client connects at the bench path's decode
+context; the server is k3verify.server's app on 127.0.0.1; the clients run in a process of their own
+(bench/clients.py). Token ids travel as text: the bench tokenizer renders id i as " i", so every generated
+token is one SSE chunk and the streamed text names the ids exactly.
+
+Parity (gates every speed of the run): at each concurrency c, c prompts are sent over HTTP (in order)
+while the engine is held (an engine.call that waits until all c were submitted), so its first step admits
+all of them: the same packed prefill (same order) and the same decode bucket as the bench path's greedy
+generate of those prompts, whose ids the streamed ids must equal bit for bit (at c = 1 two requests, one
+after the other). Control: each request's ids against the bench ids of the next prompt.
+
+Speeds: c clients each send `requests_per_client` requests back to back (free-running arrivals): generated
+tokens per second of wall time, time to first token and inter-token latency (per token chunk, p50/p99).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3verify.bench.parity import judge
+from k3verify.bench.speeds import generate_ours
+from k3verify.bench.timing import random_prompt
+from k3verify.gates import Kind, Trial
+from k3verify.server.app import create_app
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.thread import ServerThread
+from k3verify.serving.engine import Engine
+from k3verify.serving.graphs import GraphDecoder, engine_buckets
+from k3verify.serving.runner import ModelRunner
+
+MODEL_NAME = "bench"
+MIN_STEP_TOKENS = 2048
+
+
+def step_budget(plan: Any) -> int:
+    """Tokens per engine step: enough to admit the largest held wave in one packed prefill (as the bench path
+    prefills it), and never below the engine's default."""
+    return max(MIN_STEP_TOKENS, max(plan.served_concurrency) * plan.prompt_len)
+
+
+def beside_bench_path(row: dict[str, Any], decode_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bench path's decode tok/s at batch = concurrency (same run) and served / bench."""
+    bench = next((r for r in decode_rows if r["batch"] == row["concurrency"]), None)
+    if bench is None:
+        return row
+    return row | {"bench_tok_s": bench["ours_tok_s"], "served_over_bench": row["tok_s"] / bench["ours_tok_s"]}
+
+
+class IdTokenizer:
+    """Token id i is the text " i": one SSE chunk per generated token, and the text names the ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.n_vocab = vocab_size
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return f" {token_id}".encode()
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+
+def no_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    raise ValueError("the bench server answers /v1/completions with token-id prompts only")
+
+
+@dataclass
+class ServedStack:
+    url: str
+    engine: Engine
+    metrics: ServerMetrics
+
+
+def engine_graphs(runner: ModelRunner, bench_graphs: GraphDecoder, max_concurrency: int) -> GraphDecoder:
+    """Graphs for every decode batch up to max_concurrency at the bench path's decode context, captured now
+    (a capture's warm-up steps run on scratch rows only)."""
+    graphs = GraphDecoder(runner.model, bench_graphs.max_context, buckets=engine_buckets(max_concurrency),
+                          use_graphs=bench_graphs.use_graphs)
+    if graphs.use_graphs:
+        for bucket in graphs.buckets:
+            graphs.capture(bucket)
+    return graphs
+
+
+@contextlib.contextmanager
+def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int, step_tokens: int
+                 ) -> Iterator[ServedStack]:
+    """Engine (graph decode, overlap, chunked prefill) + app + uvicorn on 127.0.0.1; stopped on exit."""
+    cfg = runner.model.cfg
+    metrics = ServerMetrics()
+    engine = Engine(runner, IdTokenizer(cfg.vocab_size), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
+                    max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=metrics)
+    engine.start()
+    app = create_app(engine, IdTokenizer(cfg.vocab_size), model_name=MODEL_NAME, metrics=metrics, encode_chat=no_chat)
+    try:
+        with ServerThread(app) as server:
+            yield ServedStack(server.url, engine, metrics)
+    finally:
+        engine.stop()
+    if engine.health() not in (None, "engine stopped"):
+        raise RuntimeError(f"the served engine failed: {engine.health()}")
+
+
+def _client_process(url: str, waves: list[list[list[int]]], new_tokens: int, ordered: bool = False
+                    ) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "k3verify.bench.clients"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"url": url, "model": MODEL_NAME, "waves": waves, "new_tokens": new_tokens,
+                                 "ordered": ordered}))
+    proc.stdin.close()
+    proc.stdin = None  # written and closed: communicate() must not flush it again
+    return proc
+
+
+def _client_result(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"the client process did not finish within {timeout_s} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client process failed (rc {proc.returncode}): {err[-2000:]}")
+    result: dict[str, Any] = json.loads(out)
+    errors = [r["error"] for r in result["requests"] if r["error"]]
+    if errors:
+        raise RuntimeError(f"{len(errors)} served request(s) failed; first: {errors[0]}")
+    return result
+
+
+def held_wave(stack: ServedStack, prompts: list[list[int]], new_tokens: int, timeout_s: float = 120.0
+              ) -> dict[str, Any]:
+    """Send one request per prompt while the engine waits, each once the previous one was accepted (so the
+    engine admits them in the prompts' order, as the bench path packs them), then let one step admit them all."""
+    release = threading.Event()
+    holder = threading.Thread(target=stack.engine.call, args=(lambda: release.wait(timeout_s),),
+                              kwargs={"timeout": timeout_s + 10}, daemon=True)
+    holder.start()
+    proc = _client_process(stack.url, [prompts], new_tokens, ordered=True)
+    want = float(sum(len(p) for p in prompts))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (stack.metrics.registry.get_sample_value("k3v_prompt_tokens_total") or 0.0) < want:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{len(prompts)} held requests were not all submitted within {timeout_s} s")
+            time.sleep(0.005)
+    finally:
+        release.set()
+        holder.join(timeout_s)
+    return _client_result(proc)
+
+
+def served_ids(record: dict[str, Any]) -> list[int]:
+    return [int(t) for t in record["text"].split()]
+
+
+def served_parity(stack: ServedStack, runner: ModelRunner, bench_graphs: GraphDecoder, concurrency: int,
+                  prompt_len: int, new_tokens: int, seed: int) -> dict[str, Any]:
+    """Streamed ids of c prompts admitted together == the bench path's greedy ids of the same prompts."""
+    cfg, device = runner.model.cfg, runner.model.device
+    prompts = random_prompt(max(concurrency, 2), prompt_len, cfg.vocab_size, seed, device)
+    if concurrency == 1:  # one request at a time: nothing else shares its batch, as in generate at batch 1
+        cand = [served_ids(held_wave(stack, [p.tolist()], new_tokens)["requests"][0]) for p in prompts]
+        ref = torch.cat([generate_ours(runner, bench_graphs, p[None], new_tokens) for p in prompts])
+    else:
+        cand = [served_ids(r) for r in held_wave(stack, [p.tolist() for p in prompts], new_tokens)["requests"]]
+        ref = generate_ours(runner, bench_graphs, prompts, new_tokens)
+    ref = ref.cpu()
+    if any(len(c) != new_tokens for c in cand):
+        raise RuntimeError(f"served answers of {[len(c) for c in cand]} tokens; asked {new_tokens}")
+    trial = Trial(reference=ref, candidate=torch.tensor(cand), control=ref.roll(1, dims=0),
+                  notes=[f"{len(prompts)} prompts of {prompt_len} tokens over HTTP, {new_tokens} new tokens, "
+                         f"{'one at a time' if concurrency == 1 else 'admitted in one step'}"])
+    return judge(f"bench.served_vs_bench_path.c{concurrency}", Kind.BITEXACT, trial)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_per_client: int, prompt_len: int,
+                 new_tokens: int, seed: int, device: torch.device) -> dict[str, Any]:
+    """c clients x requests_per_client streaming requests, free-running: tok/s, TTFT, ITL."""
+    waves = [random_prompt(concurrency, prompt_len, cfg_vocab, seed + r, device).tolist()
+             for r in range(requests_per_client)]
+    steps = stack.engine.num_steps
+    result = _client_result(_client_process(stack.url, waves, new_tokens))
+    ttft, itl, tokens = [], [], 0
+    for rec in result["requests"]:
+        n, times = len(served_ids(rec)), rec["chunk_times"]
+        if n != new_tokens:
+            raise RuntimeError(f"a served answer of {n} tokens; asked {new_tokens}")
+        tokens += n
+        ttft.append(times[0] - rec["start"])
+        itl += [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    return {"concurrency": concurrency, "requests": len(result["requests"]), "tokens": tokens,
+            "wall_s": result["wall_s"], "tok_s": tokens / result["wall_s"],
+            "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
+            "itl_p50_ms": 1e3 * statistics.median(itl), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
+            "engine_steps": stack.engine.num_steps - steps}

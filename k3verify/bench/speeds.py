@@ -1,0 +1,126 @@
+"""The bench's timed workloads: packed prefill, greedy generate (prefill + decode steps), the experts a
+decode step touches (for the floor)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from k3verify.bench.floor import decode_floor_bytes
+from k3verify.bench.timing import cuda_time, random_prompt
+from k3verify.config import ModelConfig
+from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.runner import ModelRunner
+
+
+class _Marks:
+    """Points on the device's timeline (CUDA events; wall clock on CPU), read only at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def seconds(self, i: int, j: int) -> float:
+        if self.cuda:
+            self.points[j].synchronize()
+            return float(self.points[i].elapsed_time(self.points[j])) / 1e3
+        return float(self.points[j] - self.points[i])
+
+
+def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: torch.Tensor, new_tokens: int,
+                  decode_spans: list[float] | None = None) -> torch.Tensor:
+    """Greedy: packed prefill of B prompts, then new_tokens-1 decode steps -> [B, new_tokens] ids. Each step
+    feeds the previous step's ids on the device (the engine's decode path, no host round trip); with
+    `decode_spans`, the device time from the end of the prefill to the end of the last step is appended."""
+    B, T = prompts.shape
+    ids = list(range(B))
+    for sid in ids:
+        runner.admit(sid, T + new_tokens)
+    marks = _Marks(runner.device)
+    try:
+        logits = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids])
+        out = [logits.argmax(-1)]
+        marks.mark()
+        for _ in range(new_tokens - 1):
+            runner.set_next_tokens(ids, out[-1])
+            out.append(runner.decode_next(ids, graphs).argmax(-1))
+        marks.mark()
+        if decode_spans is not None:
+            decode_spans.append(marks.seconds(0, 1))
+        return torch.stack(out, dim=1)
+    finally:
+        for sid in ids:
+            runner.release(sid)
+
+
+def time_prefill(fn_ours: Any, fn_theirs: Any, T: int) -> dict[str, Any]:
+    ours = cuda_time(fn_ours, warmup=1, repeats=3)
+    row: dict[str, Any] = {"tokens": T, "ours_tok_s": T / ours.median_s}
+    if fn_theirs is not None:
+        theirs = cuda_time(fn_theirs, warmup=1, repeats=3)
+        row |= {"baseline_tok_s": T / theirs.median_s, "ratio": theirs.median_s / ours.median_s}
+    return row
+
+
+def time_decode(cfg: ModelConfig, runner: ModelRunner, graphs: GraphDecoder | None, hf_model: Any, B: int,
+                prompt_len: int, new_tokens: int, bandwidth: float, seed: int, *, compare_eager: bool = False
+                ) -> dict[str, Any]:
+    """Greedy generate of B prompts: tok/s over the whole call (prefill included) and the steady decode step
+    (device time after the prefill / steps); beside the baseline's generate, or our own eager decode."""
+    prompts = random_prompt(B, prompt_len, cfg.vocab_size, seed, runner.model.device)
+    generate_ours(runner, graphs, prompts, new_tokens)  # warm-up (captures this bucket)
+    spans: list[float] = []
+    t = cuda_time(lambda: generate_ours(runner, graphs, prompts, new_tokens, spans), warmup=0, repeats=2)
+    step_s = statistics.median(spans) / max(new_tokens - 1, 1)
+    touched = measured_distinct_experts(runner, prompts)
+    floor = decode_floor_bytes(cfg, B, prompt_len + new_tokens, distinct_experts=touched)
+    uniform = decode_floor_bytes(cfg, B, prompt_len + new_tokens)
+    row: dict[str, Any] = {"batch": B, "ours_tok_s": B * new_tokens / t.median_s, "ours_step_ms": step_s * 1e3,
+                           "floor_step_ms": floor.total / bandwidth * 1e3,
+                           "fraction_of_floor": floor.total / bandwidth / step_s, "floor_bytes": floor.total,
+                           "distinct_experts_per_layer": touched, "floor_bytes_uniform_routing": uniform.total}
+    if hf_model is not None:
+        mask = torch.ones_like(prompts)
+
+        def gen() -> Any:
+            return hf_model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+        theirs = cuda_time(gen, warmup=1, repeats=2)
+        row |= {"baseline_tok_s": B * new_tokens / theirs.median_s, "ratio": theirs.median_s / t.median_s}
+    elif compare_eager and graphs is not None:
+        eager = cuda_time(lambda: generate_ours(runner, None, prompts, new_tokens), warmup=1, repeats=2)
+        row |= {"eager_tok_s": B * new_tokens / eager.median_s, "vs_eager": eager.median_s / t.median_s}
+    return row
+
+
+def measured_distinct_experts(runner: ModelRunner, prompts: torch.Tensor, steps: int = 4) -> float | None:
+    """Mean number of distinct experts one decode step of this batch touches per MoE layer, counted on
+    eager decode steps of the same prompts (the floor's expert bytes; None for a model without MoE)."""
+    from k3verify.serving.layers.moe import Router
+
+    B, T = prompts.shape
+    counts: list[int] = []
+
+    def hook(module: torch.nn.Module, args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if T == 1 or out[1].shape[0] == B:  # decode steps (a prefill routes B*T rows)
+            counts.append(int(out[1].unique().numel()))
+
+    handles = [m.register_forward_hook(hook) for m in runner.model.modules() if isinstance(m, Router)]
+    try:
+        generate_ours(runner, None, prompts, steps + 1)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(counts) / len(counts) if counts else None

@@ -1,0 +1,67 @@
+"""Causal attention of a packed batch of sequences in one call (MLA prefill, no Python loop on CUDA).
+
+Sequence i's queries q[q_cu[i]:q_cu[i+1]] attend its keys k[k0:k1] (its cached prefix, then its own tokens),
+query t seeing keys 0..offset+t, for (k0, k1, offset) = ranges[i] (serving/layers/mla.key_ranges).
+The torch reference runs one sequence at a time (torch_ref.causal_attention, the eager order). The CUDA path
+pads the pack to [B, L] once and makes one fused SDPA call: is_causal when every sequence is fresh and of one
+length (the served workload: no mask tensor at all), else a [B, Lq, Lk] boolean mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3verify.kernels.attn import torch_ref
+
+KeyRange = tuple[int, int, int]
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def causal_attention_packed_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int],
+                                  ranges: list[KeyRange], scale: float) -> torch.Tensor:
+    """q [Tq, h, d], k [Tk, h, d], v [Tk, h, dv] -> [Tq, h, dv], one sequence at a time."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for i, (k0, k1, offset) in enumerate(ranges):
+        q0, q1 = q_cu[i], q_cu[i + 1]
+        out[q0:q1] = torch_ref.causal_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                                                v[k0:k1].transpose(0, 1), offset, scale).transpose(0, 1)
+    return out
+
+
+def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int], ranges: list[KeyRange],
+            scale: float) -> str | None:
+    if not q.is_cuda:
+        return f"tensors are on {q.device}, not CUDA"
+    if q.dtype not in _DTYPES:
+        return f"activation dtype {q.dtype} is not one of {_DTYPES} (the exact fp32 path is the torch reference)"
+    bad = [i for i, (k0, k1, off) in enumerate(ranges) if k1 - k0 < off + q_cu[i + 1] - q_cu[i]]
+    if bad:
+        return f"sequence(s) {bad[:4]}: fewer keys than their offset + queries (a query would see a missing key)"
+    return None
+
+
+def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int],
+                                 ranges: list[KeyRange], scale: float) -> torch.Tensor:
+    B, dev = len(ranges), q.device
+    q_lens = [b - a for a, b in zip(q_cu[:-1], q_cu[1:], strict=True)]
+    k_lens = [k1 - k0 for k0, k1, _ in ranges]
+    Lq, Lk = max(q_lens), max(k_lens)
+    meta = torch.tensor([q_cu[:-1], q_lens, [r[0] for r in ranges], k_lens, [r[2] for r in ranges]],
+                        dtype=torch.long).to(dev, non_blocking=True)
+    q_start, q_len, k_start, k_len, offset = meta
+    tq, tk = torch.arange(Lq, device=dev), torch.arange(Lk, device=dev)
+    # Padded positions read the sequence's last row (finite values); their outputs are never gathered back.
+    q_rows = q_start[:, None] + torch.minimum(tq[None, :], q_len[:, None] - 1)  # [B, Lq]
+    k_rows = k_start[:, None] + torch.minimum(tk[None, :], k_len[:, None] - 1)  # [B, Lk]
+    qp, kp, vp = q[q_rows].transpose(1, 2), k[k_rows].transpose(1, 2), v[k_rows].transpose(1, 2)  # [B, h, L, d]
+    fresh_square = len(set(q_lens)) == 1 and k_lens == q_lens and all(r[2] == 0 for r in ranges)
+    if fresh_square:
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+    else:
+        # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
+        # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
+        allowed = tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+    live = torch.tensor([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dtype=torch.long)
+    return out.transpose(1, 2).reshape(B * Lq, q.shape[1], v.shape[2]).index_select(0, live.to(dev))
