@@ -29,7 +29,8 @@ OTHER_DIGEST = "sha256:" + "0" * 64
 def result(check_id: str, status: str) -> dict[str, Any]:
     """One schema-valid result entry."""
     return {"id": check_id, "component": "gates", "level": "module", "kind": "bitexact", "bar": None,
-            "bar_reason": None, "bar_source": "none", "noise": None, "status": status, "reason": None, "metric": None, "metrics": {}, "per_key": {},
+            "bar_reason": None, "bar_source": "none", "noise": None, "status": status, "reason": None, "metric": None,
+            "metrics": {}, "per_key": {},
             "margin": None, "thin": False, "control": None, "worst": None, "shapes": {}, "dtypes": {}, "seed": 0,
             "duration_s": 0.1, "localization": None, "instrument": None, "notes": [], "traceback": None}
 
