@@ -1,6 +1,9 @@
-"""CUDA-graph replay against the same decode step run eagerly, on live caches (serving.graph.* checks, bench)."""
+"""CUDA-graph replay against the same step run eagerly, on live caches (serving.graph.* checks, bench), and
+the rerun recorder: a stand-in graph for the verify steps on any device (spec.verify.graph_vs_eager on CPU)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -45,3 +48,29 @@ def replay_vs_eager(runner: ModelRunner, graphs: GraphDecoder, prompts: list[lis
             runner.release(sid)
     control = torch.stack(ctrls) if len(ctrls) == steps - 1 else None
     return torch.stack(refs), torch.stack(cands), control
+
+
+class RerunStep:
+    """A stand-in for a CUDA graph on any device: each replay runs the recorded step again over whatever its
+    static buffers hold now and writes the results into the tensors the recording returned (a graph's outputs
+    live at fixed addresses). It reproduces the faults of static-buffer bookkeeping (an input that is not
+    refilled, refilled after the replay, a caller reading an output after the next replay, host state a harness
+    forgot to rewind), not those of a real capture (host values baked in, stream order, graph-pool reuse)."""
+
+    def __init__(self, step: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.step = step
+        self.outputs = step()  # the recording: run over the capture's scratch rows, as a warm-up is
+        self.replays = 0
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.step(), strict=True):
+            dst.copy_(src)
+        self.replays += 1
+
+
+def rerun_recorder(step: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[RerunStep, tuple[torch.Tensor, torch.Tensor]]:
+    """serving.spec.graphs.Recorder that records a RerunStep (the CPU checks' and tests' graph). Its recording
+    run is what a CUDA recorder's warm-ups are: one step over the capture's scratch rows."""
+    recorded = RerunStep(step)
+    return recorded, (recorded.outputs[0], recorded.outputs[1])

@@ -4,12 +4,18 @@ The captured step saves the latents its rows are about to overwrite, then runs t
 records into the arena, MLA latents into the cache): the same sequence SpecVerifier runs eagerly. Padded
 rows of a bucket park on the scratch slot and the scratch page. A replay whose cache or arena tensors
 moved (capture signature) re-captures, logged. `static_verify` is the same step without a graph.
+
+How a step is recorded is a seam (`Recorder`): on CUDA, `cuda_graph_recorder` (warm-up, then a CUDA-graph
+capture); a recorder that replays by running the step again over the same static buffers
+(gates/replay.py) puts the static-buffer bookkeeping under test on any device.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -81,21 +87,53 @@ def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,
     return model.verify(batch, verify), rows
 
 
+StepOutputs = tuple[torch.Tensor, torch.Tensor]  # (logits [B * n, V], latent rows [B * n]) of static_verify
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+# A recorder turns the verify step into something replayable plus the tensors its replays write.
+Recorder = Callable[[Callable[[], StepOutputs]], tuple[Replayable, StepOutputs]]
+
+
+def cuda_graph_recorder(step: Callable[[], StepOutputs]) -> tuple[torch.cuda.CUDAGraph, StepOutputs]:
+    """Two warm-up steps on a side stream (Triton compilation and autotuning, lazy allocations: outside the
+    capture), then one step captured into a CUDA graph (not executed: its replays are)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 class VerifyGraphs:
     def __init__(self, model: ServingModel, arena: VerifyArena, max_context: int, *, buckets: tuple[int, ...],
-                 fused: bool = False, use_graphs: bool | None = None) -> None:
+                 fused: bool = False, use_graphs: bool | None = None, recorder: Recorder | None = None) -> None:
+        """use_graphs: record per bucket (default: on a CUDA model) or run the static step eagerly. recorder: how
+        a step is recorded (default cuda_graph_recorder, which needs a CUDA model)."""
         if model.kv_cache is None or model.state_pool is None:
             raise RuntimeError("VerifyGraphs needs the model's caches allocated first")
         if max(buckets) > arena.max_rows:
             raise ValueError(f"bucket {max(buckets)} exceeds the arena's {arena.max_rows} rows")
         self.model, self.max_context, self.buckets = model, max_context, tuple(sorted(buckets))
         self.verify_pass = VerifyPass(arena, arena.num_positions, fused)
-        self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and model.device.type != "cuda":
+        if recorder is not None and use_graphs is False:
+            raise ValueError("a recorder was given with use_graphs=False: nothing would be recorded")
+        default = model.device.type == "cuda" or recorder is not None
+        self.use_graphs = default if use_graphs is None else use_graphs
+        if self.use_graphs and recorder is None and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device}")
+        self.recorder: Recorder = cuda_graph_recorder if recorder is None else recorder
         self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
         self._inputs: dict[int, VerifyInputs] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, Signature]] = {}
+        self._graphs: dict[int, tuple[Replayable, torch.Tensor, torch.Tensor, Signature]] = {}
         self.captures = 0
 
     def bucket_for(self, rows: int) -> int:
@@ -120,17 +158,26 @@ class VerifyGraphs:
     def _capture(self, bucket: int) -> None:
         inputs = self._static(bucket)
         inputs.fill([], [], [], [], self.verify_pass.num_positions)  # warm-up and capture touch scratch rows only
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):  # Triton compilation and autotuning, lazy allocations: outside the capture
-                static_verify(self.model, self.verify_pass, inputs, self.max_context)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
+
+        def step() -> StepOutputs:
+            with torch.no_grad():
+                return static_verify(self.model, self.verify_pass, inputs, self.max_context)
+
+        graph, (logits, rows) = self.recorder(step)
         self._graphs[bucket] = (graph, logits, rows, self._signature())
         self.captures += 1
+
+    def _entry(self, bucket: int) -> tuple[Replayable, torch.Tensor, torch.Tensor, Signature]:
+        """The bucket's recorded step, (re-)captured first when missing or recorded over other tensors."""
+        entry = self._graphs.get(bucket)
+        if entry is not None and entry[3] != self._signature():
+            log.warning("verify graph for bucket %d was captured over other cache / arena tensors: re-capturing",
+                        bucket)
+            entry = None
+        if entry is None:
+            self._capture(bucket)
+            entry = self._graphs[bucket]
+        return entry
 
     def verify(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,15 +191,16 @@ class VerifyGraphs:
             with torch.no_grad():
                 logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
             return logits[: B * n], inputs.slots[:B], rows[: B * n]
-        entry = self._graphs.get(bucket)
-        if entry is not None and entry[3] != self._signature():
-            log.warning("verify graph for bucket %d was captured over other cache / arena tensors: re-capturing",
-                        bucket)
-            entry = None
-        if entry is None:
-            self._capture(bucket)
-            entry = self._graphs[bucket]
+        graph, logits, rows, _ = self._entry(bucket)
         inputs.fill(ids, slots, tables, starts, n)
-        graph, logits, rows, _ = entry
         graph.replay()
         return logits[: B * n], inputs.slots[:B], rows[: B * n]
+
+    def replay_stale(self, rows: int) -> torch.Tensor:
+        """A control's fault: replay the bucket of `rows` over whatever its static inputs hold now (the previous
+        verify's pack, or the capture's scratch rows), without a refill -> logits [rows * n, V] (a view)."""
+        if not self.use_graphs:
+            raise RuntimeError("replay_stale needs recorded steps (use_graphs)")
+        graph, logits, _, _ = self._entry(self.bucket_for(rows))
+        graph.replay()
+        return logits[: rows * self.verify_pass.num_positions]

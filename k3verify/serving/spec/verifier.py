@@ -20,7 +20,7 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.arena import VerifyArena, VerifyPass, commit_accepted
 
 if TYPE_CHECKING:
-    from k3verify.serving.spec.graphs import VerifyGraphs
+    from k3verify.serving.spec.graphs import Recorder, VerifyGraphs
 
 
 @dataclass
@@ -51,12 +51,14 @@ class SpecVerifier:
             raise RuntimeError("no verify is pending")
         return self._pending.latent_rows
 
-    def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None) -> VerifyGraphs:
-        """Captured verify steps over this verifier's arena (CUDA; use_graphs=False runs the same static step)."""
+    def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None,
+                    recorder: Recorder | None = None) -> VerifyGraphs:
+        """Captured verify steps over this verifier's arena (CUDA; use_graphs=False runs the same static step;
+        `recorder`: how a step is recorded, see serving.spec.graphs)."""
         from k3verify.serving.spec.graphs import VerifyGraphs
 
         return VerifyGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
-                            use_graphs=use_graphs)
+                            use_graphs=use_graphs, recorder=recorder)
 
     def can_verify(self, seq_id: int) -> bool:
         """Room left in the sequence's reserved budget for k+1 more positions."""
