@@ -62,44 +62,49 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def verify_graph_parity(verifier: SpecVerifier, graphs: VerifyGraphs, prompts: torch.Tensor) -> dict[str, Any]:
-    """One verify pack through the captured graph vs the same static step eagerly, from the same caches (snapshot,
-    restore): logits and records bit for bit. Control: the graph replayed while its static inputs still hold
-    another pack (the refill skipped)."""
+    """One verify pack through the captured graph vs the same static step eagerly, from the same caches: logits
+    and records bit for bit. Control: the graph replayed while its static inputs still hold another pack (the
+    refill skipped).
+
+    Both runs get one set of inputs (slots, page tables, cached counts) read once after the prefill, and the
+    caches restored from one snapshot; nothing is committed, so the runner's host-side counts never move. (A
+    verify + commit between the runs advanced those counts: the replay then verified one position later than
+    the eager step, which matched the KDA records up to the first MLA layer and nothing after it.)"""
     runner, n, arena = verifier.runner, verifier.num_positions, verifier.arena
     eager = verifier.make_graphs(graphs.max_context, graphs.buckets, use_graphs=False)
     B = prompts.shape[0]
     base = max(runner.active_ids, default=-1) + 1
     ids = list(range(base, base + B))
     for sid, p in zip(ids, prompts.tolist(), strict=True):
-        runner.admit(sid, len(p) + 3 * n)
+        runner.admit(sid, len(p) + n)
     pool, kv = runner.state_pool.tensors(), runner.kv_cache
 
     def outputs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"logits": _bits(logits.float().clone()), "records": _bits(arena.state[:, :B].clone())}
 
-    def run(steps: VerifyGraphs, shift: int) -> dict[str, torch.Tensor]:
+    def restore() -> None:
         for k, v in snap[0].items():
             pool[k].copy_(v)
         kv.data.copy_(snap[1])
-        out = outputs(verifier.verify([(sid, [(7 * sid + 3 * j + shift) % 1000 + 1 for j in range(n)])
-                                       for sid in ids], steps))
-        verifier.commit([0] * B)
-        return out
+
+    def run(steps: VerifyGraphs, shift: int) -> dict[str, torch.Tensor]:
+        restore()
+        flat = [(7 * sid + 3 * j + shift) % 1000 + 1 for sid in ids for j in range(n)]
+        logits, _, _ = steps.verify(flat, slots, tables, starts)
+        return outputs(logits)
 
     try:
         runner.prefill(list(zip(ids, prompts.tolist(), strict=True)))
+        slots, tables = [runner.slot_of(sid) for sid in ids], [runner.kv_cache.table(sid) for sid in ids]
+        starts = [runner.num_cached(sid) for sid in ids]
         snap = ({k: v.clone() for k, v in pool.items()}, kv.data.clone())
         ref, cand = run(eager, 0), run(graphs, 0)
         run(graphs, 1)  # leaves the other pack in the graph's static inputs
-        for k, v in snap[0].items():
-            pool[k].copy_(v)
-        kv.data.copy_(snap[1])
-        graph, out, _, _ = graphs._graphs[graphs.bucket_for(B)]
-        graph.replay()  # the control's fault: no refill
-        ctrl = outputs(out[: B * n].view(B, n, -1))
+        restore()
+        ctrl = outputs(graphs.replay_stale(B))  # the control's fault: no refill
     finally:
         for sid in ids:
             runner.release(sid)
     trial = Trial(reference=ref, candidate=cand, control=ctrl,
-                  notes=[f"{B} rows x {n} positions; captures={graphs.captures}"])
+                  notes=[f"{B} rows x {n} positions from {starts[0]} cached tokens; captures={graphs.captures}"])
     return judge(f"bench.verify_graph_vs_eager.b{B}", Kind.BITEXACT, trial)
