@@ -1,4 +1,5 @@
-"""Speculative decoding faults: the KDA verify records, the commit of the accepted prefix, acceptance."""
+"""Speculative decoding faults: the KDA verify records, the commit of the accepted prefix, acceptance, the captured
+verify step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ ARENA = "k3verify.serving.spec.arena"
 ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
 KERNELS = "k3verify.kernels.kda.verify_kernels"
+GRAPHS = "k3verify.serving.spec.graphs"
 PRESETS = ("k3-tiny", "kl-tiny")
 
 MUTANTS = [
@@ -61,6 +63,15 @@ MUTANTS = [
         old="L = int(max(b.start_list)) + max(b.seq_lens)",
         new="L = int(max(b.start_list)) + 1",
         killers=("spec.verify.logits", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.graph.refill_after_replay",
+        fault="the captured verify step is replayed before the live rows are copied into its static inputs: each "
+              "replay verifies the previous pack (the first one the capture's scratch rows)",
+        target=f"{GRAPHS}:VerifyGraphs.verify",
+        old="        inputs.fill(ids, slots, tables, starts, n)\n        graph.replay()\n",
+        new="        graph.replay()\n        inputs.fill(ids, slots, tables, starts, n)\n",
+        killers=("spec.verify.graph_vs_eager",), presets=PRESETS,
     ),
     Mutant(
         id="spec.fused.writes_pool_state", devices=("cuda",),

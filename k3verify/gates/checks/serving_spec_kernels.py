@@ -1,10 +1,12 @@
 """Speculative verify on CUDA: the Triton kernels against the torch reference, the fused launch against the
 unfused chain bit for bit (rows 1, 4, 8; eager and CUDA-graph replay), the captured verify step against eager.
-All three need CUDA (the CPU interpreter covers the kernels in tests/kernels/test_kernels_kda_verify.py).
+The kernel checks need CUDA (the CPU interpreter covers the kernels in tests/kernels/test_kernels_kda_verify.py);
+the captured step runs on CPU too, recorded by gates.replay's rerun recorder (its static-buffer bookkeeping).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates import fixtures as fx
 from k3verify.gates.checks._spec_common import NUM_DRAFT, OpCase, bits, op_case
+from k3verify.gates.replay import rerun_recorder
 from k3verify.kernels.kda import verify_triton
 from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_FUSED, VERIFY_NORM, VERIFY_RECORD, kda_verify
 from k3verify.kernels.registry import REGISTRY, TRITON
@@ -129,48 +132,72 @@ def check_triton_vs_torch(ctx: CheckContext) -> Trial:
         "4 rows x 5 positions, bf16, this preset's KDA dims: the three Triton ops vs their torch references"])
 
 
-def _verify_once(ctx: CheckContext, fused: bool, graphs: bool, stale: bool = False) -> dict[str, torch.Tensor]:
-    """Prefill three prompts, verify one pack (through captured graphs or the same static step eagerly) -> logits,
-    records and the caches' bits right after the verify."""
-    runner = ModelRunner(fx.serving_model(ctx, torch.bfloat16), num_pages=40, page_size=16, num_slots=4,
-                         max_context=256)
-    prompts = [fx.prompt(ctx, n, salt=70 + i).tolist() for i, n in enumerate((9, 30, 17))]
+Bits = dict[str, torch.Tensor]
+
+
+def _verify_variants(ctx: CheckContext, fused: bool) -> tuple[Bits, Bits, Bits]:
+    """Prefill three prompts once, then verify one pack three ways from the same caches (restored from one
+    snapshot, arena re-poisoned; nothing committed, so the runner's host-side counts never move): the static step
+    eagerly (reference), the recorded step replayed over the capture's own scratch inputs (control: the refill
+    skipped), the recorded step refilled and replayed (candidate). Each -> logits, records and the caches' bits
+    right after the verify. Recorded steps are CUDA graphs on CUDA; elsewhere the rerun recorder's stand-in,
+    whose replays run the step again over the same static buffers."""
+    cuda = ctx.device.type == "cuda"
+    # CPU tests the bookkeeping, not bf16 kernels: the fp32 model and a short context keep it to seconds
+    context = 256 if cuda else 64
+    runner = ModelRunner(fx.serving_model(ctx, torch.bfloat16 if cuda else torch.float32), num_pages=40,
+                         page_size=16, num_slots=4, max_context=context)
+    prompts = [fx.prompt(ctx, n, salt=70 + i).tolist() for i, n in enumerate((9, 30, 17) if cuda else (5, 12, 7))]
     for sid, p in enumerate(prompts):
-        runner.admit(sid, len(p) + 2 * (NUM_DRAFT + 1))
+        runner.admit(sid, len(p) + NUM_DRAFT + 1)
     runner.prefill(list(enumerate(prompts)))
+    B, n = len(prompts), NUM_DRAFT + 1
+    flat = [t for sid in range(B) for t in fx.prompt(ctx, n, salt=80 + sid).tolist()]
+    slots, tables = [runner.slot_of(s) for s in range(B)], [runner.kv_cache.table(s) for s in range(B)]
+    starts = [runner.num_cached(s) for s in range(B)]
     verifier = SpecVerifier(runner, NUM_DRAFT, 4, fused=fused)
-    verifier.arena.poison()
-    steps = verifier.make_graphs(256, (4,), use_graphs=graphs)
-    rows = [(sid, fx.prompt(ctx, NUM_DRAFT + 1, salt=80 + sid).tolist()) for sid in range(len(prompts))]
-    if stale:  # capture (and warm up) first, then replay over the inputs the capture left: scratch rows only
-        steps._capture(steps.bucket_for(len(rows)))  # the control's fault needs the graph without a refill
-        graph, out, _, _ = steps._graphs[steps.bucket_for(len(rows))]
-        graph.replay()
-        logits = out[: len(rows) * (NUM_DRAFT + 1)].view(len(rows), NUM_DRAFT + 1, -1)
-    else:
-        logits = verifier.verify(rows, steps)
-    torch.cuda.synchronize()
-    arena = verifier.arena
-    return {"logits": bits(logits.float()), "state_records": bits(arena.state[:, :3]),
-            "conv_records": bits(arena.conv[:, :3]), "latents": bits(runner.kv_cache.data),
-            "pool": bits(runner.state_pool.state)}
+    pool = runner.state_pool.tensors()
+    snap = ({k: v.clone() for k, v in pool.items()}, runner.kv_cache.data.clone())
+
+    def bits_after(step: Callable[[], torch.Tensor]) -> Bits:
+        for k, v in snap[0].items():
+            pool[k].copy_(v)
+        runner.kv_cache.data.copy_(snap[1])
+        verifier.arena.poison()
+        logits = step()
+        if cuda:
+            torch.cuda.synchronize()
+        arena = verifier.arena
+        return {"logits": bits(logits.float()), "state_records": bits(arena.state[:, :B]),
+                "conv_records": bits(arena.conv[:, :B]), "latents": bits(runner.kv_cache.data),
+                "pool": bits(runner.state_pool.state)}
+
+    eager = verifier.make_graphs(context, (4,), use_graphs=False)
+    graphs = verifier.make_graphs(context, (4,), recorder=None if cuda else rerun_recorder)
+    ref = bits_after(lambda: eager.verify(flat, slots, tables, starts)[0])
+    ctrl = bits_after(lambda: graphs.replay_stale(B))  # captures first: its static inputs hold scratch rows
+    cand = bits_after(lambda: graphs.verify(flat, slots, tables, starts)[0])
+    return ref, cand, ctrl
 
 
 @register_check(
-    id="spec.verify.graph_vs_eager", component="serving", level="serving", kind=Kind.BITEXACT, devices=("cuda",),
+    id="spec.verify.graph_vs_eager", component="serving", level="serving", kind=Kind.BITEXACT,
     control="the captured verify replayed over the capture's own (scratch) inputs instead of this step's rows",
 )
 def check_verify_graph_vs_eager(ctx: CheckContext) -> Trial:
-    ref, cand, ctrl = {}, {}, {}
-    for fused in (False, True):
+    ref: Bits = {}
+    cand: Bits = {}
+    ctrl: Bits = {}
+    # off CUDA a fused request runs the unfused reference (kda.verify_fused's torch backend): one path to test
+    for fused in (False, True) if ctx.device.type == "cuda" else (False,):
         path = "fused" if fused else "unfused"
-        for key, value in _verify_once(ctx, fused, graphs=False).items():
-            ref[f"{path}.{key}"] = value
-        for key, value in _verify_once(ctx, fused, graphs=True).items():
-            cand[f"{path}.{key}"] = value
-        for key, value in _verify_once(ctx, fused, graphs=True, stale=True).items():
-            ctrl[f"{path}.{key}"] = value
+        for out, bits_ in zip((ref, cand, ctrl), _verify_variants(ctx, fused), strict=True):
+            out.update({f"{path}.{key}": value for key, value in bits_.items()})
+    cuda = ctx.device.type == "cuda"
+    how = "a CUDA graph" if cuda else "the rerun recorder (static-buffer bookkeeping only)"
+    setup = "bf16 model, context 256, prompts (9, 30, 17)" if cuda else "fp32 model, context 64, prompts (5, 12, 7)"
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
-        f"bf16 model, prompts (9, 30, 17), one verify pack of {NUM_DRAFT + 1} tokens in a bucket of 4 rows; "
-        f"the same static step eager vs replayed from its CUDA graph, unfused and fused KDA verify; last fused path "
-        f"taken: {REGISTRY.last_backend.get(VERIFY_FUSED, 'none')}"])
+        f"{setup}, one verify pack of {NUM_DRAFT + 1} tokens in a bucket of 4 rows from one prefill (caches "
+        f"restored between runs); the same static step eager vs replayed from {how}; KDA verify paths "
+        f"{sorted({k.split('.')[0] for k in ref})}, last fused path taken: "
+        f"{REGISTRY.last_backend.get(VERIFY_FUSED, 'none')}"])
