@@ -214,7 +214,8 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
 def markdown_table(data: dict[str, Any]) -> str:
     hw = data["device_name"]
     if not data.get("speeds_reported"):
-        return f"No speeds for {data['preset']} on {hw}: " + "; ".join(data.get("notes", ["parity not green"]))
+        return (f"No speeds for {data['preset']} on {hw} (KDA verify path: {data['kda_verify_path']}): "
+                + "; ".join(data.get("notes", ["parity not green"])))
     rows = ["| hardware | workload | plain decode | speculative | speedup | acceptance (measured) | verify / decode "
             "steps, auto-off |", "|---|---|---|---|---|---|---|"]
     for r in data["speed"]:
