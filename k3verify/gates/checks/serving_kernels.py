@@ -47,7 +47,7 @@ def check_mxfp4_dequant(ctx: CheckContext) -> Trial:
     moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
     per_use = fx.serving_model(ctx, mxfp4_mode="per_use")
     moe_pu = next(m for m in per_use.modules() if isinstance(m, SparseMoE))
-    group = ctx.cfg.quant.group_size  # type: ignore[union-attr]
+    group = ctx.cfg.mxfp4_group_size
     ref, cand, ctrl = {}, {}, {}
     for e, expert in enumerate(moe.experts):
         for name in ("w1", "w2", "w3"):
