@@ -28,6 +28,8 @@
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
 #                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=90; measured on a cold
 #                                        H200: 49 s, 7 s, 300 s, 35 s)
+#   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
+#                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -167,8 +169,15 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
         print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
 PY
     ;;
+invariance)
+    # Issue 15: is a seeded request's text batch-invariant on CUDA? k3-tiny, a prompt alone vs packed with 1, 3 or 7
+    # others, eager and CUDA-graph decode (graph buckets pad the batch), fp32 and bf16; a table + $OUT/invariance.json
+    step "batch invariance on cuda (k3-tiny, --trials ${TRIALS:-3} --steps ${STEPS:-8})"
+    timeout "${INVARIANCE_S:-120}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
+        --steps "${STEPS:-8}" --json "$OUT/invariance.json" 2>&1 | quiet | tail -16
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance" >&2
     exit 2
     ;;
 esac
