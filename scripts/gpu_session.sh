@@ -33,6 +33,8 @@
 #                                        on k3-syn-25, the gpu-marked norm/router tests, then `bench --checkpoint`
 #                                        on the kl-tiny cache dir (the resolver end to end); a table at the end,
 #                                        $OUT/types.json. ~2 min
+#   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
+#                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -206,8 +208,15 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
         print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
 PY
     ;;
+invariance)
+    # Issue 15: is a seeded request's text batch-invariant on CUDA? k3-tiny, a prompt alone vs packed with 1, 3 or 7
+    # others, eager and CUDA-graph decode (graph buckets pad the batch), fp32 and bf16; a table + $OUT/invariance.json
+    step "batch invariance on cuda (k3-tiny, --trials ${TRIALS:-3} --steps ${STEPS:-8})"
+    timeout "${INVARIANCE_S:-120}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
+        --steps "${STEPS:-8}" --json "$OUT/invariance.json" 2>&1 | quiet | tail -16
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|types" >&2
     exit 2
     ;;
 esac
