@@ -1,11 +1,14 @@
 """One way from what the user named (a preset or a checkpoint directory) to what every command works on.
 
-`resolve_target` is used by parity, serve, mutate and bench: the config always comes from the checkpoint's own
+`resolve_target` is used by parity, serve and mutate, and through `resolve_shape` by bench: the config always
+comes from the checkpoint's own
 config.json + generation_config.json (`ModelConfig.from_file`), so every command sees the same eos ids; a synthetic
 preset is first written once to the checkpoint cache, so a preset and a checkpoint travel the same road. A directory
 written by transformers (its tensor spellings, every one of them placed by checkpoint/hf_interop.py) is read
 through that name map and says so (`Target.names`). Every problem is a `TargetError` naming the value; commands
-turn it into exit code 2.
+turn it into exit code 2. The one exception: `resolve_shape` (bench, which generates its own name-seeded weights
+on the GPU) also takes the real-shape presets (kl-48b-8l, k3-slice-4l, ...), whose config comes from the preset
+table because there is no data to write.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from k3verify.checkpoint.hf_interop import normalize_hf_names, uses_transformers
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
 from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
 from k3verify.config import ModelConfig
-from k3verify.presets import PRESETS, SYNTHETIC_PRESETS
+from k3verify.presets import PRESETS, SYNTHETIC_PRESETS, get_preset, preset_hf_config
 from k3verify.tokenizer import KimiTokenizer
 
 DEFAULT_PRESET = "k3-tiny"
@@ -100,3 +103,26 @@ def _from_dir(ckpt: Path, *, preset: str | None, name: str) -> Target:
         raise TargetError(f"{ckpt}: cannot digest the checkpoint: {exc}") from exc
     spelling = "transformers" if uses_transformers_names(cfg, names) else "published"
     return Target(cfg, name, preset, ckpt, digest, spelling)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a command that makes its own weights needs (bench): the config, the config.json dict a transformers
+    baseline is built from, and the name results carry."""
+
+    cfg: ModelConfig
+    hf_dict: dict[str, Any]
+    name: str
+    preset: str | None
+    checkpoint_dir: Path | None  # the directory the user named (its weights are not read); None for a preset
+
+
+def resolve_shape(preset: str | None = None, checkpoint: str | Path | None = None) -> ModelShape:
+    """The shape of a preset or a checkpoint directory. A real-shape preset is read from the preset table (nothing
+    is written: its weights would be gigabytes); a synthetic preset and a checkpoint go through resolve_target, so
+    their config parsing and eos ids are the ones parity and serve see."""
+    if checkpoint is None and preset in PRESETS and preset not in SYNTHETIC_PRESETS:
+        return ModelShape(get_preset(preset), preset_hf_config(preset), preset, preset, None)
+    target = resolve_target(preset, checkpoint)
+    return ModelShape(target.cfg, target.hf_config(), target.name, target.preset,
+                      None if target.preset is not None else target.checkpoint_dir)

@@ -18,7 +18,8 @@
 #                                        (passes within 10%); JSON under $OUT/plan-*.json
 #   bash scripts/gpu_session.sh mxfp4    the packed MXFP4 experts: CUDA checks kernel.mxfp4.* and moe.module.packed
 #                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
-#                                        on k3-slice-4l (packed vs dequantized; prints a table). < 5 min fresh
+#                                        on k3-slice-4l (packed vs dequantized; its table last). ~3 min cold, most
+#                                        of it the first bf16 prefill's Triton compiles + fla autotuning
 #   bash scripts/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
 #                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
 #                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
@@ -29,6 +30,13 @@
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
 #                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=90; measured on a cold
 #                                        H200: 49 s, 7 s, 300 s, 35 s)
+#   bash scripts/gpu_session.sh types    issue 11: the CUDA fast-path checks after their move to
+#                                        serving_fastpath_kernels.py (kernel.norm/router/attn.sdpa) and weights.*
+#                                        on k3-syn-25, the gpu-marked norm/router tests, then `bench --checkpoint`
+#                                        on the kl-tiny cache dir (the resolver end to end); a table at the end,
+#                                        $OUT/types.json. ~2 min
+#   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
+#                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -123,13 +131,13 @@ plan)
     ;;
 mxfp4)
     step "cuda checks kernel.mxfp4.* + moe.module.packed (k3-syn-25), then the gpu tests of the packed path"
-    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
+    timeout "${PARITY_S:-45}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.mxfp4.*' \
         --only moe.module.packed --report-dir "$OUT/parity-mxfp4" 2>&1 | quiet | tail -12
-    timeout "${PYTEST_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
+    timeout "${PYTEST_S:-30}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_mxfp4_grouped.py \
         2>&1 | tail -3
     step "bench --mxfp4 k3-slice-4l"
-    timeout "${BENCH_S:-240}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
-        | quiet | tail -30
+    timeout "${BENCH_S:-180}" python3 -m k3verify bench --mxfp4 --json "$OUT/bench-mxfp4.json" 2>&1 >/dev/null \
+        | quiet | tail -40
     ;;
 spec)
     # Fits ~180 s of a cold H200 (cold Triton cache): the bench gets SPEC_S (120), then the CUDA-only spec.* checks
@@ -161,6 +169,40 @@ realsize)
     step "realsize kl-48b-8l: make -> digest -> parity -> serve"
     python3 scripts/gpu_realsize.py --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
     ;;
+types)
+    step "cuda checks moved in issue 11 + weights.* (k3-syn-25), gpu tests of the Triton norm / router"
+    timeout "${PARITY_S:-150}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.norm.*' \
+        --only 'kernel.router.*' --only kernel.attn.sdpa_vs_torch --only 'weights.*' \
+        --report-dir "$OUT/parity-types" 2>&1 | quiet | tail -12
+    timeout "${PYTEST_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_norm.py \
+        tests/kernels/test_kernels_router.py 2>&1 | tail -3
+    step "bench --checkpoint (kl-tiny cache dir): resolved through k3verify/target.py"
+    ckpt=$(python3 -c "from k3verify.target import resolve_target; print(resolve_target('kl-tiny').checkpoint_dir)")
+    timeout "${BENCH_S:-240}" python3 -m k3verify bench --checkpoint "$ckpt" --prefill 64 --batch 1,4 \
+        --new-tokens 8 --prompt-len 16 --json "$OUT/bench-ckpt.json" 2>"$OUT/bench-ckpt.log" >/dev/null
+    echo "bench --checkpoint exit $?"
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = []
+report = out / "parity-types" / "report.json"
+for r in json.loads(report.read_text())["results"] if report.is_file() else []:
+    rows.append({"what": r["id"], "status": r["status"], "control": (r.get("control") or {}).get("status", "-")})
+bench = out / "bench-ckpt.json"
+if bench.is_file():
+    data = json.loads(bench.read_text())
+    rows.append({"what": f"bench --checkpoint ({data['preset']})", "status": "speeds" if data["speeds_reported"]
+                 else "no speeds", "control": "-", "notes": data["notes"]})
+else:
+    rows.append({"what": "bench --checkpoint", "status": "no JSON (see bench-ckpt.log)", "control": "-"})
+(out / "types.json").write_text(json.dumps(rows, indent=1))
+for r in rows:
+    print(f"{r['what']:40} {r['status']:14} control {r['control']}")
+    for n in r.get("notes", []):
+        print(f"    note: {n}")
+PY
+    ;;
 endpoint)
     for run in kl-tiny:bfloat16 kl-tiny:float32 k3-syn-25:float32; do
         preset=${run%%:*} dtype=${run##*:}
@@ -181,8 +223,15 @@ for report in sorted(Path(sys.argv[1]).glob("endpoint-*/report.json")):
         print(f"{report.parent.name[9:]:24} {r['id']:28} {r['status']:8} {metric:>10} {bar:>10} {control:>8}  {note}")
 PY
     ;;
+invariance)
+    # Issue 15: is a seeded request's text batch-invariant on CUDA? k3-tiny, a prompt alone vs packed with 1, 3 or 7
+    # others, eager and CUDA-graph decode (graph buckets pad the batch), fp32 and bf16; a table + $OUT/invariance.json
+    step "batch invariance on cuda (k3-tiny, --trials ${TRIALS:-3} --steps ${STEPS:-8})"
+    timeout "${INVARIANCE_S:-120}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
+        --steps "${STEPS:-8}" --json "$OUT/invariance.json" 2>&1 | quiet | tail -16
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|types" >&2
     exit 2
     ;;
 esac

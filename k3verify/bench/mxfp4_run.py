@@ -7,12 +7,14 @@ from typing import Any
 import torch
 
 from k3verify.bench import mxfp4 as m
-from k3verify.bench.parity import decode_parity, graph_parity
+from k3verify.bench import mxfp4_parity as mp
+from k3verify.bench.parity import graph_parity
 from k3verify.bench.run import progress
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.registry import REGISTRY
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 
 
@@ -27,12 +29,13 @@ def run_mxfp4_bench(plan: m.Mxfp4Plan, cfg: ModelConfig, device: torch.device, b
     progress(f"generating {plan.preset} weights on {device}")
     tensors = synthetic_tensors(cfg, plan.seed, device=device)
     ids = random_prompt(1, plan.parity_len, cfg.vocab_size, plan.seed + 7, device)[0]
-    progress("fp32 gold (dequantized experts, torch paths)")
+    progress("fp32 gold (dequantized experts, torch paths; information only)")
     gold = m.gold_logits(cfg, tensors, ids, device)
     models = {}
     for row, mode in m.MODES.items():
         progress(f"building the {row} model (mxfp4_mode={mode!r})")
-        models[row], result.memory[row] = m.build_model(cfg, tensors, mode, device)
+        models[row], result.memory[row], result.build_seconds[row] = m.build_model(cfg, tensors, mode, device,
+                                                                                   progress)
     del tensors
     ctx = max(plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8, plan.parity_len + 8)
     use_graphs = device.type == "cuda"
@@ -41,16 +44,8 @@ def run_mxfp4_bench(plan: m.Mxfp4Plan, cfg: ModelConfig, device: torch.device, b
         runners[row] = ModelRunner(model, num_pages=max(plan.batches) * (-(-ctx // 64)) + 8, page_size=64,
                                    num_slots=max(plan.batches) + 1, max_context=max(ctx, *plan.prefill_lens))
         graphs[row] = GraphDecoder(model, ctx, buckets=tuple(sorted(set(plan.batches))), use_graphs=use_graphs)
-
-    progress("parity")
-    theirs = models["dequantized"].prefill(_pack(ids), all_logits=True).all_logits
-    if theirs is None:
-        raise RuntimeError("the dequantized prefill returned no per-position logits")
-    result.parity.append(m.prefill_parity(models["packed"], gold, theirs, ids, plan.parity_bar))
-    S = plan.decode_parity_steps
-    result.parity.append(decode_parity(runners["packed"], graphs["packed"], ids, gold, theirs,
-                                       plan.parity_len - S, S, plan.parity_bar))
-    result.parity[-1]["id"] = "bench.mxfp4.decode_logits_vs_fp32_gold"
+    progress("parity: packed vs dequantized (routes pinned, bars from grouped-vs-loop noise)")
+    result.parity += _packed_parity(plan, models, runners, ids, gold, ctx)
     if use_graphs:
         for B in sorted(set(plan.batches)):
             prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + B, device)
@@ -73,10 +68,21 @@ def run_mxfp4_bench(plan: m.Mxfp4Plan, cfg: ModelConfig, device: torch.device, b
     return _with_fallbacks(result)
 
 
-def _pack(ids: torch.Tensor) -> Any:
-    from k3verify.serving.batch import PackedBatch
-
-    return PackedBatch.build(ids, [ids.numel()], device=ids.device)
+def _packed_parity(plan: m.Mxfp4Plan, models: dict[str, ServingModel], runners: dict[str, ModelRunner],
+                   ids: torch.Tensor, gold: torch.Tensor, ctx: int) -> list[dict[str, Any]]:
+    """Prefill and teacher-forced decode logits, packed vs dequantized (bench/mxfp4_parity.py)."""
+    P, S = plan.parity_len - plan.decode_parity_steps, plan.decode_parity_steps
+    prefill = mp.packed_vs_dequantized(
+        "bench.mxfp4.prefill_packed_vs_dequantized", models["dequantized"],
+        mp.prefill_run(models["dequantized"], ids), models["packed"], mp.prefill_run(models["packed"], ids), gold,
+        f"prefill of {ids.numel()} tokens, every position's logits")
+    decode = mp.packed_vs_dequantized(
+        "bench.mxfp4.decode_packed_vs_dequantized", models["dequantized"],
+        mp.decode_run(runners["dequantized"], ids, P, S, ctx), models["packed"],
+        mp.decode_run(runners["packed"], ids, P, S, ctx), gold[P - 1:P + S],
+        f"prefill {P} tokens, then {S} teacher-forced decode steps through the graphs' static step run eagerly "
+        "(replay == eager: bench.graph_replay_vs_eager.*); logits at positions P-1..P+S-1")
+    return [prefill, decode]
 
 
 def _with_fallbacks(result: m.Mxfp4Result) -> m.Mxfp4Result:
@@ -105,7 +111,8 @@ def mxfp4_table(data: dict[str, Any]) -> str:
         ratio = f"{d / p:.2f}x smaller" if p and d else "–"
         rows.append(f"| weights memory: {label} | {_gb(p)} | {_gb(d)} | {ratio} | – | – |")
     if not data.get("speeds_reported"):
-        return "\n".join(rows) + "\n\nNo speeds: " + "; ".join(data.get("notes", ["parity not green"]))
+        return "\n".join(rows) + _parity_lines(data) + "\nNo speeds: " + "; ".join(data.get("notes",
+                                                                                          ["parity not green"]))
     for r in data["moe_layer"]:
         rows.append(f"| MoE layer (routed experts), {r['tokens']} token(s), {r['distinct_experts']} experts | "
                     f"{r['packed_us']:,.1f} us | {r['dequantized_us']:,.1f} us | "
@@ -120,5 +127,24 @@ def mxfp4_table(data: dict[str, Any]) -> str:
         ratio = r["packed_tok_s"] / r["dequantized_tok_s"]
         rows.append(f"| prefill {r['tokens']:,} tokens | {r['packed_tok_s']:,.0f} tok/s | "
                     f"{r['dequantized_tok_s']:,.0f} tok/s | {ratio:.2f}x | – | – |")
-    passed = ", ".join(f"{p['id']} {p['status']}" for p in data["parity"])
-    return "\n".join(rows) + f"\n\nParity in the same run: {passed}."
+    return "\n".join(rows) + _parity_lines(data)
+
+
+def _parity_lines(data: dict[str, Any]) -> str:
+    """One line per parity result of the run (metric, bar, control; fp32-gold distances as information)."""
+    lines = ["", "", "Parity in the same run (packed vs dequantized: routes pinned, bar from grouped-vs-loop noise):"]
+    for p in data["parity"]:
+        line = f"  {p['id']}: {p['status']} {p['metric']:.3g}"
+        if p.get("bar") is not None:
+            line += f" (bar {p['bar']:.3g}, noise {p.get('noise_grouped_vs_loop_rms', 0.0):.3g})"
+        line += f", control {p['control_metric']:.3g}"
+        if "packed_vs_fp32_gold_rms" in p:
+            line += (f"; vs fp32 gold (info) packed {p['packed_vs_fp32_gold_rms']:.3g}, dequantized "
+                     f"{p['dequantized_vs_fp32_gold_rms']:.3g}; pins {p.get('router.pinned', 0):.0f}/"
+                     f"{p.get('router.flips', 0):.0f}")
+        lines.append(line)
+    build = data.get("build_seconds", {})
+    if build:
+        lines.append("Build seconds (load / stack / 16-token warm-up): " + "; ".join(
+            f"{mode} {s['load']:.1f} / {s['stack']:.1f} / {s['warmup']:.1f}" for mode, s in build.items()))
+    return "\n".join(lines)

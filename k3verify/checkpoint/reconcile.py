@@ -183,9 +183,12 @@ def reconcile_entries(cfg: ModelConfig, found: Mapping[str, FoundTensor], expect
             result.ignored.append(Unplaced(name, reason))
             continue
         try:
-            by_module[to_module_name(cfg, name)] = name  # type: ignore[index]
+            module = to_module_name(cfg, name)
         except KeyError as exc:
             result.no_destination.append(Unplaced(name, str(exc.args[0])))
+            continue
+        assert module is not None, f"{name!r}: to_module_name is None only for ignorable names, sorted out above"
+        by_module[module] = name
     group = cfg.quant.group_size if cfg.quant is not None else mxfp4.GROUP
     match = _Matcher(cfg, result, read)
     used: set[str] = set()
@@ -264,14 +267,16 @@ def _match_pair(match: _Matcher, found: Mapping[str, FoundTensor], by_module: di
     """A dense expert parameter filled by dequantizing `slot.weight_packed` + `slot.weight_scale`."""
     result = match.result
     packed, scale = by_module.get(f"{slot}.weight_packed"), by_module.get(f"{slot}.weight_scale")
-    if packed is None and scale is None:
-        result.no_source.append(exp.name)
-        return
     if packed is None or scale is None:
-        present = packed or scale
-        used.add(present)  # type: ignore[arg-type]
-        missing = match.cfg.checkpoint_prefix + (f"{slot}.weight_scale" if scale is None else f"{slot}.weight_packed")
-        result.partial.append(PartialSlot(slot, present, missing))  # type: ignore[arg-type]
+        if packed is not None:
+            present, missing = packed, f"{slot}.weight_scale"
+        elif scale is not None:
+            present, missing = scale, f"{slot}.weight_packed"
+        else:
+            result.no_source.append(exp.name)
+            return
+        used.add(present)
+        result.partial.append(PartialSlot(slot, present, match.cfg.checkpoint_prefix + missing))
         return
     used.update((packed, scale))
     rows, cols = exp.shape

@@ -11,17 +11,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3verify.cli import Subparsers, UsageError
+from k3verify.target import ModelShape, TargetError, resolve_shape
 
 if TYPE_CHECKING:  # bench code imports CUDA-side modules lazily: `--table` runs without them
     from k3verify.bench.run import BenchResult
 
-if TYPE_CHECKING:
-    from k3verify.bench.run import BenchResult
+PARITY_BAR = 5e-3  # --parity-bar's default (the kl bench's floor under 1.5x the baseline's distance)
 
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="GPU only: our prefill/decode speed vs transformers+fla (same run)")
     p.add_argument("--preset", default=None, help="default kl-48b-8l (k3-slice-4l with --mxfp4)")
+    p.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
+                   help="bench this checkpoint's shape (its config.json); the weights are generated name-seeded on "
+                        "the GPU as for a preset, not read from DIR")
     p.add_argument("--prefill", default=None, help="prompt lengths for the prefill measurement "
                    "(default 1024,8192; 8192 with --mxfp4)")
     p.add_argument("--batch", default=None, help="decode batch sizes (default 1,16,64; 1,64 with --mxfp4)")
@@ -38,7 +41,7 @@ def register(sub: Subparsers) -> None:
                    help="also the real engine and HTTP server under C concurrent streaming clients (default "
                         "1,16,64; each must be a benchmarked batch): parity with the bench path, then speeds")
     p.add_argument("--served-requests", type=int, default=3, metavar="N", help="requests per served client")
-    p.add_argument("--parity-bar", type=float, default=5e-3)
+    p.add_argument("--parity-bar", type=float, default=PARITY_BAR)
     p.add_argument("--json", type=Path, default=None, help="write the results here (atomically)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="print the README results table of an earlier run's --json file and exit (no GPU)")
@@ -62,10 +65,27 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def bench_shape(args: argparse.Namespace) -> ModelShape:
+    """The model to bench, through the shared resolver (real-shape presets included); UsageError names the flag."""
+    preset = args.preset
+    if preset is None and args.checkpoint is None:
+        preset = "k3-slice-4l" if args.mxfp4 else "kl-48b-8l"
+    try:
+        return resolve_shape(preset, args.checkpoint)
+    except TargetError as exc:
+        flag = f"--checkpoint {args.checkpoint}" if args.checkpoint is not None else f"--preset {preset}"
+        raise UsageError(f"{flag}: {exc}") from exc
+
+
+def _weights_note(shape: ModelShape, seed: int) -> list[str]:
+    if shape.checkpoint_dir is None:
+        return []
+    return [f"shape from {shape.checkpoint_dir}/config.json; weights generated name-seeded (seed {seed}) on the "
+            "device, not read from the checkpoint"]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from k3verify.presets import PRESETS, get_preset, preset_hf_config
 
     if args.table is not None:
         from k3verify.bench.table import markdown_table
@@ -85,20 +105,21 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(markdown_table(data))
         return 0 if data.get("speeds_reported") else 1
+    if args.mxfp4 and args.parity_bar != PARITY_BAR:
+        raise UsageError(f"--parity-bar {args.parity_bar} does not apply to --mxfp4: its bars derive from the measured "
+                         "noise between two bf16 evaluations of the dequantized model (bench/mxfp4_parity.py)")
+    shape = bench_shape(args)  # before the CUDA check: a wrong name is reported on any machine
     if not torch.cuda.is_available():
         raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
-    args.preset = args.preset or ("k3-slice-4l" if args.mxfp4 else "kl-48b-8l")
-    if args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
     prefill_lens = _ints(args.prefill or ("8192" if args.mxfp4 else "1024,8192"), "--prefill")
     batches = _ints(args.batch or ("1,64" if args.mxfp4 else "1,16,64"), "--batch")
     if args.mxfp4:
-        return _run_mxfp4(args, prefill_lens, batches)
+        return _run_mxfp4(args, shape, prefill_lens, batches)
     profile = _ints(args.profile, "--profile") if args.profile else []
     if set(profile) - set(batches):
         raise UsageError(f"--profile {profile}: only batch sizes that are also benchmarked ({batches}) can be profiled")
     if args.speculative is not None:
-        return _run_spec(args, batches)
+        return _run_spec(args, shape, batches)
     served = _ints(args.served, "--served") if args.served else []
     if set(served) - set(batches):
         raise UsageError(f"--served {served}: each concurrency must be a benchmarked batch ({batches}): the served "
@@ -107,30 +128,30 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--served-requests must be >= 1; got {args.served_requests}")
     from k3verify.bench import run as b
 
-    plan = b.BenchPlan(args.preset, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
+    plan = b.BenchPlan(shape.name, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
                        baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar,
                        profile_batches=tuple(profile), served_concurrency=tuple(served),
                        served_requests_per_client=args.served_requests)
-    result = b.run_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"),
-                         b.measure_bandwidth())
+    result = b.run_bench(plan, shape.cfg, shape.hf_dict, torch.device("cuda"), b.measure_bandwidth())
+    result.notes.extend(_weights_note(shape, args.seed))
     _emit(result, args.json)
     return 0 if result.speeds_reported else 1
 
 
-def _run_mxfp4(args: argparse.Namespace, prefill_lens: list[int], batches: list[int]) -> int:
+def _run_mxfp4(args: argparse.Namespace, shape: ModelShape, prefill_lens: list[int], batches: list[int]) -> int:
     import torch
 
     from k3verify.bench import mxfp4
     from k3verify.bench.mxfp4_run import mxfp4_table, run_mxfp4_bench
     from k3verify.bench.run import measure_bandwidth
-    from k3verify.presets import get_preset
 
-    plan = mxfp4.Mxfp4Plan(args.preset, tuple(prefill_lens), tuple(batches), tuple(_ints(args.moe_tokens,
-                           "--moe-tokens")), args.new_tokens, args.prompt_len, args.seed, parity_bar=args.parity_bar)
+    plan = mxfp4.Mxfp4Plan(shape.name, tuple(prefill_lens), tuple(batches), tuple(_ints(args.moe_tokens,
+                           "--moe-tokens")), args.new_tokens, args.prompt_len, args.seed)
     try:
-        result = run_mxfp4_bench(plan, get_preset(args.preset), torch.device("cuda"), measure_bandwidth())
+        result = run_mxfp4_bench(plan, shape.cfg, torch.device("cuda"), measure_bandwidth())
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    result.notes.extend(_weights_note(shape, args.seed))
     data = result.to_dict()
     print(json.dumps(data, indent=1))
     print(mxfp4_table(data), file=sys.stderr)
@@ -149,19 +170,19 @@ def _floats(text: str, flag: str) -> list[float]:
     return values
 
 
-def _run_spec(args: argparse.Namespace, batches: list[int]) -> int:
+def _run_spec(args: argparse.Namespace, shape: ModelShape, batches: list[int]) -> int:
     import torch
 
     from k3verify.bench.spec import SpecPlan, markdown_table, run_spec_bench
-    from k3verify.presets import get_preset, preset_hf_config
 
     if args.num_draft < 1:
         raise UsageError(f"--num-draft must be >= 1; got {args.num_draft}")
-    plan = SpecPlan(args.preset, tuple(batches), args.num_draft, args.speculative,
+    plan = SpecPlan(shape.name, tuple(batches), args.num_draft, args.speculative,
                     tuple(_floats(args.spec_accept, "--spec-accept")), args.new_tokens, args.prompt_len, args.seed,
                     fused=args.kda_fused_verify, baseline=not args.no_baseline, parity_bar=args.parity_bar,
                     layer_rows=tuple(_ints(args.spec_layer_rows, "--spec-layer-rows")), use_graphs=not args.no_graphs)
-    result = run_spec_bench(plan, get_preset(args.preset), preset_hf_config(args.preset), torch.device("cuda"))
+    result = run_spec_bench(plan, shape.cfg, shape.hf_dict, torch.device("cuda"))
+    result.notes.extend(_weights_note(shape, args.seed))
     data = result.to_dict()
     print(json.dumps(data, indent=1))
     for r in result.parity:

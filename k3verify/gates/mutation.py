@@ -193,7 +193,9 @@ def apply_patch(mutant: Mutant) -> None:
     owner: Any = module
     for part in owners:
         owner = getattr(owner, part)
-    setattr(owner, name, mutant.patch(getattr(owner, name)))  # type: ignore[misc]
+    if mutant.patch is None:  # Mutant.__post_init__ refuses this for kind "patch"; a replace mutant has no patch
+        raise CatalogError(f"mutant {mutant.id!r} ({mutant.kind}) has no `patch` factory to apply")
+    setattr(owner, name, mutant.patch(getattr(owner, name)))
 
 
 def child_main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,7 @@ reported, so a near-tie is told apart from a bug.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +114,9 @@ def record_routes(model: nn.Module) -> Iterator[RouteRecord]:
             h.remove()
 
 
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a gate's forward: x -> (weights, ids)
+
+
 @contextlib.contextmanager
 def pin_routes(model: nn.Module, reference: RouteRecord, ref_model: nn.Module, cfg: ModelConfig,
                stats: PinStats) -> Iterator[None]:
@@ -130,8 +133,8 @@ def pin_routes(model: nn.Module, reference: RouteRecord, ref_model: nn.Module, c
         plain = gate.forward
 
         def pinned(x: torch.Tensor, i: int = i, gate: nn.Module = gate, ref_gate: nn.Module = ref_gate,
-                   plain: object = plain) -> tuple[torch.Tensor, torch.Tensor]:
-            weights, idx = plain(x)  # type: ignore[operator]
+                   plain: Router = plain) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, idx = plain(x)
             rx, rw, ridx = reference.layer(i)
             start = cursors.get(i, 0)
             cursors[i] = start + x.shape[0]

@@ -14,7 +14,9 @@ COLORS = ("#1f6feb", "#d1242f", "#8250df", "#1a7f37")
 
 def _as_float(value: object) -> float:
     # report.json stores non-finite numbers as "nan" / "inf" / "-inf", which float() reads back.
-    return float(value)  # type: ignore[arg-type]
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise TypeError(f"chart value {value!r} ({type(value).__name__}) is neither a number nor 'nan'/'inf'")
 
 
 def _log_range(values: Sequence[float], bar: float | None) -> tuple[float, float, float]:

@@ -32,3 +32,12 @@ def cuda_reason(load: Loader) -> str | None:
         return "CUDA is not available"
     mod = load()
     return mod if isinstance(mod, str) else None
+
+
+def loaded(load: Loader) -> ModuleType:
+    """The kernel module, or RuntimeError with the import failure (callers checked `cuda_reason` first, so
+    this only fires when a launch bypasses the registry's gate)."""
+    mod = load()
+    if isinstance(mod, str):
+        raise RuntimeError(mod)
+    return mod

@@ -141,7 +141,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
                       params=params, sink=sink, stop_ids=frozenset(stop_ids), seed=request_seed(params.seed),
-                      decoder=IncrementalDecoder(self.token_text, skip_special=True),  # type: ignore[arg-type]
+                      decoder=IncrementalDecoder(self.token_text, skip_special=True),
                       arrival=time.monotonic())
         with self._lock:
             if self.health() is not None:

@@ -143,7 +143,7 @@ class ServingModel(nn.Module):
             h = self.finish(x, blocks)
             del blocks  # the per-pass block buffer is released here
         else:
-            for layer in self.model.layers:
+            for layer in self.model.decoder_layers():
                 x = layer(x, ctx, captures)
             h = self.finish(x, None)
         if captures is not None:
@@ -169,5 +169,6 @@ class ServingModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu", mxfp4_mode: str = "auto", **kwargs: object) -> ServingModel:
-    return ServingModel(cfg, dtype, device, mxfp4_mode, **kwargs).load(tensors)  # type: ignore[arg-type]
+                device: torch.device | str = "cpu", mxfp4_mode: str = "auto", tile_tokens: int | None = None,
+                mla_absorb: bool = True) -> ServingModel:
+    return ServingModel(cfg, dtype, device, mxfp4_mode, tile_tokens=tile_tokens, mla_absorb=mla_absorb).load(tensors)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import codecs
+from typing import Protocol
 
-from k3verify.tokenizer.tokenizer import KimiTokenizer
+
+class TokenBytes(Protocol):
+    """What the decoder reads: KimiTokenizer, or the engine's TokenText (which also covers vocab padding ids)."""
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class IncrementalDecoder:
@@ -14,7 +21,7 @@ class IncrementalDecoder:
     the character completes; `finish()` flushes a truncated tail as U+FFFD, like `decode` does.
     """
 
-    def __init__(self, tokenizer: KimiTokenizer, *, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: TokenBytes, *, skip_special: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -1,7 +1,8 @@
 """Runs in a child process of tests/kernels/test_kernels_mxfp4_grouped.py with TRITON_INTERPRET=1: the Triton
 MXFP4 grouped GEMM on Triton's CPU interpreter (patched by triton_interp.py to round and multiply bf16 as
 the GPU does) against its torch reference, the faults of the CUDA mutation catalog applied to the kernel's
-source, the serving MoE routed through the kernel, and the CUDA check's own code on small shapes.
+source, the serving MoE routed through the kernel, the MXFP4 bench's decode check with the kernel and with each
+catalog fault, and the CUDA check's own code on small shapes.
 
     TRITON_INTERPRET=1 python -c "import mxfp4_interpreter_child as c; c.main(TMP)"   # prints REPORT {json}
 """
@@ -123,6 +124,47 @@ def serving_packed_vs_cached() -> dict[str, float]:
     return {"rms": rms(cached.all_logits, packed.all_logits), "routed_triton": float(routed)}
 
 
+BENCH_FAULT = "kernel.mxfp4.triton_wrong_expert_offset"  # one fault: every launch is interpreted (seconds each)
+
+
+def bench_decode(faulted: dict[str, Any]) -> dict[str, dict[str, float | str]]:
+    """The MXFP4 bench's decode check (bench/mxfp4_parity.py) on k3-tiny with the packed GEMM on the interpreted
+    Triton kernel: as it is, and with one CUDA catalog fault of the kernel registered in its place (the torch
+    path's fault: tests/bench/test_bench_mxfp4_mutants.py)."""
+    from k3verify.bench import mxfp4 as bench
+    from k3verify.bench import mxfp4_parity as mp
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+    from k3verify.kernels import mxfp4
+    from k3verify.kernels.mxfp4 import triton_impl
+    from k3verify.kernels.registry import REGISTRY, TRITON
+    from k3verify.presets import get_preset
+    from k3verify.serving.runner import ModelRunner
+
+    P, S, ctx = 6, 1, 16
+    cfg, cpu = get_preset("k3-tiny"), torch.device("cpu")
+    tensors = synthetic_tensors(cfg)
+    ids = torch.arange(P + S) * 97 % cfg.vocab_size
+    gold = bench.gold_logits(cfg, tensors, ids, cpu)[P - 1:P + S]
+    models = {mode: bench.build_model(cfg, tensors, mode, cpu)[0] for mode in ("packed", "cached")}
+    runs = {mode: mp.decode_run(ModelRunner(model, num_pages=4, page_size=16, num_slots=2, max_context=ctx), ids,
+                                P, S, ctx) for mode, model in models.items()}
+    out: dict[str, dict[str, float | str]] = {}
+    REGISTRY.force(mxfp4.GROUPED_MM, TRITON)
+    try:
+        for name, launch in {"kernel": triton_impl.grouped_mm_triton, BENCH_FAULT: faulted[BENCH_FAULT]}.items():
+            REGISTRY.register(mxfp4.GROUPED_MM, TRITON, launch)
+            REGISTRY.last_backend.pop(mxfp4.GROUPED_MM, None)
+            r = mp.packed_vs_dequantized("bench.mxfp4.decode_packed_vs_dequantized", models["cached"],
+                                         runs["cached"], models["packed"], runs["packed"], gold, "interpreter")
+            out[name] = {"status": r["status"], "metric": r["metric"], "bar": r["bar"],
+                         "control": r["control_metric"], "backend": REGISTRY.last_backend[mxfp4.GROUPED_MM]}
+    finally:
+        REGISTRY.register(mxfp4.GROUPED_MM, TRITON, triton_impl.grouped_mm_triton, accepts=triton_impl.accepts,
+                          available=triton_impl.available)
+        REGISTRY.force(mxfp4.GROUPED_MM, None)
+    return out
+
+
 def check_dry_run() -> dict[str, Any]:
     """kernel.mxfp4.grouped_vs_torch's own code (CUDA-only) on small shapes, the Triton path forced."""
     from k3verify.gates import CheckContext
@@ -166,10 +208,12 @@ def main(tmp: str) -> None:
     for cname, fault in controls.items():
         for name, counts, N, K in CASES[:2]:
             report["controls"][f"{cname}.{name}"] = compare(kernel, name, counts, N, K, fault)
-    for mid, launch in faulted_kernels(tmp).items():
+    faulted = faulted_kernels(tmp)
+    for mid, launch in faulted.items():
         for name, counts, N, K in (c for c in CASES if c[0] in MUTANT_CASES):
             report["mutants"][f"{mid}.{name}"] = compare(launch, name, counts, N, K)
     report["serving"] = serving_packed_vs_cached()
+    report["bench_decode"] = bench_decode(faulted)
     report["check"] = check_dry_run()
     print("REPORT " + json.dumps(report))
 

@@ -137,6 +137,18 @@ def test_serving_moe_runs_the_kernel_and_matches_dequantized_experts(report: dic
     assert report["serving"]["rms"] < 1e-2, report["serving"]
 
 
+def test_bench_decode_check_passes_the_kernel_and_fails_a_catalog_fault(report: dict[str, Any]) -> None:
+    """`k3verify bench --mxfp4`'s decode check (packed vs dequantized, routes pinned, bar from the dequantized
+    model's own noise) on k3-tiny through the interpreted kernel: green as it is, red with the kernel reading
+    the previous expert's weights (so the H200 run's decode result can fail for a kernel bug)."""
+    runs = report["bench_decode"]
+    assert set(runs) == {"kernel", "kernel.mxfp4.triton_wrong_expert_offset"}
+    assert all(r["backend"] == "triton" for r in runs.values()), runs
+    ok, bad = runs["kernel"], runs["kernel.mxfp4.triton_wrong_expert_offset"]
+    assert ok["status"] == "pass" and ok["control"] > ok["bar"] > ok["metric"], runs
+    assert bad["status"] == "fail" and bad["metric"] > 10 * bad["bar"], runs
+
+
 def test_the_cuda_check_code_passes_with_a_failing_control(report: dict[str, Any]) -> None:
     """kernel.mxfp4.grouped_vs_torch itself (its inputs, routing proof, fp64 reference, control, metrics) on
     small shapes: pass, control caught, the preset's own experts among the keys."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,12 @@ def _sentinel(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _three(make: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three draws, q / k / v in that order (Python evaluates a tuple left to right; the generator's order
+    fixes every check's inputs)."""
+    return make(), make(), make()
+
+
 def op_case(ctx: Any, dtype: torch.dtype, rows: int = len(SLOTS), num_draft: int = NUM_DRAFT) -> OpCase:
     """ctx: a CheckContext, or anything with cfg, generator and device (the bench)."""
     if not ctx.cfg.has_kda:
@@ -62,15 +69,15 @@ def op_case(ctx: Any, dtype: torch.dtype, rows: int = len(SLOTS), num_draft: int
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    xs = tuple(rnd(rows, n, D).to(dtype).to(dev) for _ in range(3))
-    weights = tuple((rnd(D, W) * 0.5).to(dtype).to(dev) for _ in range(3))
-    windows = tuple(_sentinel(rnd(NUM_SLOTS, D, W - 1).to(dtype).float()).to(dev) for _ in range(3))
+    xs = _three(lambda: rnd(rows, n, D).to(dtype).to(dev))
+    weights = _three(lambda: (rnd(D, W) * 0.5).to(dtype).to(dev))
+    windows = _three(lambda: _sentinel(rnd(NUM_SLOTS, D, W - 1).to(dtype).float()).to(dev))
     state = _sentinel(rnd(NUM_SLOTS, h, dk, dk, scale=0.3)).to(dev)
     g = (-torch.rand(rows, n, h, dk, generator=gen) * 0.7 - 0.01).to(dev)  # log decay in (-0.71, -0.01)
     beta = torch.rand(rows, n, h, generator=gen).to(dev)
     gate = rnd(rows, n, h, dk).to(dtype).to(dev)
     norm_weight = (1.0 + rnd(dk, scale=0.1)).to(dev)
-    return OpCase(xs, weights, windows, state, g, beta, gate, norm_weight,  # type: ignore[arg-type]
+    return OpCase(xs, weights, windows, state, g, beta, gate, norm_weight,
                   torch.tensor(slots, device=dev), torch.ones(rows, dtype=dtype, device=dev), dk**-0.5,
                   cfg.rms_norm_eps)
 

@@ -267,7 +267,7 @@ def check_untouched_slots(ctx: CheckContext) -> Trial:
     model = fx.served_model(ctx)
     ids = fx.prompt(ctx, 40, salt=21).tolist()
 
-    def run(fault: bool) -> dict[str, torch.Tensor]:
+    def run(fault: bool) -> dict[str, dict[str, torch.Tensor]]:
         runner = _runner(model, num_slots=6)
         pool, cache = runner.state_pool, runner.kv_cache
         for t in (*pool.tensors().values(), cache.data):
@@ -281,22 +281,19 @@ def check_untouched_slots(ctx: CheckContext) -> Trial:
         snapshot = {name: _bits(t.index_select(1, idle_slots)) for name, t in pool.tensors().items()}
         snapshot["latent_pages"] = _bits(cache.data.index_select(1, idle_pages))
         store = pool.store_state
-        if fault:
-            def leaky(layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
-                store(layer, slots, value)
-                store(layer, slots + 1, value)
-            pool.store_state = leaky  # type: ignore[method-assign]
-        try:
+
+        def leaky(layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
+            store(layer, slots, value)
+            store(layer, slots + 1, value)
+        with fx.patched(pool, "store_state", leaky) if fault else contextlib.nullcontext():
             runner.prefill([(1, ids[:12]), (2, ids[12:31])])
             for step in range(3):
                 runner.decode([(1, ids[31 + step]), (2, ids[34 + step])])
-        finally:
-            pool.__dict__.pop("store_state", None)
         after = {name: _bits(t.index_select(1, idle_slots)) for name, t in pool.tensors().items()}
         after["latent_pages"] = _bits(cache.data.index_select(1, idle_pages))
         runner.release(1)
         runner.release(2)
-        return {"before": snapshot, "after": after}  # type: ignore[dict-item]
+        return {"before": snapshot, "after": after}
 
     good, bad = run(False), run(True)
     return Trial(reference=good["before"], candidate=good["after"], control=bad["after"], notes=[

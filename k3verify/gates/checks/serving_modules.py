@@ -9,6 +9,8 @@ fault the check exists for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -42,7 +44,10 @@ def _layers(ctx: CheckContext, kind: str) -> list[int]:
     return [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
 
 
-def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: object, gold: bool) -> Trial:
+Fault = Callable[[Any], AbstractContextManager[Any]]  # serving layer -> the control's fault while entered
+
+
+def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: Fault, gold: bool) -> Trial:
     """Run every `kind` attention layer of both stacks; `fault(layer) -> context manager` makes the control."""
     layers = _layers(ctx, kind)
     if not layers:
@@ -57,7 +62,7 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: object,
         key = f"layers.{i}"
         out["ref"][key] = fx.layers(ref)[i].self_attn(x)
         out["cand"][key] = serving(x, pass_ctx)
-        with fault(serving):  # type: ignore[operator]
+        with fault(serving):
             out["ctrl"][key] = serving(x, pass_ctx)
         if ref64 is not None:
             out["gold"][key] = fx.layers(ref64)[i].self_attn(x.double())
@@ -107,18 +112,18 @@ def _lora_eps(layer: Any) -> Any:
 
 class _Stack:
     def __init__(self) -> None:
-        self.cms: list[object] = []
+        self.cms: list[AbstractContextManager[Any]] = []
 
-    def add(self, cm: object) -> None:
+    def add(self, cm: AbstractContextManager[Any]) -> None:
         self.cms.append(cm)
 
     def __enter__(self) -> None:
         for cm in self.cms:
-            cm.__enter__()  # type: ignore[attr-defined]
+            cm.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         for cm in reversed(self.cms):
-            cm.__exit__(*exc)  # type: ignore[attr-defined]
+            cm.__exit__(*exc)
 
 
 @register_check(

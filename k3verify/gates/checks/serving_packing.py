@@ -58,17 +58,23 @@ def _depth(ref: ForwardOutput, cand: ForwardOutput) -> list[tuple[str, torch.Ten
     return [(k, ref.captures[k], cand.captures[k]) for k in names + ["final_hidden"]]
 
 
-def _output(out: ForwardOutput, key: str) -> torch.Tensor | None:
+def _captures(out: ForwardOutput) -> dict[str, torch.Tensor]:
+    if out.captures is None:
+        raise RuntimeError("the pass ran without capture=True: it has no layer captures to compare")
+    return out.captures
+
+
+def _output(out: ForwardOutput, key: str) -> torch.Tensor:
     """A pass's logits ("logits") or one of its captures."""
-    if key == "logits":
-        return out.all_logits
-    return None if out.captures is None else out.captures[key]
+    if key != "logits":
+        return _captures(out)[key]
+    if out.all_logits is None:
+        raise RuntimeError("the pass ran without all_logits=True: it has no per-token logits to compare")
+    return out.all_logits
 
 
 def _cat(outs: list[ForwardOutput], key: str) -> torch.Tensor:
-    if key == "logits":
-        return torch.cat([o.all_logits for o in outs])  # type: ignore[misc]
-    return torch.cat([o.captures[key] for o in outs])  # type: ignore[index]
+    return torch.cat([_output(o, key) for o in outs])
 
 
 @register_check(
@@ -85,8 +91,8 @@ def check_packed_equal(ctx: CheckContext) -> Trial:
         wrong = _run(model, ids, EQUAL, ctx.device)
     keys = ["layers.0.attn_out", "layers.0.ffn_out"]
     ref = {k: _cat(singles, k) for k in keys}
-    cand = {k: packed.captures[k] for k in keys}  # type: ignore[index]
-    ctrl = {k: wrong.captures[k] for k in keys}  # type: ignore[index]
+    cand = {k: _output(packed, k) for k in keys}
+    ctrl = {k: _output(wrong, k) for k in keys}
     x = fx.layer_inputs(ctx, T, model.dtype)
     for i in ctx.cfg.full_attn_layers:
         attn = fx.layers(model)[i].self_attn
@@ -118,7 +124,7 @@ def check_packed_unequal(ctx: CheckContext) -> Trial:
         packed = _run(model, ids, UNEQUAL, ctx.device)
     with pin_routes(model, routes, model, ctx.cfg, PinStats()), fx.patched(mla_mod, "key_ranges", plain_triangle):
         wrong = _run(model, ids, UNEQUAL, ctx.device)
-    ref, cand, ctrl = _cat(singles, "logits"), packed.all_logits, wrong.all_logits
+    ref, cand, ctrl = _cat(singles, "logits"), _output(packed, "logits"), _output(wrong, "logits")
     cand_err, ctrl_err = rel_rms_error(ref, cand), rel_rms_error(ref, ctrl)
     noise = None
     if ctx.needs_noise:
@@ -126,7 +132,7 @@ def check_packed_unequal(ctx: CheckContext) -> Trial:
         noise = (torch.cat([fx.reference_forward(ctx, s)[0].logits for s in seqs]),
                  torch.cat([fx.reference_gold(ctx, s).logits for s in seqs]))
     names = [name for name, _, _ in _depth(packed, packed)]
-    layers = [(k, _cat(singles, k), packed.captures[k]) for k in names]  # type: ignore[index]
+    layers = [(k, _cat(singles, k), _output(packed, k)) for k in names]
     metrics = {"candidate_rel_rms": cand_err, "control_rel_rms": ctrl_err,
                "control_over_candidate": ctrl_err / cand_err if cand_err > 0 else float("inf"), **stats.as_metrics()}
     return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0, layers=layers, metrics=metrics,
@@ -207,7 +213,7 @@ def check_segmented(ctx: CheckContext) -> Trial:
         return [[(0, 96), (96, n)] if n > 96 else [(0, n)] for n in seq_lens]
     with fx.patched(kda_mod, "segment_pieces", mid_chunk), fx.patched(kda_mod, "check_pieces", lambda *a: None):
         wrong = model.prefill(batch, all_logits=True, capture=True, segment_len=64)
-    keys = ["logits"] + [k for k in whole.captures if ".attn_out" in k]  # type: ignore[union-attr]
+    keys = ["logits"] + [k for k in _captures(whole) if ".attn_out" in k]
     return Trial(reference={k: _output(whole, k) for k in keys}, candidate={k: _output(seg, k) for k in keys},
                  control={k: _output(wrong, k) for k in keys}, layers=_depth(whole, seg),
                  control_layers=_depth(whole, wrong), notes=[
@@ -266,7 +272,7 @@ def check_attn_res_prealloc(ctx: CheckContext) -> Trial:
         wrong = model.prefill(batch, all_logits=True, capture=True)
     out = {}
     for name, o in (("ref", cat), ("cand", pre), ("ctrl", wrong)):
-        out[name] = {"logits": o.all_logits, **o.captures}  # type: ignore[dict-item]
+        out[name] = {"logits": _output(o, "logits"), **_captures(o)}
     return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"], layers=_depth(cat, pre),
                  control_layers=_depth(cat, wrong),
                  notes=["reference: block entries restacked by concatenation at every read; candidate: one "

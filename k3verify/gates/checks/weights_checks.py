@@ -5,13 +5,13 @@ checkpoint tensors (names.module_specs), compares every loaded byte with the che
 (safetensors' own loader, shard by shard), and records whether the loader refuses a mapping with a tensor removed
 or an unknown tensor added. `weights.reconcile.buckets` writes an edited, header-only copy of the checkpoint (a
 dropped tensor, half of an MXFP4 pair dropped, a transposed non-square tensor, a re-typed tensor, unknown
-tensors) and records whether each edit lands in its bucket. Outcomes are 0/1 flags; the reference is all ones.
+tensors) and records whether each edit lands in its bucket (gates/checks/weights_reconcile.py). Outcomes are 0/1
+flags; the reference is all ones.
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -20,13 +20,9 @@ from torch import nn
 
 from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.loader import WeightLoadError, load_into
-from k3verify.checkpoint.names import ignorable_reason, module_specs, quantized_pair
-from k3verify.checkpoint.reader import CheckpointReader
-from k3verify.checkpoint.reconcile import ReconcileResult, build_param_module, reconcile_checkpoint
-from k3verify.checkpoint.synthetic import SYNTHETIC_SHARD_MAX_BYTES
-from k3verify.checkpoint.tolerances import A_LOG_PADDING, dtype_rule
-from k3verify.checkpoint.writer import write_sparse_checkpoint
-from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, fixtures, register_check
+from k3verify.checkpoint.names import module_specs, quantized_pair
+from k3verify.checkpoint.reconcile import build_param_module
+from k3verify.gates import CheckContext, Kind, Trial, fixtures, register_check
 
 UNKNOWN_IN_PREFIX = "model.layers.0.self_attn.unknown_proj.weight"  # under the text-model prefix, no parameter
 UNKNOWN_OUTSIDE = "audio_tower.proj.weight"  # outside the prefix and not declared ignorable
@@ -123,6 +119,37 @@ def _outcome(load: Loader, module: nn.Module, tensors: Mapping[str, torch.Tensor
     return 1
 
 
+Scenario = tuple[str, Mapping[str, torch.Tensor], str | None]  # label, mapping, name a refusal must mention
+
+
+def _load_scenarios(tensors: Mapping[str, torch.Tensor], prefix: str, half: str | None) -> list[Scenario]:
+    """The clean checkpoint (must load; must_name None), then one edit per refusal the loader owes."""
+    extra_value = torch.zeros(4, 4, dtype=torch.bfloat16)
+    scenarios: list[Scenario] = [
+        ("clean", tensors, None),
+        (f"missing:{DROPPED}", _EditedTensors(tensors, drop=[prefix + DROPPED]), DROPPED),
+    ]
+    if half is not None:
+        scenarios.append((f"missing_half_pair:{half}", _EditedTensors(tensors, drop=[prefix + half]), half))
+    scenarios.append((f"unknown:{prefix + UNKNOWN_IN_PREFIX}",
+                      _EditedTensors(tensors, extra={prefix + UNKNOWN_IN_PREFIX: extra_value}),
+                      prefix + UNKNOWN_IN_PREFIX))
+    if prefix:
+        scenarios.append((f"unknown_outside_prefix:{UNKNOWN_OUTSIDE}",
+                          _EditedTensors(tensors, extra={UNKNOWN_OUTSIDE: extra_value}), UNKNOWN_OUTSIDE))
+    return scenarios
+
+
+@torch.no_grad()
+def _lenient_load(module: nn.Module, mapping: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """The control's loader: copies whatever names match, skips missing and unknown tensors."""
+    state = module.state_dict(keep_vars=True)
+    for name in mapping:
+        mod = name[len(prefix):] if name.startswith(prefix) else None
+        if mod in state and not state[mod].is_meta:  # a copy onto meta is a no-op: skip the read
+            state[mod].copy_(mapping[name].to(device=state[mod].device, dtype=state[mod].dtype))
+
+
 @register_check(
     id="weights.loader.strict", component="weights", level="module", kind=Kind.BITEXACT,
     control="a lenient loader that copies whatever names match and skips missing and unknown tensors",
@@ -135,32 +162,13 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     specs = module_specs(cfg)
     tensors = fixtures.checkpoint_tensors(ctx)
     half = next((n for n in specs if quantized_pair(n) is not None and n.endswith(".weight_scale")), None)
+    scenarios = _load_scenarios(tensors, prefix, half)
 
     def strict(module: nn.Module, mapping: Mapping[str, torch.Tensor]) -> None:
         load_into(module, cfg, mapping)
 
-    @torch.no_grad()
     def lenient(module: nn.Module, mapping: Mapping[str, torch.Tensor]) -> None:
-        state = module.state_dict(keep_vars=True)
-        for name in mapping:
-            mod = name[len(prefix):] if name.startswith(prefix) else None
-            if mod in state and not state[mod].is_meta:  # a copy onto meta is a no-op: skip the read
-                state[mod].copy_(mapping[name].to(device=state[mod].device, dtype=state[mod].dtype))
-
-    extra_value = torch.zeros(4, 4, dtype=torch.bfloat16)
-    # (label, mapping, the module name the refusal must mention; None = must load)
-    scenarios: list[tuple[str, Mapping[str, torch.Tensor], str | None]] = [
-        ("clean", tensors, None),
-        (f"missing:{DROPPED}", _EditedTensors(tensors, drop=[prefix + DROPPED]), DROPPED),
-    ]
-    if half is not None:
-        scenarios.append((f"missing_half_pair:{half}", _EditedTensors(tensors, drop=[prefix + half]), half))
-    scenarios.append((f"unknown:{prefix + UNKNOWN_IN_PREFIX}",
-                      _EditedTensors(tensors, extra={prefix + UNKNOWN_IN_PREFIX: extra_value}),
-                      prefix + UNKNOWN_IN_PREFIX))
-    if prefix:
-        scenarios.append((f"unknown_outside_prefix:{UNKNOWN_OUTSIDE}",
-                          _EditedTensors(tensors, extra={UNKNOWN_OUTSIDE: extra_value}), UNKNOWN_OUTSIDE))
+        _lenient_load(module, mapping, prefix)
 
     host = build_param_module(specs, device="cpu")  # re-filled with sentinels before each clean load
     meta = build_param_module(specs, device="meta")  # for refusals only the outcome matters, not the values
@@ -196,96 +204,4 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
         notes=[f"outcomes: {[label for label, _, _ in scenarios]}; values: every module tensor's bytes in spec "
                f"order vs the checkpoint read with safetensors.load_file (or the synthetic tensors without a dir)",
                *cand_notes, *(f"control: {n}" for n in ctrl_notes)],
-    )
-
-
-@register_check(
-    id="weights.reconcile.buckets", component="weights", level="module", kind=Kind.BITEXACT,
-    control="an index-only reconcile, which reads no headers and so cannot see a transposed or re-typed tensor",
-)
-def check_reconcile_buckets(ctx: CheckContext) -> Trial:
-
-    cfg = ctx.cfg
-    prefix: str = cfg.checkpoint_prefix
-    base = ctx.checkpoint_dir
-    entries = CheckpointReader(base).entries
-    specs = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
-    text_names = [n for n in specs if ignorable_reason(n) is None]
-    if prefix + DROPPED not in specs:
-        raise SkipCheck(f"checkpoint has no {prefix + DROPPED}")
-    dropped = prefix + DROPPED
-    half = next((n for n in text_names if n.endswith(".weight_scale")), None)
-    taken = {dropped, half}
-    transposed = next((n for n in text_names if n not in taken and len(specs[n][0]) == 2
-                       and specs[n][0][0] != specs[n][0][1] and specs[n][1] != torch.uint8), None)
-    if transposed is None:
-        raise SkipCheck("checkpoint has no non-square 2-D float tensor to transpose")
-    taken.add(transposed)
-    retyped = next((n for n in text_names if n not in taken and specs[n][1] == torch.bfloat16
-                    and dtype_rule(n, torch.float32, torch.bfloat16) is None), None)
-    if retyped is None:
-        raise SkipCheck("checkpoint has no further bf16 tensor to re-type")
-    unknown = [prefix + UNKNOWN_IN_PREFIX] + ([UNKNOWN_OUTSIDE] if prefix else [])
-
-    edited = {n: s for n, s in specs.items() if n not in (dropped, half)}
-    edited[transposed] = (tuple(reversed(specs[transposed][0])), specs[transposed][1])
-    edited[retyped] = (specs[retyped][0], torch.float32)
-    for name in unknown:
-        edited[name] = ((4, 4), torch.bfloat16)
-    n_ignored = len(specs) - len(text_names)
-    mod = len(prefix)
-
-    def header_flags(clean: ReconcileResult, res: ReconcileResult) -> list[int]:
-        mismatched = {(m.checkpoint_name, m.kind) for m in res.mismatched}
-        partial = {(p.present, p.missing) for p in res.partial}
-        expected_partial = set() if half is None else {(half.replace(".weight_scale", ".weight_packed"), half)}
-        n_missing = 1 + (half is not None) + 2  # dropped, the half pair, transposed, retyped
-        return [
-            int(clean.ok and clean.num_matched == clean.num_expected and len(clean.ignored) == n_ignored),
-            int(res.no_source == [dropped[mod:]]),
-            int(partial == expected_partial),
-            int({u.name for u in res.no_destination} == set(unknown) and len(res.no_destination) == len(unknown)),
-            int((transposed, "shape") in mismatched),
-            int((retyped, "dtype") in mismatched),
-            int(len(res.mismatched) == 2),
-            int(res.num_matched == res.num_expected - n_missing),
-        ]
-
-    def index_flags(res: ReconcileResult) -> list[int]:
-        return [int(res.no_source == [dropped[mod:]]),
-                int({u.name for u in res.no_destination} == set(unknown)),
-                int(not res.mismatched)]
-
-    with tempfile.TemporaryDirectory(prefix="k3v-reconcile-") as tmp:
-        copy = Path(tmp) / "edited"
-        cfg_dict = json.loads((base / "config.json").read_text())
-        write_sparse_checkpoint(cfg_dict, edited, copy, shard_max_bytes=SYNTHETIC_SHARD_MAX_BYTES,
-                                generation_config=None)
-        hf = ctx.target.names == "transformers"
-        clean = reconcile_checkpoint(base, cfg=cfg, hf_names=hf)
-        clean_index = reconcile_checkpoint(base, cfg=cfg, index_only=True, hf_names=hf)
-        headers = reconcile_checkpoint(copy, cfg=cfg, hf_names=hf)
-        index_only = reconcile_checkpoint(copy, cfg=cfg, index_only=True, hf_names=hf)
-
-    labels = ["clean_ok", "dropped_no_source", "half_pair_partial", "unknown_no_destination", "transposed_mismatch",
-              "retyped_mismatch", "exactly_two_mismatched", "matched_count"]
-    ones = torch.ones(len(labels), dtype=torch.int64)
-    cand = torch.tensor(header_flags(clean, headers), dtype=torch.int64)
-    ctrl = torch.tensor(header_flags(clean_index, index_only), dtype=torch.int64)
-    idx = torch.tensor(index_flags(index_only), dtype=torch.int64)
-    return Trial(
-        reference={"headers": ones, "index_only": torch.ones(3, dtype=torch.int64)},
-        candidate={"headers": cand, "index_only": idx},
-        control={"headers": ctrl, "index_only": idx},
-        metrics={"tensors": float(len(specs)),
-                 **{f"tolerated_{rule}": float(n) for rule, n in clean.rules_used().items()}},
-        notes=[f"headers flags: {labels}; index_only flags: [dropped_no_source, unknown_no_destination, "
-               f"no_mismatch_visible]",
-               f"edits: dropped {dropped}, half pair {half}, transposed {transposed} {specs[transposed][0]}, "
-               f"re-typed {retyped} bf16->f32, unknown {unknown}",
-               f"candidate counts: {headers.to_dict()['counts']}; control (index-only) counts: "
-               f"{index_only.to_dict()['counts']}",
-               f"names: {clean.names}; tolerance rules used by the clean checkpoint: {clean.rules_used() or 'none'}",
-               *(f"tolerated ({t.rule}): {t.checkpoint_name}: {t.detail}" for t in clean.tolerated
-                 if t.rule == A_LOG_PADDING.id)],
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.lazy import cuda_reason, lazy_module
+from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
 
 MAX_BLOCK = 8192  # wider rows loop over BLOCK-wide chunks (K3 hidden 7168 fits one)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,7 +70,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if x2.shape[0] == 0:
         return y
     block, num_warps = _launch_shape(W)
-    _kernels().rms_norm_fwd_kernel[(x2.shape[0],)](  # type: ignore[union-attr]
+    loaded(_kernels).rms_norm_fwd_kernel[(x2.shape[0],)](
         x2, weight, y, x2.stride(0), W, W, eps, BLOCK=block, num_warps=num_warps)
     return y
 
@@ -83,6 +83,6 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if x2.shape[0] == 0:
         return y
     block, num_warps = _launch_shape(W)
-    _kernels().gated_rms_norm_fwd_kernel[(x2.shape[0],)](  # type: ignore[union-attr]
+    loaded(_kernels).gated_rms_norm_fwd_kernel[(x2.shape[0],)](
         x2, g2, weight, y, x2.stride(0), g2.stride(0), W, W, eps, BLOCK=block, num_warps=num_warps)
     return y

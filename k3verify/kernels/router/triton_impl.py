@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.lazy import cuda_reason, lazy_module
+from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
 
 MAX_EXPERTS = 4096  # one row of experts in one block
 MAX_TOP_K = 32  # the selection and the ascending emit are each unrolled top_k times
@@ -61,7 +61,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: i
     if T == 0:
         return weights, idx
     block_e = max(_next_pow2(E), 2)  # no 1-wide vectors: padded experts are -inf, padded slots masked
-    _kernels().router_select_kernel[(T,)](  # type: ignore[union-attr]
+    loaded(_kernels).router_select_kernel[(T,)](
         logits, bias, weights, idx, E, float(scaling), TOP_K=top_k, BLOCK_E=block_e,
         BLOCK_K=max(_next_pow2(top_k), 2), RENORMALIZE=bool(renormalize and top_k > 1),
         num_warps=1 if block_e <= 256 else 4)
