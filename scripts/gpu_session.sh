@@ -37,6 +37,7 @@
 #                                        $OUT/types.json. ~2 min
 #   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
 #                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
+#   bash scripts/gpu_session.sh round    this round in one call: invariance, spec, the served engine's CUDA checks, mxfp4
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -229,6 +230,16 @@ invariance)
     step "batch invariance on cuda (k3-tiny, --trials ${TRIALS:-3} --steps ${STEPS:-8})"
     timeout "${INVARIANCE_S:-120}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
         --steps "${STEPS:-8}" --json "$OUT/invariance.json" 2>&1 | quiet | tail -16
+    ;;
+round)
+    # One call for this round's GPU acceptance, cheapest first so a cut-short call still brings most back:
+    # invariance (issue 15), spec (16) with the served engine's CUDA checks beside it (14), mxfp4 (18)
+    TRIALS=${TRIALS:-2} STEPS=${STEPS:-6} INVARIANCE_S=${INVARIANCE_S:-45} bash "$0" invariance
+    SPEC_S=${SPEC_S:-120} SPEC_TOTAL_S=${SPEC_TOTAL_S:-165} bash "$0" spec
+    step "served engine on cuda: serving.engine.* + serving.graph.* (k3-tiny)"
+    timeout "${ENGINE_S:-45}" python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.engine.*' \
+        --only 'serving.graph.*' --report-dir "$OUT/parity-engine" 2>&1 | quiet | tail -12
+    PARITY_S=${PARITY_S:-30} PYTEST_S=${PYTEST_S:-20} BENCH_S=${BENCH_S:-170} bash "$0" mxfp4
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|types" >&2
