@@ -4,12 +4,14 @@ device kind; the lookup is recursive, newest-wins, and skips corrupt files with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,10 +210,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve_process(*argv: str) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _serve_process(*argv: str) -> Iterator[subprocess.Popen[str]]:
+    """`k3verify serve` in a child process, stopped on the way out whatever the test asserted."""
     code = "from k3verify.cli import main; raise SystemExit(main())"
-    return subprocess.Popen([sys.executable, "-c", code, "serve", *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(20)
 
 
 def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float) -> None:
@@ -228,34 +242,30 @@ def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float) -> None
     raise AssertionError(f"serve did not become healthy within {timeout} s")
 
 
-def _chat_then_stop(proc: subprocess.Popen[str], url: str) -> None:
-    try:
-        body = {"model": "k3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
-        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait(20)
+def _chat(url: str) -> None:
+    body = {"model": "k3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 401
 
 
 def test_serve_starts_behind_a_passing_report(tmp_path: Path, tiny_digest: str) -> None:
     """`k3verify serve` with a matching passing report loads the checkpoint (its own tokenizer, bf16) and serves."""
     write_report(tmp_path, digest=tiny_digest)
     port = _free_port()
-    proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k")
-    _wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
-    _chat_then_stop(proc, f"http://127.0.0.1:{port}")
+    with _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k") as proc:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
+        _chat(f"http://127.0.0.1:{port}")
 
 
 @pytest.mark.slow
 def test_run_gates_writes_a_real_report_then_serves(tmp_path: Path) -> None:
     """--run-gates runs the real quick parity suite into an empty report dir, finds its report, and serves."""
     port = _free_port()
-    proc = _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k", "--run-gates")
-    _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
-    assert find_passing_report(tmp_path, want(serve.target_for(serve_args()).digest))
-    _chat_then_stop(proc, f"http://127.0.0.1:{port}")
+    with _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k", "--run-gates") as proc:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
+        assert find_passing_report(tmp_path, want(serve.target_for(serve_args()).digest))
+        _chat(f"http://127.0.0.1:{port}")
 
 
 def test_served_engine_stops_at_config_and_generation_eos(tmp_path: Path, tiny_digest: str) -> None:
