@@ -148,15 +148,19 @@ def held_wave(stack: ServedStack, prompts: list[list[int]], new_tokens: int, tim
               ) -> dict[str, Any]:
     """Send one request per prompt while the engine waits, each once the previous one was accepted (so the
     engine admits them in the prompts' order, as the bench path packs them), then let one step admit them all."""
+    def accepted() -> float:
+        return stack.metrics.registry.get_sample_value("k3v_prompt_tokens_total") or 0.0
+
     release = threading.Event()
     holder = threading.Thread(target=stack.engine.call, args=(lambda: release.wait(timeout_s),),
                               kwargs={"timeout": timeout_s + 10}, daemon=True)
     holder.start()
+    # The counter is cumulative over the server's life: earlier waves already count.
+    want = accepted() + sum(len(p) for p in prompts)
     proc = _client_process(stack.url, [prompts], new_tokens, ordered=True)
-    want = float(sum(len(p) for p in prompts))
     deadline = time.monotonic() + timeout_s
     try:
-        while (stack.metrics.registry.get_sample_value("k3v_prompt_tokens_total") or 0.0) < want:
+        while accepted() < want:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"{len(prompts)} held requests were not all submitted within {timeout_s} s")
             time.sleep(0.005)
