@@ -186,7 +186,7 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
     engine_graphs = None
     if green and plan.served_concurrency:
         progress("served parity (engine + HTTP, held waves)")
-        engine_graphs = sv.engine_graphs(s.runner, s.graphs, max(plan.served_concurrency))
+        engine_graphs = sv.engine_graphs(s.runner, s.graphs, plan.served_concurrency)
         with sv.served_stack(s.runner, engine_graphs, max(plan.served_concurrency), sv.step_budget(plan)) as stack:
             for c in plan.served_concurrency:
                 result.parity.append(sv.served_parity(stack, s.runner, s.graphs, c, plan.prompt_len,

@@ -23,7 +23,7 @@ def test_each_held_wave_is_admitted_by_one_step_after_earlier_waves(monkeypatch:
     runner = build_runner(cfg, synthetic_tensors(cfg), dtype=torch.float32, num_pages=64, page_size=8, num_slots=5,
                           max_context=64)
     bench_graphs = GraphDecoder(runner.model, 32, buckets=(1, 3), use_graphs=False)
-    graphs = sv.engine_graphs(runner, bench_graphs, 3)
+    graphs = sv.engine_graphs(runner, bench_graphs, (1, 3))
     with sv.served_stack(runner, graphs, 3, 64) as stack:
         packs: list[list[list[int]]] = []
         schedule = stack.engine.scheduler.schedule
@@ -41,3 +41,15 @@ def test_each_held_wave_is_admitted_by_one_step_after_earlier_waves(monkeypatch:
             result = sv.held_wave(stack, prompts, 2)
             assert packs == [prompts], f"wave of {n}: prefill packs {[len(p) for p in packs]}"
             assert [len(sv.served_ids(r)) for r in result["requests"]] == [2] * n
+
+
+def test_engine_decodes_each_served_concurrency_in_the_bench_paths_bucket() -> None:
+    """A concurrency that is neither a power of two nor the largest (12 of 1,12,64) decodes in a bucket of its
+    own size on both paths: the bench path's bucket 12, not the engine's power of two 16 (other GEMM shapes)."""
+    cfg = get_preset("kl-tiny")
+    runner = build_runner(cfg, synthetic_tensors(cfg), dtype=torch.float32, num_pages=8, page_size=8, num_slots=2,
+                          max_context=32)
+    bench_graphs = GraphDecoder(runner.model, 32, buckets=(1, 12, 64), use_graphs=False)
+    graphs = sv.engine_graphs(runner, bench_graphs, (1, 12, 64))
+    assert [graphs.bucket_for(c) for c in (1, 12, 64)] == [1, 12, 64]
+    assert graphs.bucket_for(13) == 16 and graphs.buckets[-1] == 64
