@@ -37,7 +37,7 @@
 #                                        $OUT/types.json. ~2 min
 #   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
 #                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
-#   bash scripts/gpu_session.sh round    invariance + the served engine's CUDA checks (~5 min cold), logs under
+#   bash scripts/gpu_session.sh round    invariance + the served engine's CUDA checks (<= 6.5 min cold), logs under
 #                                        $OUT as they run; then `spec` (SPEC_S=270) and `mxfp4` as calls of their own
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
@@ -63,6 +63,9 @@ show_bench() {  # the stage lines, parity, speeds and profile of each run, then 
         step "$run"
         grep -E "^\[bench|^  (parity|prefill|decode|served|profile|kernel fallback)|^      " "$OUT/$run.log" \
             | quiet | tail -60
+        if grep -q "^Traceback" "$OUT/$run.log"; then  # a crash: its exception, which the grep above drops
+            echo "-- $run raised:"; sed -n '/^Traceback/,$p' "$OUT/$run.log" | quiet | tail -25
+        fi
         [ -f "$OUT/$run.json" ] && python3 -m k3verify bench --table "$OUT/$run.json"
     done
 }
@@ -242,7 +245,7 @@ round)
     TRIALS=${TRIALS:-2} STEPS=${STEPS:-6} INVARIANCE_S=${INVARIANCE_S:-150} bash "$0" invariance \
         >"$OUT/round-invariance.log" 2>&1
     step "served engine on cuda: serving.engine.* + serving.graph.* (k3-tiny)"
-    timeout "${ENGINE_S:-120}" python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.engine.*' \
+    timeout "${ENGINE_S:-240}" python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.engine.*' \
         --only 'serving.graph.*' --report-dir "$OUT/parity-engine" >"$OUT/round-engine.log" 2>&1
     echo "engine checks exit $?" >>"$OUT/round-engine.log"
     for part in invariance engine; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
