@@ -37,8 +37,9 @@
 #                                        $OUT/types.json. ~2 min
 #   bash scripts/gpu_session.sh invariance  issue 15: seeded-request batch invariance on cuda (k3-tiny; eager and
 #                                        graph decode, fp32 and bf16) -> table + $OUT/invariance.json
-#   bash scripts/gpu_session.sh round    invariance + the served engine's CUDA checks (<= 6.5 min cold), logs under
-#                                        $OUT as they run; then `spec` (SPEC_S=270) and `mxfp4` as calls of their own
+#   bash scripts/gpu_session.sh round    invariance + the served engine's CUDA checks + the gpu test that a decode
+#                                        launch never syncs (<= 8 min cold), logs under $OUT as they run; then
+#                                        `spec` (SPEC_S=270) and `mxfp4` as calls of their own
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
@@ -248,7 +249,10 @@ round)
     timeout "${ENGINE_S:-240}" python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.engine.*' \
         --only 'serving.graph.*' --report-dir "$OUT/parity-engine" >"$OUT/round-engine.log" 2>&1
     echo "engine checks exit $?" >>"$OUT/round-engine.log"
-    for part in invariance engine; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
+    # the decode launch issues no synchronising call (torch's sync debug mode raises on any)
+    timeout "${PYTEST_S:-90}" python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider \
+        tests/serving/test_step_loop.py >"$OUT/round-nosync.log" 2>&1
+    for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|types" >&2
