@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.parity import judge
+from k3verify.bench.parity import judge, teacher_forced
 from k3verify.gates import Kind, Trial, compare
 from k3verify.gates.fixtures import patched
 from k3verify.gates.noise import derive_bar
@@ -91,15 +91,8 @@ def decode_run(runner: ModelRunner, ids: torch.Tensor, prompt_len: int, steps: i
         raise ValueError(f"decode parity needs {P + S} tokens; have {ids.numel()} within context {max_context}")
 
     def run() -> torch.Tensor:
-        decoder = GraphDecoder(runner.model, max_context, buckets=(1,), use_graphs=False)
-        sid = max(runner.active_ids, default=-1) + 1
-        runner.admit(sid, P + S)
-        try:
-            rows = [runner.prefill([(sid, ids[:P].tolist())])[0]]
-            rows += [runner.decode([(sid, int(ids[t]))], decoder)[0] for t in range(P, P + S)]
-            return torch.stack(rows)
-        finally:
-            runner.release(sid)
+        return teacher_forced(runner, ids, P, S, GraphDecoder(runner.model, max_context, buckets=(1,),
+                                                              use_graphs=False))
     return run
 
 

@@ -18,8 +18,8 @@ from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.runner import ModelRunner
 
-__all__ = ["decode_parity", "generate_ours", "gold_logits", "graph_parity", "judge", "load_baseline",
-           "model_parity"]
+__all__ = ["decode_parity", "generate_ours", "gold_logits", "graph_parity", "judge", "judge_vs_gold", "load_baseline",
+           "model_parity", "teacher_forced"]
 
 
 def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> dict[str, Any]:
@@ -29,6 +29,34 @@ def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> 
     status = "pass" if cand.passed and not ctrl.passed else ("vacuous" if ctrl.passed else "fail")
     return {"id": check_id, "kind": kind.value, "status": status, "metric": cand.metric, "bar": cand.bar,
             "control_metric": ctrl.metric, "notes": trial.notes, **trial.metrics}
+
+
+def judge_vs_gold(check_id: str, gold: torch.Tensor, theirs: torch.Tensor, cand: torch.Tensor, ctrl: torch.Tensor,
+                  bar: float, what: str) -> dict[str, Any]:
+    """Ours (`cand`) vs the fp32 gold at the same positions, bar max(`bar`, 1.5 x the bf16 baseline's (`theirs`)
+    own distance there), both measured in this run; `ctrl` must fail it. `what` opens the note."""
+    base = compare(Kind.RMS, gold, theirs, 1.0).metric
+    eff_bar = max(bar, 1.5 * base)
+    trial = Trial(reference=gold, candidate=cand, control=ctrl,
+                  metrics={"baseline_vs_gold_rms": base, "effective_bar": eff_bar,
+                           "argmax_agreement_with_gold": float((cand.argmax(-1) == gold.argmax(-1)).float().mean())},
+                  notes=[f"{what}; bar max({bar}, 1.5 x baseline-vs-fp32 at these positions = {1.5 * base:.3g})"])
+    return judge(check_id, Kind.RMS, trial, eff_bar)
+
+
+def teacher_forced(runner: ModelRunner, ids: torch.Tensor, prompt_len: int, steps: int,
+                   decoder: GraphDecoder) -> torch.Tensor:
+    """Prefill ids[:P] as a fresh sequence, then teacher-force ids[P..P+S-1] one decode step at a time through
+    `decoder`: the logits at positions P-1..P+S-1 ([S+1, V]); the sequence is released on the way out."""
+    P, S = prompt_len, steps
+    sid = max(runner.active_ids, default=-1) + 1
+    runner.admit(sid, P + S)
+    try:
+        rows = [runner.prefill([(sid, ids[:P].tolist())])[0]]
+        rows += [runner.decode([(sid, int(ids[t]))], decoder)[0] for t in range(P, P + S)]
+        return torch.stack(rows)
+    finally:
+        runner.release(sid)
 
 
 def our_prefill_logits(runner: ModelRunner, ids: torch.Tensor) -> torch.Tensor:
@@ -62,28 +90,12 @@ def decode_parity(runner: ModelRunner, graphs: GraphDecoder, ids: torch.Tensor, 
     if P + S > graphs.max_context or P + S > ids.numel():
         raise ValueError(f"decode parity needs {P + S} tokens within the graphs' context {graphs.max_context}")
 
-    def run(decoder: GraphDecoder) -> torch.Tensor:
-        sid = max(runner.active_ids, default=-1) + 1
-        runner.admit(sid, P + S)
-        try:
-            rows = [runner.prefill([(sid, ids[:P].tolist())])[0]]
-            rows += [runner.decode([(sid, int(ids[t]))], decoder)[0] for t in range(P, P + S)]
-            return torch.stack(rows)
-        finally:
-            runner.release(sid)
-
-    cand = run(graphs)
+    cand = teacher_forced(runner, ids, P, S, graphs)
     with stale_kda_state(runner.state_pool):
-        ctrl = run(GraphDecoder(runner.model, graphs.max_context, buckets=graphs.buckets, use_graphs=False))
-    ref, base_theirs = gold[P - 1:P + S], theirs[P - 1:P + S]
-    base = compare(Kind.RMS, ref, base_theirs, 1.0).metric
-    eff_bar = max(bar, 1.5 * base)
-    trial = Trial(reference=ref, candidate=cand, control=ctrl,
-                  metrics={"baseline_vs_gold_rms": base, "effective_bar": eff_bar,
-                           "argmax_agreement_with_gold": float((cand.argmax(-1) == ref.argmax(-1)).float().mean())},
-                  notes=[f"prefill {P} tokens, then {S} teacher-forced decode steps through the graphs; bar "
-                         f"max({bar}, 1.5 x baseline-vs-fp32 at these positions = {1.5 * base:.3g})"])
-    return judge("bench.decode_logits_vs_fp32_gold", Kind.RMS, trial, eff_bar)
+        eager = GraphDecoder(runner.model, graphs.max_context, buckets=graphs.buckets, use_graphs=False)
+        ctrl = teacher_forced(runner, ids, P, S, eager)
+    return judge_vs_gold("bench.decode_logits_vs_fp32_gold", gold[P - 1:P + S], theirs[P - 1:P + S], cand, ctrl,
+                         bar, f"prefill {P} tokens, then {S} teacher-forced decode steps through the graphs")
 
 
 def model_parity(runner: ModelRunner, theirs: torch.Tensor, ids: torch.Tensor, gold: torch.Tensor,

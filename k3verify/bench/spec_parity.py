@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.parity import judge
+from k3verify.bench.parity import judge, judge_vs_gold
 from k3verify.config import ModelConfig
-from k3verify.gates import Kind, Trial, compare
+from k3verify.gates import Kind, Trial
 from k3verify.serving.spec.graphs import VerifyGraphs
 from k3verify.serving.spec.verifier import SpecVerifier
 
@@ -38,15 +38,10 @@ def verify_logits_parity(verifier: SpecVerifier, graphs: VerifyGraphs | None, id
             runner.release(sid)
 
     cand, ctrl = run(True), run(False)
-    ref, base_theirs = gold[P - 1:P + chunks * n], theirs[P - 1:P + chunks * n]
-    base = compare(Kind.RMS, ref, base_theirs, 1.0).metric
-    eff_bar = max(bar, 1.5 * base)
-    trial = Trial(reference=ref, candidate=cand, control=ctrl,
-                  metrics={"baseline_vs_gold_rms": base, "effective_bar": eff_bar,
-                           "argmax_agreement_with_gold": float((cand.argmax(-1) == ref.argmax(-1)).float().mean())},
-                  notes=[f"prefill {P}, then {chunks} verify packs of {n} teacher-forced tokens (fused KDA verify: "
-                         f"{verifier.fused}); bar max({bar}, 1.5 x baseline-vs-fp32 = {1.5 * base:.3g})"])
-    return judge("bench.spec_verify_logits_vs_fp32_gold", Kind.RMS, trial, eff_bar)
+    end = P + chunks * n
+    return judge_vs_gold("bench.spec_verify_logits_vs_fp32_gold", gold[P - 1:end], theirs[P - 1:end], cand, ctrl,
+                         bar, f"prefill {P}, then {chunks} verify packs of {n} teacher-forced tokens (fused KDA "
+                         f"verify: {verifier.fused})")
 
 
 def fused_kernel_parity(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], seed: int) -> dict[str, Any]:
