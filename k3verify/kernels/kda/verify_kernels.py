@@ -17,22 +17,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# the conv decode kernel's round-to-nearest-even: one definition, so both kernels round the same bits
+from k3verify.kernels.conv.decode_kernel import _round
+
 L2_EPS: tl.constexpr = tl.constexpr(1e-6)  # as kernels/kda/torch_ref.L2_EPS
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; NaN stays NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    if BF16:
-        x = _round_bf16(x)
-    return x
 
 
 @triton.jit
