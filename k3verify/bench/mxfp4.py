@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,8 +23,9 @@ from k3verify.bench.floor import decode_floor_bytes, expert_bytes
 from k3verify.bench.speeds import generate_ours, measured_distinct_experts
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
+from k3verify.gates.fixtures import torch_path
 from k3verify.kernels.moe.grouped import moe_grouped_combine, moe_packed_combine
-from k3verify.kernels.registry import REGISTRY, TORCH
+from k3verify.kernels.registry import REGISTRY
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.layers.moe import SparseMoE
@@ -68,17 +69,9 @@ class Mxfp4Result:
         return asdict(self)
 
 
-@contextlib.contextmanager
-def torch_paths() -> Iterator[None]:
+def torch_paths() -> contextlib.AbstractContextManager[None]:
     """Every registry op on its torch reference (the gold's kernels: no Triton, no fla)."""
-    ops = REGISTRY.ops()
-    for op in ops:
-        REGISTRY.force(op, TORCH)
-    try:
-        yield
-    finally:
-        for op in ops:
-            REGISTRY.force(op, None)
+    return torch_path(*REGISTRY.ops())
 
 
 def held_expert_bytes(model: ServingModel, dense_only: bool = False) -> int:
