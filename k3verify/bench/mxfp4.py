@@ -27,7 +27,7 @@ from k3verify.gates.fixtures import torch_path
 from k3verify.kernels.moe.grouped import moe_grouped_combine, moe_packed_combine
 from k3verify.kernels.registry import REGISTRY
 from k3verify.serving.batch import PackedBatch
-from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.graphs import GraphDecoder, cuda_graph_recorder
 from k3verify.serving.layers.moe import SparseMoE
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
@@ -143,15 +143,7 @@ def graph_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Median seconds of `fn` replayed from a CUDA graph (no launch overhead), or wall clock off CUDA."""
     if device.type != "cuda":
         return cuda_time(fn, warmup=1, repeats=3).median_s
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = cuda_graph_recorder(fn)
     return cuda_time(graph.replay, warmup=3, repeats=20).median_s
 
 

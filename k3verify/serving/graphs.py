@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.model import ServingModel
 from k3verify.serving.staging import HostStaging
+
+T = TypeVar("T")
 
 log = logging.getLogger("k3verify.graphs")
 
@@ -117,6 +120,22 @@ def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -
     return model._forward(model._context(batch, None), False, False).logits
 
 
+def cuda_graph_recorder(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Two warm-up calls of `step` on a side stream (Triton compilation and autotuning, lazy allocations: outside
+    the capture), then one call captured into a CUDA graph (not executed: its replays are). Returns the graph and
+    the tensors the captured call wrote, which every replay rewrites in place."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 class GraphDecoder:
     """Decode through captured CUDA graphs (or, with use_graphs=False, the same static step eagerly)."""
 
@@ -153,15 +172,12 @@ class GraphDecoder:
             raise RuntimeError("capture needs use_graphs=True (a CUDA model)")
         inputs = self._static(bucket)
         inputs.fill([], [], [], [])
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):  # warm-up outside capture: Triton autotune, lazy allocations
-                static_decode(self.model, inputs, self.max_context)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            out = static_decode(self.model, inputs, self.max_context)
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return static_decode(self.model, inputs, self.max_context)
+
+        graph, out = cuda_graph_recorder(step)
         self._graphs[bucket] = (graph, out, capture_signature(self.model))
         self.captures += 1
 

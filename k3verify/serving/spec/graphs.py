@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from k3verify.serving.batch import SCRATCH, PackedBatch
-from k3verify.serving.graphs import Signature, capture_signature
+from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.spec.arena import VerifyArena, VerifyPass
 
@@ -96,21 +96,6 @@ class Replayable(Protocol):
 
 # A recorder turns the verify step into something replayable plus the tensors its replays write.
 Recorder = Callable[[Callable[[], StepOutputs]], tuple[Replayable, StepOutputs]]
-
-
-def cuda_graph_recorder(step: Callable[[], StepOutputs]) -> tuple[torch.cuda.CUDAGraph, StepOutputs]:
-    """Two warm-up steps on a side stream (Triton compilation and autotuning, lazy allocations: outside the
-    capture), then one step captured into a CUDA graph (not executed: its replays are)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
 
 
 class VerifyGraphs:
