@@ -70,7 +70,9 @@ def measure(device: str, dtype: str, trials: int, steps: int, use_graphs: bool) 
             max_diff = max(max_diff, max(float((a - b).abs().max()) for a, b in zip(alone_logits, forced_logits,
                                                                                     strict=True)))
             same += crowded_tokens == alone_tokens
-        rows.append({"device": device, "dtype": dtype, "decode": "cuda graphs" if graphs else "eager",
+        eager = sorted(graphs.eager_buckets) if graphs else []  # buckets whose capture failed (logged)
+        decode = "eager" if not graphs else f"cuda graphs (buckets {eager} eager)" if eager else "cuda graphs"
+        rows.append({"device": device, "dtype": dtype, "decode": decode,
                      "batch": batch, "trials": trials, "steps": steps,
                      "max_abs_logit_diff": max_diff, "seeded_tokens_identical": same})
     return rows

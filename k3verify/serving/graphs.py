@@ -152,6 +152,7 @@ class GraphDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = {}
         self.staging = HostStaging(model.device)
         self.captures = 0  # how many captures happened (re-captures included): tests assert on it
+        self.eager_buckets: dict[int, str] = {}  # bucket -> why its capture failed (decoded eagerly, warned once)
         self.check_signature = True  # the control of the shrink test turns this off to show what it prevents
 
     def bucket_for(self, n: int) -> int:
@@ -177,7 +178,15 @@ class GraphDecoder:
             with torch.no_grad():
                 return static_decode(self.model, inputs, self.max_context)
 
-        graph, out = cuda_graph_recorder(step)
+        try:
+            graph, out = cuda_graph_recorder(step)
+        except RuntimeError as exc:  # an op that syncs the host or copies from pageable memory: not capturable
+            first_line = (str(exc).splitlines() or [""])[0]
+            reason = f"{type(exc).__name__}: {first_line}"
+            self.eager_buckets[bucket] = reason
+            log.warning("CUDA-graph capture of decode bucket %d failed, so that bucket decodes eagerly (the same "
+                        "static step, launch by launch): %s", bucket, reason)
+            return
         self._graphs[bucket] = (graph, out, capture_signature(self.model))
         self.captures += 1
 
@@ -197,7 +206,7 @@ class GraphDecoder:
     def _step(self, n: int, fill: Callable[[StaticInputs], None]) -> torch.Tensor:
         bucket = self.bucket_for(n)
         inputs = self._static(bucket)
-        if not self.use_graphs:
+        if not self.use_graphs or bucket in self.eager_buckets:
             fill(inputs)
             with torch.no_grad():
                 return static_decode(self.model, inputs, self.max_context)[:n]
@@ -208,6 +217,8 @@ class GraphDecoder:
             entry = None
         if entry is None:
             self.capture(bucket)
+            if bucket in self.eager_buckets:
+                return self._step(n, fill)
             entry = self._graphs[bucket]
         fill(inputs)
         graph, out, _ = entry

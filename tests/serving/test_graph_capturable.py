@@ -29,16 +29,19 @@ def grouped_moe() -> Iterator[None]:
     REGISTRY.force(COMBINE, None)
 
 
-def _meta_step(preset: str) -> torch.Tensor:
-    model = ServingModel(get_preset(preset), torch.bfloat16, "meta")
+def _meta_step(preset: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    model = ServingModel(get_preset(preset), dtype, "meta")
     model.allocate_caches(32, 16, 4)
     dec = GraphDecoder(model, 128, buckets=(4,), use_graphs=False)
     return dec.decode([1, 2, 3], [1, 2, 3], [[1], [2], [3]], [5, 6, 7])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny", "k3-syn-25"])
-def test_decode_step_has_no_host_sync(preset: str, grouped_moe: None) -> None:
-    out = _meta_step(preset)
+def test_decode_step_has_no_host_sync(preset: str, dtype: torch.dtype, grouped_moe: None) -> None:
+    """bf16 runs the grouped GEMMs, fp32 the per-pair gather: both capturable. (On the H200, fp32 on CUDA fell
+    back to the reference loop, whose bincount().tolist() broke every capture of an fp32 engine.)"""
+    out = _meta_step(preset, dtype)
     assert out.device.type == "meta" and out.shape == (3, get_preset(preset).vocab_size)
 
 
@@ -67,6 +70,42 @@ def test_grouped_moe_matches_the_reference_loop(preset: str) -> None:
     assert compare(Kind.RMS, ref, cand, 1e-2).passed
     wrong = model.prefill(PackedBatch.build(ids.flip(0), [17, 23]), all_logits=True).all_logits
     assert not compare(Kind.RMS, ref, wrong, 1e-2).passed
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
+def test_gathered_fp32_moe_matches_the_reference_loop(preset: str) -> None:
+    """fp32 logits of a packed prefill: the per-pair gather vs the loop (same products, other summation order:
+    RMS far below fp32 noise of a whole model); control: other tokens."""
+    cfg = get_preset(preset)
+    model = ServingModel(cfg, torch.float32, "cpu").load(synthetic_tensors(cfg))
+    ids = torch.randint(0, 4000, (40,), generator=torch.Generator().manual_seed(3))
+    batch = PackedBatch.build(ids, [17, 23])
+    ref = model.prefill(batch, all_logits=True).all_logits
+    _ensure_loaded()
+    REGISTRY.force(COMBINE, CUDA)
+    try:
+        cand = model.prefill(batch, all_logits=True).all_logits
+        assert REGISTRY.last_backend[COMBINE] == CUDA
+    finally:
+        REGISTRY.force(COMBINE, None)
+    assert compare(Kind.RMS, ref, cand, 1e-5).passed
+    wrong = model.prefill(PackedBatch.build(ids.flip(0), [17, 23]), all_logits=True).all_logits
+    assert not compare(Kind.RMS, ref, wrong, 1e-5).passed
+
+
+def test_gather_path_refuses_past_its_memory_budget() -> None:
+    """A batch whose gathered expert weights would pass 1 GiB is refused with the numbers (then the registry
+    falls back to the loop, and a graph capture of it falls back to eager: both logged)."""
+    from k3verify.kernels.moe import grouped
+
+    class Moe:
+        intermediate_size = 1024
+
+    x = torch.zeros(64, 2304)
+    idx = torch.zeros(64, 8, dtype=torch.long)
+    reason = grouped.accepts(Moe(), x, torch.zeros(64, 8), idx)
+    assert reason is not None and "512 (token, expert) pairs" in reason and "GiB" in reason
+    assert grouped.accepts(Moe(), x[:2], torch.zeros(2, 8), idx[:2]) is None
 
 
 _ATOMIC_FLOAT_OPS = ("index_add", "scatter_add", "scatter_reduce", "index_reduce", "_index_put_impl_", "put_")

@@ -1,8 +1,9 @@
 """Routed-expert combine: sum_k w_k expert_k(x) in fp32.
 
 CPU runs the torch reference (a loop over the experts that were hit, host-side counts); CUDA runs two
-grouped GEMMs with static shapes and no host sync (CUDA-graph capturable) when they accept the call,
-else the reference with a logged reason (kernels/registry.py)."""
+grouped GEMMs (bf16) or a per-pair weight gather with batched GEMVs (other dtypes), static shapes and no
+host sync (CUDA-graph capturable), when they accept the call, else the reference with a logged reason
+(kernels/registry.py)."""
 
 from __future__ import annotations
 

@@ -48,9 +48,18 @@ def available() -> str | None:
     return None
 
 
+# fp32 (any non-bf16 dtype) experts: each (token, expert) pair gathers its expert's weights, then two batched
+# GEMVs. Capturable like the bf16 path; its memory grows with the pairs, so past this budget it refuses.
+GATHER_BUDGET_BYTES = 1 << 30
+
+
 def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> str | None:
     if x_in.dtype != torch.bfloat16:
-        return f"grouped MoE needs bf16 activations; got {x_in.dtype}"
+        nbytes = idx.numel() * 3 * moe.intermediate_size * x_in.shape[-1] * x_in.element_size()
+        if nbytes > GATHER_BUDGET_BYTES:
+            return (f"{x_in.dtype} experts take the per-pair gather path: {idx.numel()} (token, expert) pairs "
+                    f"would gather {nbytes / 2**30:.2f} GiB of weights (budget {GATHER_BUDGET_BYTES / 2**30:.0f} GiB)")
+        return None
     for name, n in (("expert input width", x_in.shape[-1]), ("expert intermediate", moe.intermediate_size)):
         if n % 16:
             return f"{name} {n} is not a multiple of 16 (grouped GEMM alignment)"
@@ -99,7 +108,25 @@ def moe_packed_combine(x_in: torch.Tensor, experts: PackedExperts, weights: torc
                           lambda hs, offs: grouped_mm(hs, p.w2_codes, p.w2_scales, offs, p.group), act)
 
 
+def moe_gathered_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         idx: torch.Tensor, act: Glu) -> torch.Tensor:
+    """The non-bf16 path (torch._grouped_mm is bf16 only): every (token, expert) pair gathers its expert's
+    [2I, D] and [D, I] rows and runs two batched GEMVs. Static shapes, no host sync: CUDA-graph capturable,
+    which the reference's loop over hit experts (host-side counts) is not. Each token's k terms are summed in
+    route order (the reference adds them in expert order): an RMS gate, not bit-exact."""
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    xs = x_in.repeat_interleave(k, dim=0)  # pair (t, j) -> x_in[t]
+    h = torch.bmm(w13.index_select(0, flat), xs[:, :, None]).squeeze(-1)  # [T*k, 2I]
+    g, u = h.split(h.shape[-1] // 2, dim=-1)
+    y = torch.bmm(w2.index_select(0, flat), act(g, u)[:, :, None]).squeeze(-1)  # [T*k, D]
+    return (y.float() * weights.reshape(-1, 1)).view(T, k, -1).sum(dim=1)
+
+
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`), then two grouped GEMMs."""
+    """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`), then two grouped GEMMs
+    (bf16) or the per-pair gather (other dtypes)."""
     w13, w2 = moe.stacked_weights()
+    if x_in.dtype != torch.bfloat16:
+        return moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act)
     return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)
