@@ -55,12 +55,13 @@ MUTANTS = [
         killers=["serving.graph.*"],
     ),
     Mutant(
-        id="serving.graph.padding_on_minus_one", devices=("cuda",),
-        fault="padded rows of a graph bucket park on state slot -1 (the last real slot) instead of the scratch slot",
+        id="serving.graph.padding_on_live_slot",
+        fault="padded rows of a graph bucket park on the last live sequence's state slot instead of the scratch "
+              "slot: their dummy decode writes into that sequence's KDA state and conv window",
         target="k3verify.serving.graphs:StaticInputs.fill",
         old="*[0] * pad, *slots, *[SCRATCH] * pad,",
-        new="*[0] * pad, *slots, *[-1] * pad,",
-        also=[("self.meta, [*slots, *[SCRATCH] * pad,", "self.meta, [*slots, *[-1] * pad,")],
+        new="*[0] * pad, *slots, *(slots[-1:] or [SCRATCH]) * pad,",
+        also=[("self.meta, [*slots, *[SCRATCH] * pad,", "self.meta, [*slots, *(slots[-1:] or [SCRATCH]) * pad,")],
         killers=["serving.graph.*", "serving.engine.step_loop*"],
     ),
     Mutant(
