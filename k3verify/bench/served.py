@@ -212,7 +212,10 @@ def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: i
         tokens += n
         ttft.append(times[0] - rec["start"])
         itl += [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    # the three slowest first tokens, by (client, its r-th request): a stall shows which wave it hit
+    slowest = sorted(zip(ttft, result["order"], strict=True), reverse=True)[:3]
     return {"requests": len(result["requests"]), "tokens": tokens, "wall_s": result["wall_s"],
+            "ttft_slowest": [{"client": o[0], "request": o[1], "ttft_ms": 1e3 * t} for t, o in slowest],
             "tok_s": tokens / result["wall_s"], "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p99_ms": 1e3 * _pct(ttft, 0.99), "itl_p50_ms": 1e3 * statistics.median(itl),
             "itl_p99_ms": 1e3 * _pct(itl, 0.99), "engine_steps": stack.engine.num_steps - steps}
