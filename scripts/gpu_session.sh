@@ -28,7 +28,7 @@
 #                                        verify; a table of every row, $OUT/spec-summary.json (~180 s cold)
 #   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
-#                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=90; measured on a cold
+#                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=150 (serve warms up first); measured on a cold
 #                                        H200: 49 s, 7 s, 300 s, 35 s)
 #   bash scripts/gpu_session.sh types    issue 11: the CUDA fast-path checks after their move to
 #                                        serving_fastpath_kernels.py (kernel.norm/router/attn.sdpa) and weights.*
