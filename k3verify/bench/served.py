@@ -41,6 +41,7 @@ from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.runner import ModelRunner
+from k3verify.serving.warmup import warm_up
 
 MODEL_NAME = "bench"
 MIN_STEP_TOKENS = 2048
@@ -105,6 +106,7 @@ def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int
     """Engine (graph decode, overlap, chunked prefill) + app + uvicorn on 127.0.0.1; stopped on exit."""
     cfg = runner.model.cfg
     metrics = ServerMetrics()
+    warm_up(runner, graphs, step_tokens)  # as `k3verify serve` does before its port opens
     engine = Engine(runner, IdTokenizer(cfg.vocab_size), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
                     max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=metrics)
     engine.start()
