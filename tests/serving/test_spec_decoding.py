@@ -119,6 +119,44 @@ def test_offline_speculation_with_ngram_drafts_equals_plain_greedy(tiny_model: S
     verifier.runner.check_integrity()
 
 
+def test_rows_that_turned_speculation_off_finish_on_the_plain_device_fed_path(tiny_model: ServingModel) -> None:
+    """Every draft wrong (corrupt=1): the policy turns each row off after 3 verifies, the rest is decoded in
+    one device-fed tail (offline._plain_tail) and equals plain greedy token for token."""
+    prompts, new = _prompts(), 20
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
+    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    run = generate_speculative(verifier, ControlledDrafter(K, refs, 1.0, 4608), prompts, new,
+                               policy=SpecPolicy(min_verifies=3, min_mean_accepted=0.25))
+    assert run.tokens == plain
+    assert all(s.off for s in run.stats) and run.verify_steps == 3
+    assert run.decode_steps == new - 1 - 3, "one tail step per remaining token (the first came from the prefill)"
+    assert verifier.runner.active_ids == []
+
+
+def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> None:
+    """Rows 5, 2 and 0 tokens ahead when the tail starts: the batch shrinks as rows finish (a prefix of the rows
+    sorted by need) and every row still ends with plain greedy's tokens."""
+    from k3verify.serving.spec.offline import SpecRun, _plain_tail
+
+    prompts, new = _prompts(), 12
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    for sid, p in enumerate(prompts):
+        runner.admit(sid, len(p) + new)
+    first = runner.prefill(list(enumerate(prompts))).argmax(-1).tolist()
+    run = SpecRun([[t] for t in first], [SpecStats() for _ in prompts])
+    for row, ahead in ((0, 5), (1, 2)):
+        for _ in range(ahead):
+            run.tokens[row] += runner.decode([(row, run.tokens[row][-1])]).argmax(-1).tolist()
+    _plain_tail(SpecVerifier(runner, K, 3), [0, 1, 2], [0, 1, 2], run, new, None)
+    assert run.tokens == plain and run.decode_steps == new - 1
+    for sid in range(3):
+        assert runner.num_cached(sid) == len(prompts[sid]) + new - 1
+
+
 def _engine_run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[EngineEvent]]:
     events: list[list[EngineEvent]] = [[] for _ in requests]
     done = [threading.Event() for _ in requests]

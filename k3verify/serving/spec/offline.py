@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.spec.accept import accept_greedy_ids
 from k3verify.serving.spec.drafter import Drafter
@@ -66,6 +68,9 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
         for out, tok in zip(run.tokens, first, strict=True):
             out.append(tok)
         while live := [i for i in range(len(prompts)) if len(run.tokens[i]) < max_new_tokens]:
+            if all(run.stats[i].off for i in live):
+                _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)
+                break
             _round(verifier, drafter, policy, prompts, ids, live, run, verify_graphs, decode_graphs)
     finally:
         for sid in ids:
@@ -98,8 +103,31 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
             policy.record(run.stats[i], k, a.num_accepted)
             run.accepted_per_row.append(a.num_accepted)
         run.verify_steps += 1
-    if plain:
+    if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round
         step = [(ids[i], run.tokens[i][-1]) for i in plain]
         for i, tok in zip(plain, verifier.runner.decode(step, decode_graphs).argmax(-1).tolist(), strict=True):
             run.tokens[i].append(tok)
         run.decode_steps += 1
+
+
+def _plain_tail(verifier: SpecVerifier, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,
+                decode_graphs: GraphDecoder | None) -> None:
+    """Every live row turned speculation off: decode the rest as the plain bench path does, each step fed the
+    previous step's ids on the device, one readback at the end (a round trip per step cost the speculative run
+    19% of batch-1 decode at 0% acceptance on the H200). Rows sorted by tokens still needed, so the rows left
+    after each step are a prefix of the batch and the next step's inputs are a slice, never an index copy."""
+    runner = verifier.runner
+    need = {i: max_new_tokens - len(run.tokens[i]) for i in live}
+    rows = sorted(live, key=lambda i: -need[i])
+    last = runner.staging.to_device([run.tokens[i][-1] for i in rows])
+    steps: list[tuple[list[int], torch.Tensor]] = []
+    for step in range(need[rows[0]]):
+        rows = [i for i in rows if need[i] > step]
+        sids = [ids[i] for i in rows]
+        runner.set_next_tokens(sids, last[: len(rows)])
+        last = runner.decode_next(sids, decode_graphs).argmax(-1)
+        steps.append((rows, last))
+        run.decode_steps += 1
+    for rows, toks in steps:
+        for i, tok in zip(rows, toks.tolist(), strict=True):
+            run.tokens[i].append(tok)
