@@ -111,6 +111,8 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
         if plan.drafter == "controlled":
             cap = plan.new_tokens if plan.ref_iterations is None else plan.ref_iterations
             ref = converge_reference(lambda refs: generate(controlled(refs)).tokens, prompts, plain_refs, cap)
+            progress(f"batch {B} nominal {accept:.0%}: reference {'converged' if ref.converged else 'NOT converged'} "
+                     f"after {ref.iterations} untimed runs")
         drafter: Drafter = NgramDrafter(plan.num_draft) if ref is None else controlled(ref.references)
         run, spec_s = _timed(lambda d=drafter: generate(d))
         row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
