@@ -1,7 +1,7 @@
 """Is a seeded request's output independent of what shares its batch? Measured per device and dtype.
 
 The sampler's draws are batch-invariant by construction (serving/sampler.py); the logits may not be. For each
-trial a target prompt is generated alone and inside packed batches of 2, 4 and 8 (other prompts of other
+trial a target prompt is generated alone and inside packed batches of 2, 3, 4 and 8 (other prompts of other
 lengths): the largest |logit difference| of the target row under teacher forcing, and whether free-running
 seeded sampling (temperature 0.8, seed 123) gives the same tokens. On CUDA both eager decode and CUDA-graph
 decode (whose buckets pad the batch) are measured.
@@ -53,13 +53,14 @@ def _run(runner: ModelRunner, prompts: list[list[int]], steps: int, forced: list
             runner.release(sid)
 
 
-def measure(device: str, dtype: str, trials: int, steps: int, use_graphs: bool) -> list[dict[str, Any]]:
+def measure(device: str, dtype: str, trials: int, steps: int, use_graphs: bool,
+            batches: tuple[int, ...] = (2, 3, 4, 8)) -> list[dict[str, Any]]:
     cfg = get_preset("k3-tiny")
     runner = build_runner(cfg, synthetic_tensors(cfg), dtype=getattr(torch, dtype), device=device, num_slots=8)
     graphs = GraphDecoder(runner.model, runner.max_context) if use_graphs else None
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch in (2, 4, 8):
+    for batch in batches:  # 3: a graph bucket of 4 with one padded scratch row
         max_diff, same = 0.0, 0
         for _ in range(trials):
             prompts = [torch.randint(0, 4000, (int(torch.randint(3, 40, (1,), generator=gen)),),
@@ -84,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batches", default="2,3,4,8", help="batch sizes the target prompt shares")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     paths = (False, True) if args.device.startswith("cuda") else (False,)
     rows = [r for dtype in args.dtypes.split(",") for g in paths
-            for r in measure(args.device, dtype, args.trials, args.steps, g)]
+            for r in measure(args.device, dtype, args.trials, args.steps, g,
+                            tuple(int(b) for b in args.batches.split(",")))]
     print("| device | dtype | decode | batch | max abs logit diff vs alone | seeded tokens identical |")
     print("|---|---|---|---|---|---|")
     for r in rows:

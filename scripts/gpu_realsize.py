@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu runs the same chain on a small preset (a dry run)")
     args = parser.parse_args()
     budget = {k: float(os.environ.get(f"{k.upper()}_S", v)) for k, v in
-              (("make", 100), ("digest", 40), ("parity", 340), ("serve", 90))}
+              (("make", 100), ("digest", 40), ("parity", 340), ("serve", 150))}
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt, report = args.dir / args.preset, args.out / "realsize-parity"
     sampler = GpuSampler()

@@ -30,7 +30,7 @@
 #                                        verify; a table of every row, $OUT/spec-summary.json (~180 s cold)
 #   bash scripts/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
-#                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=90; measured on a cold
+#                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=150 (serve warms up first); measured on a cold
 #                                        H200: 49 s, 7 s, 300 s, 35 s)
 #   bash scripts/gpu_session.sh types    issue 11: the CUDA fast-path checks after their move to
 #                                        serving_fastpath_kernels.py (kernel.norm/router/attn.sdpa) and weights.*
@@ -152,11 +152,11 @@ mxfp4)
         | quiet | tail -40
     ;;
 spec)
-    # ~330 s of a cold H200 before the reference iteration (cold Triton cache; 36 s warm). The bench gets SPEC_S
-    # (420: 120 was too short on 2026-12-01, cut in the transformers+fla gold; the controlled drafter's untimed
-    # reference iteration adds up to new_tokens=64 speculative runs per acceptance level, ~0.3 s each at batch 1,
-    # ~0.6 s at 16), then the CUDA-only spec.* checks on k3-syn-25 get what is left of SPEC_TOTAL_S (480), at least
-    # 45 s (they took 17 s that day), with the gpu test beside them
+    # The bench gets SPEC_S (420): on 2026-12-01 a cold H200 ran out of 270 in the transformers+fla gold (181 s of
+    # Triton compiles and fla autotuning), the same bench took 36 s warm; the controlled drafter's untimed
+    # reference iteration adds up to new_tokens=64 speculative runs per acceptance level (~0.3 s each at batch 1,
+    # ~0.6 s at 16; a handful when it converges fast). Then the CUDA-only spec.* checks on k3-syn-25 get what is
+    # left of SPEC_TOTAL_S (480), at least 45 s (they took 17 s that day), with the gpu test beside them
     start=$(date +%s)
     step "spec bench kl-48b-8l (fused KDA verify for the speed rows; ${SPEC_S:-420} s)"
     timeout "${SPEC_S:-420}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \

@@ -40,12 +40,14 @@ def markdown_table(data: dict[str, Any]) -> str:
     served = data.get("served") or []
     if served:
         srows = ["| served (engine + HTTP) | tok/s | bench path tok/s | served / bench | TTFT p50 / p99 | "
-                 "ITL p50 / p99 |", "|---|---|---|---|---|---|"]
+                 "ITL p50 / p99 | untimed warm-up wave: wall, TTFT p99 |", "|---|---|---|---|---|---|---|"]
         for r in served:
+            w = r.get("warmup")
+            warm = f"{w['wall_s']:.2f} s, {w['ttft_p99_ms']:.1f} ms" if w else "none (older run)"
             srows.append(f"| {data['preset']}, {r['concurrency']} streaming clients, {r['requests']} requests | "
                          f"{r['tok_s']:,.0f} | {_num(r.get('bench_tok_s'), ',.0f')} | "
                          f"{_num(r.get('served_over_bench'), '.2f')} | {r['ttft_p50_ms']:.1f} / "
-                         f"{r['ttft_p99_ms']:.1f} ms | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} ms |")
+                         f"{r['ttft_p99_ms']:.1f} ms | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} ms | {warm} |")
         out += "\n\n" + "\n".join(srows)
     passed = ", ".join(f"{p['id']} {p['status']}" for p in data["parity"])
     return out + f"\n\nParity in the same run: {passed}."

@@ -214,7 +214,7 @@ def _emit(result: BenchResult, path: Path | None) -> None:
         ratio = r.get("served_over_bench", float("nan"))
         lines.append(f"  served c{r['concurrency']:>3}: {r['tok_s']:>9.1f} tok/s ({ratio:.2f}x the bench path)"
                      f"  TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms  ITL p50 "
-                     f"{r['itl_p50_ms']:.2f} ms p99 {r['itl_p99_ms']:.2f} ms")
+                     f"{r['itl_p50_ms']:.2f} ms p99 {r['itl_p99_ms']:.2f} ms{_warmup_text(r)}")
     for f in result.kernel_fallbacks:
         lines.append(f"  kernel fallback {f}")
     for p in result.profile:
@@ -240,3 +240,9 @@ def _write_json(data: dict[str, Any], path: Path) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _warmup_text(row: dict[str, Any]) -> str:
+    w = row.get("warmup")
+    return "" if not w else (f"  (untimed warm-up wave: {w['requests']} requests, {w['wall_s']:.2f} s, "
+                             f"TTFT p99 {w['ttft_p99_ms']:.1f} ms)")

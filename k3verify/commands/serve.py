@@ -29,6 +29,7 @@ from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import SpecPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
+from k3verify.serving.warmup import warm_up
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
@@ -60,6 +61,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
                    help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
+                        "prefill sizes run before the port opens, so no first request pays Triton compiles)")
     p.add_argument("--nonfinite-threshold", type=int, default=HealthPolicy.max_nonfinite, metavar="N",
                    help="requests failed by non-finite logits within --health-window after which /health answers "
                         f"503 (default {HealthPolicy.max_nonfinite}; fewer make it 'degraded')")
@@ -232,6 +236,10 @@ def run_serve(args: argparse.Namespace) -> int:
     target = gated.target
     print(f"k3verify serve: gate report {gated.report} vouches for {target.name} ({target.digest})", flush=True)
     engine, tokenizer = build_engine(args, gated)
+    # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
+    if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
+        print(f"k3verify serve: {warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens).describe()}",
+              flush=True)
     metrics = ServerMetrics()
     engine.observer = metrics
     app = create_app(engine.start(), tokenizer, model_name=target.name, api_key=args.api_key, metrics=metrics)

@@ -50,6 +50,9 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == row["requests"] * 4
         assert row["tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0
         assert row["bench_tok_s"] == bench["ours_tok_s"] and row["served_over_bench"] > 0
+        # one untimed wave of the same shape first (compiles and autotuning outside the timed wall)
+        assert row["warmup"]["requests"] == row["concurrency"] and row["warmup"]["engine_steps"] > 0
+        assert row["ttft_slowest"][0]["ttft_ms"] == pytest.approx(row["ttft_p99_ms"])  # under 100 requests p99 = max
     (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured
     assert prof["batch"] == 3 and prof["host_step_ms"] > 0 and prof["kernels_per_step"] == 0
 
