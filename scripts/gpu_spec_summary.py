@@ -26,6 +26,12 @@ def bench_rows(out: Path) -> list[dict[str, Any]]:
             for p in data["parity"]]
     rows.append({"row": "bench speeds", "status": "reported" if data["speeds_reported"] else "withheld",
                  "metric": None, "control": f"KDA verify path: {data['kda_verify_path']}"})
+    refs = [r for r in data["speed"] if "ref_converged" in r]
+    if refs:  # a row whose reference did not converge does not measure its nominal acceptance
+        ok = sum(bool(r["ref_converged"]) for r in refs)
+        rows.append({"row": "bench controlled-drafter references", "status": "pass" if ok == len(refs) else "fail",
+                     "metric": max(r["ref_iterations"] for r in refs),
+                     "control": f"{ok}/{len(refs)} rows converged (metric: most untimed runs)"})
     return rows
 
 

@@ -1,11 +1,17 @@
 """`k3verify bench --speculative controlled|ngram`: speculative decoding speed on our model, parity first.
 
-Random-weight checkpoints make n-gram acceptance meaningless, so the `controlled` drafter proposes the model's
-own greedy continuation (from the plain run timed just before) with each draft token corrupted with
-probability 1 - acceptance: nominal acceptance 0 / 0.5 / 0.8 per draft. Rows: plain greedy decode and
-speculative greedy decode (CUDA graphs for both) per batch and acceptance, tok/s over the whole generate call,
-and the verify cost of one KDA layer, unfused (three launches) vs fused (one), at 1..8 rows. Speeds are
-reported only when every parity result of the run passed (spec_parity.py, plus bench.run's prefill parity).
+Random-weight checkpoints make n-gram acceptance meaningless, so the `controlled` drafter proposes a known
+greedy continuation with each draft token replaced by a different token with probability 1 - p: nominal
+acceptance p = 0 / 0.5 / 0.8 per draft. The continuation is the speculative path's own (spec_ref.py: in bf16 a
+verify pass and a plain decode step can pick different argmaxes, after which the plain continuation is wrong
+at every later draft), found untimed by iterating to a fixed point; each row records the iterations, whether
+it converged, and the tokens equal to that reference and to plain decode. Measured acceptance is accepted /
+proposed drafts (k per verify); with a converged reference it is expected to be sum_{i=1..k} p^i / k
+(`accept_expected`: 59% at nominal 80%, k=4), since greedy acceptance stops at the first corrupted draft.
+Rows: plain greedy decode and speculative greedy decode (CUDA graphs for both) per batch and acceptance, tok/s
+over the whole generate call, and the verify cost of one KDA layer, unfused (three launches) vs fused (one),
+at 1..8 rows. Speeds are reported only when every parity result of the run passed (spec_parity.py, plus
+bench.run's prefill parity).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from k3verify.bench import spec_parity
 from k3verify.bench.parity import gold_logits, load_baseline, model_parity
 from k3verify.bench.run import progress
+from k3verify.bench.spec_ref import SpecReference, continuation_match, converge_reference, expected_acceptance
 from k3verify.bench.speeds import generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
@@ -29,7 +36,7 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
 from k3verify.serving.spec.graphs import VerifyGraphs
-from k3verify.serving.spec.offline import generate_speculative
+from k3verify.serving.spec.offline import SpecRun, generate_speculative
 from k3verify.serving.spec.policy import SpecPolicy
 from k3verify.serving.spec.verifier import SpecVerifier
 
@@ -53,6 +60,7 @@ class SpecPlan:
     layer_rows: tuple[int, ...] = (1, 2, 4, 8)
     min_mean_accepted: float = 0.25
     use_graphs: bool = True
+    ref_iterations: int | None = None  # cap of the controlled drafter's reference iteration; None: new_tokens
 
 
 @dataclass
@@ -81,26 +89,50 @@ def _timed(fn: Any) -> tuple[Any, float]:
 
 def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | None, dgraphs: GraphDecoder | None,
                B: int) -> list[dict[str, Any]]:
-    """Plain greedy decode, then speculative greedy decode per acceptance, on the same prompts."""
+    """Plain greedy decode, then speculative greedy decode per acceptance, on the same prompts. The controlled
+    drafter follows the speculative path's own continuation, iterated to a fixed point untimed (spec_ref.py)."""
     runner, cfg = verifier.runner, verifier.runner.model.cfg
-    prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
-    plain, plain_s = _timed(lambda: generate_ours(runner, dgraphs, prompts, plan.new_tokens).tolist())
-    refs = {i: p + o for i, (p, o) in enumerate(zip(prompts.tolist(), plain, strict=True))}
-    levels = plan.accept if plan.drafter == "controlled" else (float("nan"),)
+    prompt_ids = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
+    prompts = prompt_ids.tolist()
+    plain, plain_s = _timed(lambda: generate_ours(runner, dgraphs, prompt_ids, plan.new_tokens).tolist())
+    plain_refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
+    tokens = B * plan.new_tokens
     rows = []
-    for accept in levels:
-        drafter: Drafter = (ControlledDrafter(plan.num_draft, refs, 1.0 - accept, cfg.vocab_size, plan.seed)
-                            if plan.drafter == "controlled" else NgramDrafter(plan.num_draft))
-        policy = SpecPolicy(min_mean_accepted=plan.min_mean_accepted)
-        run, spec_s = _timed(lambda d=drafter, p=policy: generate_speculative(
-            verifier, d, prompts.tolist(), plan.new_tokens, policy=p, verify_graphs=vgraphs, decode_graphs=dgraphs))
-        same = sum(a == b for x, y in zip(run.tokens, plain, strict=True) for a, b in zip(x, y, strict=True))
-        tokens = B * plan.new_tokens
-        rows.append({"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
-                     "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
-                     "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
-                     "turned_off": sum(s.off for s in run.stats), "tokens_equal_to_plain": same / tokens})
+    for accept in plan.accept if plan.drafter == "controlled" else (float("nan"),):
+        def generate(drafter: Drafter) -> SpecRun:
+            return generate_speculative(verifier, drafter, prompts, plan.new_tokens,
+                                        policy=SpecPolicy(min_mean_accepted=plan.min_mean_accepted),
+                                        verify_graphs=vgraphs, decode_graphs=dgraphs)
+
+        def controlled(refs: dict[int, list[int]], accept: float = accept) -> ControlledDrafter:
+            return ControlledDrafter(plan.num_draft, refs, 1.0 - accept, cfg.vocab_size, plan.seed)
+
+        ref = None
+        if plan.drafter == "controlled":
+            cap = plan.new_tokens if plan.ref_iterations is None else plan.ref_iterations
+            ref = converge_reference(lambda refs: generate(controlled(refs)).tokens, prompts, plain_refs, cap)
+            progress(f"batch {B} nominal {accept:.0%}: reference {'converged' if ref.converged else 'NOT converged'} "
+                     f"after {ref.iterations} untimed runs")
+        drafter: Drafter = NgramDrafter(plan.num_draft) if ref is None else controlled(ref.references)
+        run, spec_s = _timed(lambda d=drafter: generate(d))
+        row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
+               "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
+               "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
+               "turned_off": sum(s.off for s in run.stats),
+               "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs)}
+        rows.append(row if ref is None else row | _reference_columns(ref, run, prompts, accept, plan.num_draft))
     return rows
+
+
+def _reference_columns(ref: SpecReference, run: SpecRun, prompts: list[list[int]], accept: float,
+                       num_draft: int) -> dict[str, Any]:
+    cols: dict[str, Any] = {"accept_expected": expected_acceptance(accept, num_draft),
+                            "ref_iterations": ref.iterations, "ref_converged": ref.converged,
+                            "tokens_equal_to_reference": continuation_match(run.tokens, prompts, ref.references)}
+    if not ref.converged:
+        cols["note"] = (f"the drafter's reference did not converge in {ref.iterations} iterations: its drafts are not "
+                        f"the speculative path's own continuation, so this row does not measure nominal {accept:.0%}")
+    return cols
 
 
 def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int, seed: int,
@@ -196,6 +228,8 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
         for B in plan.batches:
             progress(f"speculative decode batch {B}")
             result.speed.extend(speed_rows(plan, verifier, vgraphs, dgraphs, B))
+        result.notes += [f"batch {r['batch']} nominal {r['accept_nominal']:.0%}: {r['note']}"
+                         for r in result.speed if "note" in r]
         for rows in plan.layer_rows:
             progress(f"KDA layer verify cost, {rows} rows")
             result.layer_cost.append(layer_cost(verifier.runner.model.cfg, device, rows, plan.num_draft, plan.seed))
@@ -212,23 +246,38 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
 
 
 def markdown_table(data: dict[str, Any]) -> str:
+    """The README tables from the bench JSON; rows of a JSON written before the reference iteration (no
+    accept_expected / ref_* / tokens_equal_to_reference) print with "-" and "plain (not iterated)"."""
     hw = data["device_name"]
     if not data.get("speeds_reported"):
         return (f"No speeds for {data['preset']} on {hw} (KDA verify path: {data['kda_verify_path']}): "
                 + "; ".join(data.get("notes", ["parity not green"])))
-    rows = ["| hardware | workload | plain decode | speculative | speedup | acceptance (measured) | verify / decode "
-            "steps, auto-off |", "|---|---|---|---|---|---|---|"]
-    for r in data["speed"]:
-        rows.append(f"| {hw} | {data['preset']} batch {r['batch']}, k={data['num_draft']}, {r['drafter']} "
-                    f"{r['accept_nominal']:.0%} | {r['plain_tok_s']:,.0f} tok/s | {r['spec_tok_s']:,.0f} tok/s | "
-                    f"{r['speedup']:.2f}x | {r['accept_measured']:.0%} | {r['verify_steps']} / {r['decode_steps']}, "
-                    f"{r['turned_off']} off |")
+    rows = ["| hardware | workload | plain decode | speculative | speedup | acceptance measured / expected | drafter "
+            "reference | tokens equal to reference / plain | verify / decode steps, auto-off |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    rows += [_speed_line(hw, data, r) for r in data["speed"]]
     rows += ["", "| KDA layer verify, rows x positions | unfused (3 launches) | fused (1 launch) | fused speedup |",
              "|---|---|---|---|"]
     for r in data["layer_cost"]:
         rows.append(f"| {r['rows']} x {r['positions']} | {r['unfused_us']:.1f} us | {r['fused_us']:.1f} us "
                     f"({r['fused_path']}) | {r['fused_speedup']:.2f}x |")
     passed = ", ".join(f"{p['id']} {p['status']}" for p in data["parity"])
-    return "\n".join(rows) + f"\n\nKDA verify path of the speed rows: {data['kda_verify_path']}. Parity in the same " \
-        f"run: {passed}."
+    notes = "".join(f"\nNote: {n}" for n in data.get("notes", []))
+    return "\n".join(rows) + f"\n\nKDA verify path of the speed rows: {data['kda_verify_path']}. Parity in the " \
+        f"same run: {passed}.{notes}"
 
+
+def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
+    def pct(key: str, fmt: str = ".0%") -> str:
+        return "-" if r.get(key) is None else format(r[key], fmt)
+
+    if "ref_converged" in r:
+        ref = (f"converged in {r['ref_iterations']}" if r["ref_converged"]
+               else f"NOT converged in {r['ref_iterations']}: not nominal")
+    else:
+        ref = "plain (not iterated)" if r["drafter"] == "controlled" else "-"
+    return (f"| {hw} | {data['preset']} batch {r['batch']}, k={data['num_draft']}, {r['drafter']} "
+            f"{r['accept_nominal']:.0%} | {r['plain_tok_s']:,.0f} tok/s | {r['spec_tok_s']:,.0f} tok/s | "
+            f"{r['speedup']:.2f}x | {pct('accept_measured')} / {pct('accept_expected')} | {ref} | "
+            f"{pct('tokens_equal_to_reference', '.2f')} / {pct('tokens_equal_to_plain', '.2f')} | "
+            f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off |")

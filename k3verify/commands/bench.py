@@ -46,10 +46,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="print the README results table of an earlier run's --json file and exit (no GPU)")
     p.add_argument("--speculative", choices=("controlled", "ngram"), default=None,
-                   help="bench speculative decoding instead (controlled: the model's own continuation with a known "
-                        "fraction of drafts corrupted; ngram: prompt lookup)")
+                   help="bench speculative decoding instead (controlled: the speculative path's own greedy "
+                        "continuation, found untimed, with a known fraction of drafts corrupted; ngram: prompt lookup)")
     p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (--speculative)")
-    p.add_argument("--spec-accept", default="0,0.5,0.8", help="controlled drafter: nominal acceptance levels")
+    p.add_argument("--spec-accept", default="0,0.5,0.8",
+                   help="controlled drafter: nominal acceptance levels p, per draft (measured accepted / proposed "
+                        "is expected to be sum_{i<=k} p^i / k)")
     p.add_argument("--kda-fused-verify", action="store_true", help="speed rows use the one-launch KDA verify")
     p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer verify cost")
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k3verify.bench.spec import SpecPlan, run_spec_bench
+from k3verify.bench.spec_ref import expected_acceptance
 from k3verify.cli import main
 from k3verify.presets import get_preset, preset_hf_config
 
@@ -40,7 +41,10 @@ def test_spec_bench_gates_then_times_every_batch_and_acceptance(dry_run: Any) ->
     assert [(r["batch"], r["accept_nominal"]) for r in dry_run.speed] == [(1, 0.0), (1, 0.8), (3, 0.0), (3, 0.8)]
     for r in dry_run.speed:
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["verify_steps"] > 0
-        assert r["tokens_equal_to_plain"] == 1.0, "fp32 speculative greedy must equal plain greedy"
+        assert r["tokens_equal_to_plain"] == 1.0, "on CPU speculative greedy equals plain greedy"
+        # so plain's continuation is already the speculative path's own: the first untimed run confirms it
+        assert r["ref_converged"] and r["ref_iterations"] == 1 and r["tokens_equal_to_reference"] == 1.0, r
+        assert r["accept_expected"] == expected_acceptance(r["accept_nominal"], 4) and "note" not in r, r
     zero = [r for r in dry_run.speed if r["accept_nominal"] == 0.0]
     assert all(r["accept_measured"] == 0.0 and r["turned_off"] == r["batch"] for r in zero), zero
     high = [r for r in dry_run.speed if r["accept_nominal"] == 0.8]
@@ -56,3 +60,22 @@ def test_spec_table_renders_from_the_json(dry_run: Any, tmp_path: Path, capsys: 
     out = capsys.readouterr().out
     assert "| plain decode | speculative | speedup |" in out and "batch 3, k=4, controlled 80%" in out
     assert "KDA layer verify" in out and "KDA verify path of the speed rows: unfused" in out
+    assert "| acceptance measured / expected | drafter reference | tokens equal to reference / plain |" in out
+    assert "| converged in 1 | 1.00 / 1.00 |" in out and "NOT converged" not in out
+
+
+def test_spec_table_says_which_rows_are_not_nominal_and_prints_old_json(dry_run: Any) -> None:
+    """A row whose reference did not converge says so in its line and the notes; a row written before the
+    reference iteration (no accept_expected / ref_* / tokens_equal_to_reference) still prints."""
+    from k3verify.bench.spec import markdown_table
+
+    data = json.loads(json.dumps(dry_run.to_dict()))
+    data["speed"][1] |= {"ref_converged": False, "ref_iterations": 12, "note": "did not converge"}
+    data["notes"] = ["batch 1 nominal 80%: did not converge"]
+    out = markdown_table(data)
+    assert "NOT converged in 12: not nominal" in out and "Note: batch 1 nominal 80%: did not converge" in out
+    for r in data["speed"]:
+        for key in ("accept_expected", "ref_converged", "ref_iterations", "tokens_equal_to_reference", "note"):
+            r.pop(key, None)
+    old = markdown_table(data)
+    assert old.count("| plain (not iterated) | - / 1.00 |") == len(data["speed"]), old
