@@ -111,8 +111,8 @@ noise)
     ;;
 bench)
     start=$(date +%s)
-    step "bench kl-48b-8l (served 1,16,64; profile 1,64)"
-    timeout "${BENCH_S:-500}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --served 1,16,64 \
+    step "bench kl-48b-8l (served 1,16,64; profile decode 1,64, prefill 1k,8k)"
+    timeout "${BENCH_S:-500}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --profile-prefill 1024,8192 --served 1,16,64 \
         --json "$OUT/bench.json" 2>"$OUT/bench.log" >/dev/null
     echo "kl-48b-8l bench exit $? after $(( $(date +%s) - start )) s"
     left=$(( ${SESSION_S:-555} - ($(date +%s) - start) ))

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: GPU kernels by category, idle gaps inside a replay, host time.
+"""Where a decode step's (or a prefill's) time goes: GPU kernels by category, idle gaps inside a replay, host time.
 
 Method: `steps` graph-replayed decode steps (after warm-up) under torch.profiler with CUDA activity;
 the Chrome trace is parsed for kernel / memcpy / memset records. Kernels launched by one
@@ -167,4 +167,38 @@ def profile_decode(runner: ModelRunner, graphs: GraphDecoder, prompts: torch.Ten
     out["graphs"] = bool(graphs.use_graphs)
     if graphs.use_graphs and out["graph_steps_seen"] == 0:
         out["note"] = "the profiler recorded no kernels inside CUDA graphs: breakdown comes from the trace as is"
+    return out
+
+
+def profile_prefill(runner: ModelRunner, tokens: int, vocab_size: int, seed: int, repeats: int = 3) -> dict[str, Any]:
+    """One sequence of `tokens` prefilled eagerly (as the bench's prefill speed measures it), `repeats` times
+    after one warm-up, traced: per prefill, the kernels by category, the GPU span (first kernel start to last
+    kernel end: launch gaps included, since prefill is not graph-captured) and the host wall time."""
+    ids = torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    sid = max(runner.active_ids, default=-1) + 1
+    host: list[float] = []
+
+    def once(record: bool) -> None:
+        runner.admit(sid, tokens)
+        try:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                runner.prefill([(sid, ids)])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            if record:
+                host.append(time.perf_counter() - t0)
+        finally:
+            runner.release(sid)
+
+    def traced() -> None:
+        for _ in range(repeats):
+            once(True)
+
+    once(False)  # warm-up: compiles, autotuning, allocator
+    events = _trace(traced)
+    out = summarize(events, repeats, host)
+    out["tokens"] = tokens
+    out["graphs"] = False
+    out["note"] = "eager prefill: the span includes launch gaps and the host's time between launches"
     return out

@@ -19,7 +19,7 @@ import torch
 
 from k3verify.bench.floor import measure_copy_bandwidth
 from k3verify.bench.parity import decode_parity, gold_logits, graph_parity, load_baseline, model_parity
-from k3verify.bench.profile import profile_decode
+from k3verify.bench.profile import profile_decode, profile_prefill
 from k3verify.bench.speeds import time_decode, time_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
@@ -39,6 +39,7 @@ class BenchResult:
     decode: list[dict[str, Any]] = field(default_factory=list)
     served: list[dict[str, Any]] = field(default_factory=list)
     profile: list[dict[str, Any]] = field(default_factory=list)
+    profile_prefill: list[dict[str, Any]] = field(default_factory=list)
     kernel_fallbacks: list[str] = field(default_factory=list)  # every (op: reason) a fast path refused
     notes: list[str] = field(default_factory=list)
     speeds_reported: bool = False
@@ -62,6 +63,7 @@ class BenchPlan:
     graph_parity_steps: int = 8
     decode_parity_steps: int = 16
     profile_batches: tuple[int, ...] = ()
+    profile_prefill_lens: tuple[int, ...] = ()  # prefill lengths to profile (one sequence, eager)
     served_concurrency: tuple[int, ...] = ()  # () = no served phase; each must be a benchmarked batch
     served_requests_per_client: int = 3
 
@@ -208,6 +210,9 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
         progress(f"profile decode batch {B}")
         prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 200 + B, device)
         result.profile.append(profile_decode(s.runner, s.graphs, prompts))
+    for T in plan.profile_prefill_lens:
+        progress(f"profile prefill {T}")
+        result.profile_prefill.append(profile_prefill(s.runner, T, cfg.vocab_size, plan.seed + 500 + T))
     progress("done")
     return _with_fallbacks(result)
 

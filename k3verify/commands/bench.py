@@ -37,6 +37,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (no ratios reported)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
     p.add_argument("--profile", default="", help="decode batch sizes to profile (kernels, launch gaps, host)")
+    p.add_argument("--profile-prefill", default="", metavar="T1,T2",
+                   help="prefill lengths to profile (one sequence, eager: kernels by category, span, host)")
     p.add_argument("--served", nargs="?", const="1,16,64", default="", metavar="C1,C2,..",
                    help="also the real engine and HTTP server under C concurrent streaming clients (default "
                         "1,16,64; each must be a benchmarked batch): parity with the bench path, then speeds")
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     plan = b.BenchPlan(shape.name, tuple(prefill_lens), tuple(batches), args.new_tokens, args.prompt_len, args.seed,
                        baseline=not args.no_baseline, use_graphs=not args.no_graphs, parity_bar=args.parity_bar,
                        profile_batches=tuple(profile), served_concurrency=tuple(served),
+                       profile_prefill_lens=tuple(_ints(args.profile_prefill, "--profile-prefill")
+                                                  if args.profile_prefill else ()),
                        served_requests_per_client=args.served_requests)
     result = b.run_bench(plan, shape.cfg, shape.hf_dict, torch.device("cuda"), b.measure_bandwidth())
     result.notes.extend(_weights_note(shape, args.seed))
@@ -221,8 +225,11 @@ def _emit(result: BenchResult, path: Path | None) -> None:
         lines.append(f"  profile b{p['batch']:>3}: host step {p['host_step_ms']:.3f} ms = GPU span "
                      f"{p['gpu_span_ms']:.3f} (busy {p['gpu_busy_ms']:.3f}, idle gaps {p['idle_inside_step_ms']:.3f}) "
                      f"+ host {p['host_outside_gpu_ms']:.3f}; {p['kernels_per_step']:.0f} kernels/step")
-        for c in p["by_category"][:8]:
-            lines.append(f"      {c['category']:<26} {c['ms_per_step']:7.3f} ms  {c['kernels_per_step']:6.1f} kernels")
+        lines += _category_lines(p)
+    for p in data.get("profile_prefill", []):
+        lines.append(f"  profile prefill {p['tokens']}: host {p['host_step_ms']:.3f} ms, GPU span "
+                     f"{p['gpu_span_ms']:.3f} (busy {p['gpu_busy_ms']:.3f}); {p['kernels_per_step']:.0f} kernels")
+        lines += _category_lines(p)
     print("\n".join(lines), file=sys.stderr)
     from k3verify.bench.table import markdown_table
 
@@ -246,3 +253,8 @@ def _warmup_text(row: dict[str, Any]) -> str:
     w = row.get("warmup")
     return "" if not w else (f"  (untimed warm-up wave: {w['requests']} requests, {w['wall_s']:.2f} s, "
                              f"TTFT p99 {w['ttft_p99_ms']:.1f} ms)")
+
+
+def _category_lines(p: dict[str, Any]) -> list[str]:
+    return [f"      {c['category']:<26} {c['ms_per_step']:7.3f} ms  {c['kernels_per_step']:6.1f} kernels"
+            for c in p["by_category"][:8]]

@@ -17,7 +17,8 @@ def dry_run():  # type: ignore[no-untyped-def]
     from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 
     plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64,
-                     profile_batches=(3,), served_concurrency=(1, 3), served_requests_per_client=2)
+                     profile_batches=(3,), profile_prefill_lens=(48,), served_concurrency=(1, 3),
+                     served_requests_per_client=2)
     with torch_kda_paths(torch.device("cpu")):
         return run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
 
@@ -53,6 +54,8 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         # one untimed wave of the same shape first (compiles and autotuning outside the timed wall)
         assert row["warmup"]["requests"] == row["concurrency"] and row["warmup"]["engine_steps"] > 0
         assert row["ttft_slowest"][0]["ttft_ms"] == pytest.approx(row["ttft_p99_ms"])  # under 100 requests p99 = max
+    (pre,) = dry_run.profile_prefill  # eager prefill of one 48-token sequence, 3 traced repeats
+    assert pre["tokens"] == 48 and pre["steps"] == 3 and pre["host_step_ms"] > 0 and pre["graphs"] is False
     (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured
     assert prof["batch"] == 3 and prof["host_step_ms"] > 0 and prof["kernels_per_step"] == 0
 
