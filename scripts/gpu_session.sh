@@ -263,7 +263,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac
