@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
 from k3verify.kernels import attn as attn_ops
+from k3verify.kernels import moe as moe_ops
 from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.serving.layers.mlp import silu_glu, situ_glu
@@ -220,7 +221,9 @@ _MOE_CONTROL = "LatentMoE: routed_expert_norm per expert before the combine; pla
 
 @register_check(id="moe.module.fp32", component="moe", level="module", kind=Kind.BITEXACT, control=_MOE_CONTROL)
 @fx.single_thread
-@fx.torch_path(router_ops.SELECT)  # the Triton router matches torch to rounding (kernel.router.triton_vs_torch)
+# the Triton router and the CUDA combine match torch to rounding (kernel.router.triton_vs_torch,
+# kernel.moe.gathered_vs_torch / grouped_vs_torch hold them to it)
+@fx.torch_path(router_ops.SELECT, moe_ops.COMBINE)
 def check_moe_module_fp32(ctx: CheckContext) -> Trial:
     return _ffn_trial(ctx, "moe", F32)
 
