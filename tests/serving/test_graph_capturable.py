@@ -86,8 +86,9 @@ def test_gather_path_refuses_past_its_memory_budget() -> None:
     x = torch.zeros(64, 2304)
     idx = torch.zeros(64, 8, dtype=torch.long)
     reason = grouped.accepts(Moe(), x, torch.zeros(64, 8), idx)
-    assert reason is not None and "512 (token, expert) pairs" in reason and "GiB" in reason
-    assert grouped.accepts(Moe(), x[:2], torch.zeros(2, 8), idx[:2]) is None
+    assert reason is not None and "up to 37 (token, expert) pairs" in reason  # 1 GiB / (3 x 1024 x 2304 x 4 B)
+    assert grouped.accepts(Moe(), x[:32], torch.zeros(32, 8), idx[:32]) == reason  # one message: warned once
+    assert grouped.accepts(Moe(), x[:4], torch.zeros(4, 8), idx[:4]) is None  # 32 pairs fit
 
 
 _ATOMIC_FLOAT_OPS = ("index_add", "scatter_add", "scatter_reduce", "index_reduce", "_index_put_impl_", "put_")

@@ -55,10 +55,11 @@ GATHER_BUDGET_BYTES = 1 << 30
 
 def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> str | None:
     if x_in.dtype != torch.bfloat16:
-        nbytes = idx.numel() * 3 * moe.intermediate_size * x_in.shape[-1] * x_in.element_size()
-        if nbytes > GATHER_BUDGET_BYTES:
-            return (f"{x_in.dtype} experts take the per-pair gather path: {idx.numel()} (token, expert) pairs "
-                    f"would gather {nbytes / 2**30:.2f} GiB of weights (budget {GATHER_BUDGET_BYTES / 2**30:.0f} GiB)")
+        max_pairs = GATHER_BUDGET_BYTES // (3 * moe.intermediate_size * x_in.shape[-1] * x_in.element_size())
+        if idx.numel() > max_pairs:  # one message per model and dtype: the registry warns once per reason
+            return (f"{x_in.dtype} experts take the per-pair gather path up to {max_pairs} (token, expert) pairs "
+                    f"({GATHER_BUDGET_BYTES / 2**30:.0f} GiB of gathered weights); larger batches run the reference "
+                    "loop (not CUDA-graph capturable)")
         return None
     for name, n in (("expert input width", x_in.shape[-1]), ("expert intermediate", moe.intermediate_size)):
         if n % 16:
