@@ -89,15 +89,12 @@ class ServedStack:
 
 
 def engine_graphs(runner: ModelRunner, bench_graphs: GraphDecoder, concurrencies: tuple[int, ...]) -> GraphDecoder:
-    """Graphs for every decode batch up to the largest concurrency at the bench path's decode context, captured
-    now (a capture's warm-up steps run on scratch rows only). Each served concurrency is a bucket of its own, as
-    in the bench path: a wave of 12 decodes in a bucket of 12 there, not padded to 16 (other GEMM shapes)."""
+    """Graphs for every decode batch up to the largest concurrency at the bench path's decode context (captured
+    by served_stack's warm-up, as `serve` captures them before its port opens). Each served concurrency is a
+    bucket of its own, as in the bench path: a wave of 12 decodes in a bucket of 12 there, not padded to 16
+    (other GEMM shapes)."""
     buckets = tuple(sorted(set(engine_buckets(max(concurrencies))) | set(concurrencies)))
-    graphs = GraphDecoder(runner.model, bench_graphs.max_context, buckets=buckets, use_graphs=bench_graphs.use_graphs)
-    if graphs.use_graphs:
-        for bucket in graphs.buckets:
-            graphs.capture(bucket)
-    return graphs
+    return GraphDecoder(runner.model, bench_graphs.max_context, buckets=buckets, use_graphs=bench_graphs.use_graphs)
 
 
 @contextlib.contextmanager

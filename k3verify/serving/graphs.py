@@ -203,13 +203,11 @@ class GraphDecoder:
         return self._step(len(slots), lambda inputs: inputs.fill_from_slots(slots, positions, tokens_by_slot,
                                                                             pages_by_slot, self.staging))
 
-    def _step(self, n: int, fill: Callable[[StaticInputs], None]) -> torch.Tensor:
-        bucket = self.bucket_for(n)
-        inputs = self._static(bucket)
+    def ensure_captured(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature] | None:
+        """The bucket's graph, captured now if it has none or was captured over other cache tensors; None when
+        the bucket decodes eagerly (no graphs, or its capture failed)."""
         if not self.use_graphs or bucket in self.eager_buckets:
-            fill(inputs)
-            with torch.no_grad():
-                return static_decode(self.model, inputs, self.max_context)[:n]
+            return None
         entry = self._graphs.get(bucket)
         if entry is not None and self.check_signature and entry[2] != capture_signature(self.model):
             log.warning("graph for bucket %d was captured over other cache tensors (address/shape/stride "
@@ -217,10 +215,17 @@ class GraphDecoder:
             entry = None
         if entry is None:
             self.capture(bucket)
-            if bucket in self.eager_buckets:
-                return self._step(n, fill)
-            entry = self._graphs[bucket]
+            entry = self._graphs.get(bucket)  # None: the capture failed and the bucket went eager
+        return entry
+
+    def _step(self, n: int, fill: Callable[[StaticInputs], None]) -> torch.Tensor:
+        bucket = self.bucket_for(n)
+        inputs = self._static(bucket)
+        entry = self.ensure_captured(bucket)
         fill(inputs)
+        if entry is None:
+            with torch.no_grad():
+                return static_decode(self.model, inputs, self.max_context)[:n]
         graph, out, _ = entry
         graph.replay()
         return out[:n]

@@ -56,7 +56,7 @@ def warm_up(runner: ModelRunner, graphs: GraphDecoder | None, max_step_tokens: i
     buckets: tuple[int, ...] = ()
     if graphs is not None and graphs.use_graphs:
         for bucket in graphs.buckets:
-            graphs.capture(bucket)
+            graphs.ensure_captured(bucket)  # a graph still valid from an earlier warm-up is kept
         buckets = graphs.buckets
     done = []
     for lengths in prefill_ladder(min(max_step_tokens, runner.max_context)):
