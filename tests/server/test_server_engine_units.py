@@ -3,12 +3,11 @@ tests/serving/test_serving_sampler.py)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _Slot
 
+from k3verify.gates.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.request import find_stop, partial_stop_len
 from k3verify.serving.sampler import SamplingParams
@@ -36,20 +35,8 @@ def run_engine(runner: FakeRunner, requests: list[tuple[list[int], SamplingParam
                ) -> list[list[EngineEvent]]:
     """Submit all requests to a real Engine thread and collect each one's events until it finishes."""
     engine = Engine(runner, ByteTokenizer(), eos_token_ids=(EOS, IM_END), vocab_size=MODEL_VOCAB, **kw).start()
-    events: list[list[EngineEvent]] = [[] for _ in requests]
-    done = [threading.Event() for _ in requests]
-
-    def sink(i: int):  # type: ignore[no-untyped-def]
-        def put(ev: EngineEvent) -> None:
-            events[i].append(ev)
-            if ev.finished:
-                done[i].set()
-        return put
-
     try:
-        for i, (prompt, params) in enumerate(requests):
-            engine.submit(prompt, params, sink(i))
-        assert all(d.wait(10) for d in done), "a request never finished"
+        events = collect_events(engine, requests, timeout_s=10)
         if engine.health() is None:
             engine.check_integrity()
     finally:

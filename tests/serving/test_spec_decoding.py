@@ -3,12 +3,10 @@ policy, and the engine's speculative step on k3-tiny (fp32) against plain greedy
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import pytest
 import torch
 
+from k3verify.gates.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner, generate_greedy
@@ -158,21 +156,9 @@ def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> No
 
 
 def _engine_run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[EngineEvent]]:
-    events: list[list[EngineEvent]] = [[] for _ in requests]
-    done = [threading.Event() for _ in requests]
-
-    def sink(i: int) -> Callable[[EngineEvent], None]:
-        def put(ev: EngineEvent) -> None:
-            events[i].append(ev)
-            if ev.finished:
-                done[i].set()
-        return put
-
     engine.start()
     try:
-        for i, (prompt, params) in enumerate(requests):
-            engine.submit(prompt, params, sink(i))
-        assert all(d.wait(60) for d in done), "a request never finished"
+        events = collect_events(engine, requests, timeout_s=60)
         engine.check_integrity()
     finally:
         engine.stop()

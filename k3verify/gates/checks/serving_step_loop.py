@@ -14,15 +14,14 @@ token show there. Control of both: the offline run of the same prompts with each
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates import fixtures as fx
-from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.gates.engine_run import collect_events
+from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams
@@ -72,22 +71,9 @@ def engine_greedy(runner: ModelRunner, graphs: GraphDecoder, prompts: list[list[
     cfg = runner.model.cfg
     engine = Engine(runner, default_tokenizer(), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
                     max_step_tokens=step_tokens, graphs=graphs).start()
-    events: list[list[EngineEvent]] = [[] for _ in prompts]
-    done = [threading.Event() for _ in prompts]
-
-    def sink(i: int) -> Callable[[EngineEvent], None]:
-        def put(ev: EngineEvent) -> None:
-            events[i].append(ev)
-            if ev.finished:
-                done[i].set()
-        return put
-
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP)
-        for i, p in enumerate(prompts):
-            engine.submit(p, params, sink(i))
-        if not all(d.wait(300) for d in done):
-            raise RuntimeError(f"the engine did not finish within 300 s (health: {engine.health()})")
+        events = collect_events(engine, [(p, params) for p in prompts], timeout_s=300)
         engine.check_integrity()
     finally:
         engine.stop()
