@@ -18,6 +18,19 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(saved)
 
 
+@pytest.fixture
+def cuda_moe_combine() -> Iterator[None]:
+    """Route the MoE combine to its CUDA implementation (bf16 grouped GEMMs, fp32 per-pair gather) on CPU, as
+    dispatch picks it on the GPU."""
+    from k3verify.kernels.moe import COMBINE
+    from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded
+
+    _ensure_loaded()
+    REGISTRY.force(COMBINE, CUDA)
+    yield
+    REGISTRY.force(COMBINE, None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -4,8 +4,6 @@ wrong expert offset in the fast path is caught."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -13,19 +11,10 @@ from k3verify.gates import compare
 from k3verify.gates.checks.kernel_moe_combine import combine_trial
 from k3verify.gates.gate import REGISTRY as CHECKS
 from k3verify.gates.suite import load_all_checks, make_context_factory
-from k3verify.kernels.moe import COMBINE, grouped
-from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded
+from k3verify.kernels.moe import grouped
 from k3verify.target import resolve_target
 
 IDS = {torch.bfloat16: "kernel.moe.grouped_vs_torch", torch.float32: "kernel.moe.gathered_vs_torch"}
-
-
-@pytest.fixture
-def forced() -> Iterator[None]:
-    _ensure_loaded()
-    REGISTRY.force(COMBINE, CUDA)
-    yield
-    REGISTRY.force(COMBINE, None)
 
 
 def _judge(preset: str, dtype: torch.dtype) -> tuple[float, float, float]:
@@ -43,13 +32,13 @@ def _judge(preset: str, dtype: torch.dtype) -> tuple[float, float, float]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
 def test_the_cuda_combine_is_within_its_bar_and_the_control_is_not(preset: str, dtype: torch.dtype,
-                                                                   forced: None) -> None:
+                                                                   cuda_moe_combine: None) -> None:
     metric, control, bar = _judge(preset, dtype)
     assert metric < bar / 4, f"{preset} {dtype}: {metric:.3g} leaves too little margin under {bar:g}"
     assert control > 100 * bar
 
 
-def test_a_wrong_expert_offset_in_the_gather_is_caught(forced: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_expert_offset_in_the_gather_is_caught(cuda_moe_combine: None, monkeypatch: pytest.MonkeyPatch) -> None:
     real = grouped.moe_gathered_combine
 
     def off_by_one(x_in, w13, w2, weights, idx, act):  # type: ignore[no-untyped-def]

@@ -4,8 +4,6 @@ detector), and the grouped-GEMM MoE path that makes it so computes what the refe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,15 +18,6 @@ from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 
 
-@pytest.fixture
-def grouped_moe() -> Iterator[None]:
-    """Route the MoE combine to its CUDA (grouped GEMM) implementation on CPU, as on the GPU."""
-    _ensure_loaded()
-    REGISTRY.force(COMBINE, CUDA)
-    yield
-    REGISTRY.force(COMBINE, None)
-
-
 def _meta_step(preset: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     model = ServingModel(get_preset(preset), dtype, "meta")
     model.allocate_caches(32, 16, 4)
@@ -38,7 +27,7 @@ def _meta_step(preset: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny", "k3-syn-25"])
-def test_decode_step_has_no_host_sync(preset: str, dtype: torch.dtype, grouped_moe: None) -> None:
+def test_decode_step_has_no_host_sync(preset: str, dtype: torch.dtype, cuda_moe_combine: None) -> None:
     """bf16 runs the grouped GEMMs, fp32 the per-pair gather: both capturable. (On the H200, fp32 on CUDA fell
     back to the reference loop, whose bincount().tolist() broke every capture of an fp32 engine.)"""
     out = _meta_step(preset, dtype)
@@ -112,7 +101,7 @@ class _AtomicFloatOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
-def test_decode_step_is_deterministic_by_construction(preset: str, grouped_moe: None) -> None:
+def test_decode_step_is_deterministic_by_construction(preset: str, cuda_moe_combine: None) -> None:
     """A graph replay must equal the same step run eagerly bit for bit, so the step may not add floats
     with atomics (their order varies run to run on a GPU). The H200 showed it: index_add_ in the MoE
     combine made replay-vs-eager differ at batch 16 and 64."""
