@@ -1,5 +1,5 @@
 """Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
-kernels/norm/triton_kernels.py, our Triton conv decode in kernels/conv/decode_kernel.py, the fused Triton router
+kernels/norm/triton_kernels.py, our Triton conv decode and prefill in kernels/conv/, the fused Triton router
 selection in kernels/router/triton_kernels.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py).
 They only run with
 `k3verify mutate --device cuda`: on CPU the registry routes
@@ -12,6 +12,7 @@ from k3verify.gates.mutation import Mutant
 FLA = "k3verify.kernels.kda.fla_triton"
 NORM = "k3verify.kernels.norm.triton_kernels"
 CONV = "k3verify.kernels.conv.decode_kernel"
+CONV_PREFILL = "k3verify.kernels.conv.prefill_kernel"
 ROUTER = "k3verify.kernels.router.triton_kernels"
 MXFP4 = "k3verify.kernels.mxfp4.grouped_kernel"
 MXFP4_KILLERS = ["kernel.mxfp4.*", "moe.module.packed"]
@@ -85,6 +86,23 @@ MUTANTS = [
         old="slot = tl.load(slots_ptr + b)",
         new="slot = tl.load(slots_ptr + b) * 0 + b",
         killers=["kernel.conv.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_prefill_leaks", devices=("cuda",),
+        fault="the Triton prefill conv decides a tap is inside the pack by the token index, not the position in "
+              "its sequence: every sequence's first taps read the previous sequence's last tokens",
+        target=f"{CONV_PREFILL}:_conv_tokens",
+        old="inside = pos >= shift",
+        new="inside = t >= shift",
+        killers=["kernel.conv.*", "serving.*", "kda.*"],
+    ),
+    Mutant(
+        id="kernel.conv.triton_prefill_final_window_shifted", devices=("cuda",),
+        fault="the Triton prefill conv stores each sequence's final window one token too early",
+        target=f"{CONV_PREFILL}:_final_window",
+        old="rel = tl.zeros_like(d) + (length - (W - 1) + j)",
+        new="rel = tl.zeros_like(d) + (length - W + j)",
+        killers=["kernel.conv.*", "serving.*", "kda.*"],
     ),
     Mutant(
         id="kernel.router.triton_weights_from_choice", devices=("cuda",),

@@ -4,6 +4,8 @@
   one token, windows as initial state) bit for bit, outputs and advanced windows, bf16 and fp32; rows
   with keep=0 carry stale windows and the pack repeats the scratch slot, as a padded graph bucket does.
 - kernel.conv.decode_triton (CUDA): the Triton kernel behind the registry against the torch reference.
+- kernel.conv.prefill_triton (CUDA): the Triton prefill convs (q/k/v, outputs and final windows) against the
+  torch gather conv on a pack of fresh and continuing sequences.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from k3verify.gates import fixtures as fx
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels.conv import torch_ref, triton_path
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
+from k3verify.serving.batch import PackedBatch
 
 SLOTS = [3, 0, 5, 1, 0, 8, 6]  # slot 0 = scratch, twice (padded rows)
 KEEP = [1, 0, 1, 0, 0, 1, 1]  # slot 1 is a fresh sequence over a stale window
@@ -125,3 +128,49 @@ def check_conv_decode_triton(ctx: CheckContext) -> Trial:
                  control={k: v.float() for k, v in ctrl.items()}, notes=[
                      "bf16; the kernel rounds like torch after every op, only exp / division differ (a bf16 ulp "
                      "at most, on few elements); windows are copies and come back exact"])
+
+
+PREFILL_LENS = [5, 1, 2, 9, 3]  # 1 and 2: shorter than the window, their final windows reach into the old one
+
+
+@register_check(
+    id="kernel.conv.prefill_triton", component="kernel", level="kernel", kind=Kind.BF16, devices=("cuda",),
+    control="the pack's sequence boundaries erased: every conv reaches into the previous sequence",
+)
+@fx.single_thread
+def check_conv_prefill_triton(ctx: CheckContext) -> Trial:
+    """The registry's CUDA prefill convs (Triton, q/k/v in two launches) vs the torch gather conv, bf16: a pack
+    of fresh and continuing sequences (initial windows scaled by keep, as the layer passes them), outputs and
+    final windows."""
+    fx.require_fast_path("Triton conv prefill", triton_path.available_prefill())
+    if not ctx.cfg.has_kda:
+        raise SkipCheck("preset has no KDA layers")
+    g, D, W, dev = ctx.generator, ctx.cfg.kda_dim, ctx.cfg.conv_kernel_size, ctx.device
+    T, N = sum(PREFILL_LENS), len(PREFILL_LENS)
+    b = PackedBatch.build(torch.zeros(T, dtype=torch.long), PREFILL_LENS, device=dev)
+    def three(*shape: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b_, c = ((torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(dev) for _ in range(3))
+        return a, b_, c
+
+    xs, weights = three(T, D), three(D, W, scale=0.5)
+    keep = torch.tensor([1, 0, 1, 1, 0], dtype=torch.bfloat16, device=dev)[:, None, None]
+    old = three(N, D, W - 1)
+    inits = (old[0] * keep, old[1] * keep, old[2] * keep)
+
+    def run(seg: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        ys, finals = conv_ops.causal_conv_qkv(xs, weights, seg, pos, b.cu_seqlens, inits)
+        out = {name: y.float() for name, y in zip("qkv", ys, strict=True)}
+        out.update({f"window_{name}": f.float() for name, f in zip("qkv", finals, strict=True)})
+        return out
+
+    cand = run(b.seg_ids, b.local_pos)
+    fx.assert_routed(conv_ops.CAUSAL_QKV, backend=TRITON)
+    ctrl = run(torch.zeros_like(b.seg_ids), torch.arange(T, device=dev))
+    REGISTRY.force(conv_ops.CAUSAL_QKV, TORCH)
+    try:
+        ref = run(b.seg_ids, b.local_pos)
+    finally:
+        REGISTRY.force(conv_ops.CAUSAL_QKV, None)
+    return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
+        f"bf16, kda_dim {D}, width {W}; sequences of {PREFILL_LENS} tokens, keep {[1, 0, 1, 1, 0]}; the kernel "
+        "rounds like torch after every op, only silu's exp / division may differ by an ulp"])

@@ -63,5 +63,8 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
         allowed = tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+    out = out.transpose(1, 2).reshape(B * Lq, q.shape[1], v.shape[2])
+    if all(n == Lq for n in q_lens):  # no padded query rows to drop
+        return out
     live = torch.tensor([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dtype=torch.long)
-    return out.transpose(1, 2).reshape(B * Lq, q.shape[1], v.shape[2]).index_select(0, live.to(dev))
+    return out.index_select(0, live.to(dev, non_blocking=True))  # non_blocking: no wait on the queue

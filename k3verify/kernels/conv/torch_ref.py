@@ -60,6 +60,18 @@ def causal_conv_varlen_torch(x: torch.Tensor, weight: torch.Tensor, seg_ids: tor
     return y, final.permute(0, 2, 1).contiguous()
 
 
+def causal_conv_qkv_torch(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                          weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seg_ids: torch.Tensor,
+                          local_pos: torch.Tensor, cu_seqlens: torch.Tensor,
+                          initial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                          ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The q/k/v convs of a packed prefill: causal_conv_varlen_torch on each -> (3 outputs, 3 final windows)."""
+    inits = (None, None, None) if initial is None else initial
+    done = [causal_conv_varlen_torch(x, w, seg_ids, local_pos, cu_seqlens, init)
+            for x, w, init in zip(xs, weights, inits, strict=True)]
+    return tuple(y for y, _ in done), tuple(f for _, f in done)
+
+
 def causal_conv_decode_torch(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                              weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                              windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,

@@ -12,10 +12,51 @@ MAX_WIDTH = 8  # the kernel unrolls the taps
 
 
 _kernel_module = lazy_module("k3verify.kernels.conv.decode_kernel", "Triton conv decode kernel")
+_prefill_module = lazy_module("k3verify.kernels.conv.prefill_kernel", "Triton conv prefill kernel")
 
 
 def available() -> str | None:
     return cuda_reason(_kernel_module)
+
+
+def available_prefill() -> str | None:
+    return cuda_reason(_prefill_module)
+
+
+def accepts_prefill(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seg_ids: torch.Tensor,
+                    local_pos: torch.Tensor, cu_seqlens: torch.Tensor,
+                    initial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> str | None:
+    dtype, (T, D), W = xs[0].dtype, xs[0].shape, weights[0].shape[-1]
+    if dtype not in _DTYPES:
+        return (f"activation dtype {dtype} is not one of {_DTYPES}: the exact fp32 path is the torch reference "
+                "(the kernel's SiLU exp is a few ulps off torch's)")
+    if any(x.shape != (T, D) or x.dtype != dtype for x in xs):
+        return f"q/k/v inputs differ in shape or dtype: {[(tuple(x.shape), x.dtype) for x in xs]}"
+    if any(w.shape != (D, W) or w.dtype != dtype for w in weights):
+        return f"conv weights must be [{D}, W] in {dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
+    if not 2 <= W <= MAX_WIDTH:
+        return f"conv width {W} is outside the unrolled range [2, {MAX_WIDTH}]"
+    N = cu_seqlens.numel() - 1
+    if initial is not None and any(t.shape != (N, D, W - 1) or t.dtype != dtype for t in initial):
+        return (f"initial windows must be [{N}, {D}, {W - 1}] in {dtype}; "
+                f"got {[(tuple(t.shape), t.dtype) for t in initial]}")
+    if seg_ids.shape != (T,) or local_pos.shape != (T,):
+        return f"seg_ids / local_pos must be [{T}]; got {tuple(seg_ids.shape)}, {tuple(local_pos.shape)}"
+    if not all(t.is_cuda for t in (*xs, *weights, seg_ids, local_pos, cu_seqlens, *(initial or ()))):
+        return "tensors are not all on CUDA"
+    return None
+
+
+def causal_conv_qkv_fast(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seg_ids: torch.Tensor,
+                         local_pos: torch.Tensor, cu_seqlens: torch.Tensor,
+                         initial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                         ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    mod = _prefill_module()
+    if isinstance(mod, str):
+        raise RuntimeError(mod)
+    return mod.causal_conv_qkv_triton(xs, weights, seg_ids, local_pos, cu_seqlens, initial)
 
 
 def accepts_decode(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

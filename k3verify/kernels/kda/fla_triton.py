@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                   "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens")
+                   "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens", "cu_seqlens_cpu")
 MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -82,15 +82,34 @@ def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
                     lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     chunk_kda, _ = _loaded_ops()
-    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
     dt = q.dtype
     o, final = chunk_kda(
         q=q[None], k=k[None].to(dt), v=v[None].to(dt), g=g[None].float(), beta=beta[None].float(), scale=scale,
         initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-        safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu,
+        safe_gate=lower_bound is not None, lower_bound=lower_bound, **_varlen(cu_seqlens, q.device),
     )
     return o[0].to(v.dtype), final
+
+
+_last_varlen: list[tuple[tuple[int, ...], torch.device, dict[str, torch.Tensor]]] = []
+
+
+def _varlen(cu_seqlens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """chunk_kda's varlen arguments for a pack, without a host sync: none for one sequence (the dense [1, T]
+    call), else the offsets on the device (an asynchronous copy) and on the host (`cu_seqlens_cpu`: fla derives
+    its chunk indices there instead of reading the device tensor back). The same tensors are handed to every
+    KDA layer of a pass, so fla's tensor_cache (keyed on argument identity) prepares the indices once, not
+    once per layer."""
+    if len(cu_seqlens) == 2:
+        return {}
+    key = tuple(cu_seqlens)
+    if _last_varlen and _last_varlen[0][0] == key and _last_varlen[0][1] == device:
+        return _last_varlen[0][2]
+    cpu = torch.tensor(key, dtype=torch.long)
+    args = {"cu_seqlens": cpu.to(device, non_blocking=True), "cu_seqlens_cpu": cpu}
+    _last_varlen[:] = [(key, device, args)]
+    return args
 
 
 

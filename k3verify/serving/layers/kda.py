@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.kernels.conv import causal_conv, conv_decode_qkv
+from k3verify.kernels.conv import causal_conv_qkv, conv_decode_qkv
 from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
 from k3verify.kernels.kda.verify import kda_verify
 from k3verify.serving.context import ForwardContext
@@ -166,17 +166,14 @@ class KimiDeltaAttention(nn.Module):
                                         keep.view(-1)))
         if (continuing or pool is not None) and (pool is None or b.slots is None):
             raise RuntimeError(f"KDA layer {self.layer_idx}: a cached prefill needs the state pool and slots")
-        windows = pool.windows(self.layer_idx, b.slots, xs[0].dtype) if continuing and pool is not None and \
-            b.slots is not None else (None, None, None)
-        outs, finals = [], []
-        for proj, weight, init in zip(xs, weights, windows, strict=True):
-            y, final = causal_conv(proj, weight, b.seg_ids, b.local_pos, b.cu_seqlens,
-                                   None if init is None else init * keep)
-            outs.append(y)
-            finals.append(final)
+        inits = None
+        if continuing and pool is not None and b.slots is not None:
+            windows = pool.windows(self.layer_idx, b.slots, xs[0].dtype)
+            inits = (windows[0] * keep, windows[1] * keep, windows[2] * keep)
+        outs, finals = causal_conv_qkv((xs[0], xs[1], xs[2]), weights, b.seg_ids, b.local_pos, b.cu_seqlens, inits)
         if pool is not None and b.slots is not None:
             pool.store_windows(self.layer_idx, b.slots, *finals)
-        return outs
+        return list(outs)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.verify is not None:
