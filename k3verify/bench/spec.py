@@ -118,7 +118,7 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
         row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
                "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
                "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
-               "turned_off": sum(s.off for s in run.stats),
+               "turned_off": sum(s.off for s in run.stats), "rider_rows": run.rider_rows,
                "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs)}
         rows.append(row if ref is None else row | _reference_columns(ref, run, prompts, accept, plan.num_draft))
     return rows
@@ -280,4 +280,5 @@ def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
             f"{r['accept_nominal']:.0%} | {r['plain_tok_s']:,.0f} tok/s | {r['spec_tok_s']:,.0f} tok/s | "
             f"{r['speedup']:.2f}x | {pct('accept_measured')} / {pct('accept_expected')} | {ref} | "
             f"{pct('tokens_equal_to_reference', '.2f')} / {pct('tokens_equal_to_plain', '.2f')} | "
-            f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off |")
+            f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off"
+            f"{', ' + str(r['rider_rows']) + ' rider rows' if r.get('rider_rows') else ''} |")

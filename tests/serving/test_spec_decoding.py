@@ -133,6 +133,37 @@ def test_rows_that_turned_speculation_off_finish_on_the_plain_device_fed_path(ti
     assert verifier.runner.active_ids == []
 
 
+class _FirstRowOnly:
+    """Drafts (the controlled drafter's) for one sequence only: the batch's other rows have nothing to verify."""
+
+    def __init__(self, inner: ControlledDrafter, key: int) -> None:
+        self.inner, self.key, self.num_draft = inner, key, inner.num_draft
+
+    def propose(self, seq_id: int, tokens: list[int]) -> list[int]:
+        return self.inner.propose(seq_id, tokens) if seq_id == self.key else []
+
+
+def test_rows_without_drafts_ride_along_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
+    """One row drafts, two have nothing to verify: they ride along in its verify passes with filler drafts, so
+    while it speculates no round also runs a decode step (a verify and a decode step per round cost a batch of 16
+    38% of plain speed on the H200); decode steps only finish the riders after it is done, and every row ends
+    with plain greedy's tokens."""
+    prompts, new = _prompts(), 16
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    refs = {0: prompts[0] + plain[0]}
+    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    run = generate_speculative(verifier, _FirstRowOnly(ControlledDrafter(K, refs, 0.3, 4608, seed=1), 0), prompts,
+                               new, policy=SpecPolicy(min_mean_accepted=0.0))
+    assert run.tokens == plain
+    assert run.verify_steps > 0 and run.rider_rows == 2 * run.verify_steps, run
+    # rows 1 and 2 need new - 1 tokens after the prefill; each verify pass gave them one (or more): only the rest
+    # took decode steps (without riders: new - 1 decode steps, one per round, next to every verify pass)
+    assert run.decode_steps <= new - 1 - run.verify_steps, run
+    assert run.stats[1].verifies == run.stats[2].verifies == 0, "a rider's fillers were counted as drafts"
+    verifier.runner.check_integrity()
+
+
 def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> None:
     """Rows 5, 2 and 0 tokens ahead when the tail starts: the batch shrinks as rows finish (a prefix of the rows
     sorted by need) and every row still ends with plain greedy's tokens."""
@@ -184,6 +215,28 @@ def test_engine_speculative_greedy_equals_plain_greedy(tiny_model: ServingModel)
         assert evs[-1].finish_reason == "length" and evs[-1].completion_tokens == new
     c = step.counters
     assert c.verify_steps > 0 and 0 < c.accepted < c.drafted, f"no partial acceptance: {c}"
+
+
+def test_engine_greedy_rows_ride_along_sampled_rows_decode(tiny_model: ServingModel) -> None:
+    """In the engine: a greedy row without drafts rides along in the verify pass of a drafting row (its tokens
+    still plain greedy's); a sampled row without drafts does not (its seeded draws stay on the decode path)."""
+    prompts, new = _prompts(), 12
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    refs = {1: prompts[0] + plain[0]}  # engine ids start at 1
+    step = SpeculativeStep(SpecVerifier(runner, K, 3), _FirstRowOnly(ControlledDrafter(K, refs, 0.3, 4608), 1),
+                           SpecPolicy(min_mean_accepted=0.0))
+    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=new, temperature=0.8, seed=5, ignore_eos=True)
+    events = _engine_run(engine, [(prompts[0], greedy), (prompts[1], greedy), (prompts[2], sampled)])
+    for want, evs in zip(plain[:2], events[:2], strict=True):
+        assert [t for e in evs for t in e.token_ids] == want
+    assert len([t for e in events[2] for t in e.token_ids]) == new
+    c = step.counters
+    assert c.verify_steps > 0 and c.rider_rows >= c.verify_steps - 1, c
+    assert c.verified_rows == c.verify_steps, "only the drafting row counts as verified"
 
 
 def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingModel) -> None:

@@ -2,7 +2,8 @@
 
 Engine._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
 drafts (the drafter proposed something), room in its budget for k+1 positions and speculation still on
-(policy.py) is verified in one packed pass; acceptance is greedy for greedy requests and rejection
+(policy.py) is verified in one packed pass, with the batch's other greedy sequences riding along on filler
+drafts (offline.filler_drafts); acceptance is greedy for greedy requests and rejection
 sampling with the request's counter-based draws otherwise; the accepted prefixes are committed; the emitted
 tokens go out through the engine one by one (a stop token or max_tokens ends the request there, and the
 rest is dropped). The sequences it did not verify are returned for the plain decode step.
@@ -20,7 +21,7 @@ from k3verify.serving.sampler import TokenLogprob, nonfinite_rows, token_logprob
 from k3verify.serving.scheduler import ScheduledSeq
 from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
 from k3verify.serving.spec.drafter import Drafter, NgramDrafter
-from k3verify.serving.spec.offline import pad_drafts
+from k3verify.serving.spec.offline import filler_drafts, pad_drafts
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
 
@@ -45,6 +46,7 @@ class SpecCounters:
     accepted: int = 0
     emitted: int = 0
     turned_off: int = 0  # requests whose speculation the policy switched off
+    rider_rows: int = 0  # greedy rows without drafts that rode along in a verify pass instead of a decode step
 
 
 class SpeculativeStep:
@@ -68,9 +70,20 @@ class SpeculativeStep:
                 rows.append((host.spec_request(seq.seq_id), drafts))
             else:
                 rest.append(seq)
-        if rows:
-            self._verify(host, rows)
+        drafted = len(rows)
+        if rows:  # greedy rows without drafts ride along: one step for the batch (offline.filler_drafts)
+            riders = [seq for seq in rest if self._can_ride(host.spec_request(seq.seq_id))][
+                : self.verifier.max_rows - len(rows)]
+            rows += [(req, filler_drafts(req.last_token, self.verifier.num_draft))
+                     for req in (host.spec_request(seq.seq_id) for seq in riders)]
+            rest = [seq for seq in rest if seq not in riders]
+            self._verify(host, rows, drafted)
         return rest
+
+    def _can_ride(self, req: Request) -> bool:
+        """Greedy only: a sampled rider would spend its counter-based draws in a verify pass rather than a decode
+        step, and a seeded request's text would then depend on what else shares its batch."""
+        return req.params.is_greedy and self.verifier.can_verify(req.seq_id)
 
     def _drafts(self, req: Request) -> list[int]:
         stats = self.stats.setdefault(req.seq_id, SpecStats())
@@ -79,7 +92,9 @@ class SpeculativeStep:
         proposed = self.drafter.propose(req.seq_id, req.prompt_ids + req.output_ids)
         return pad_drafts(proposed, self.verifier.num_draft) if proposed else []
 
-    def _verify(self, host: SpecHost, rows: list[tuple[Request, list[int]]]) -> None:
+    def _verify(self, host: SpecHost, rows: list[tuple[Request, list[int]]], drafted: int) -> None:
+        """rows[:drafted] carry drafts, the rest are riders (filler drafts): not counted by the policy or the
+        acceptance counters."""
         n, k = self.verifier.num_positions, self.verifier.num_draft
         logits = self.verifier.verify([(req.seq_id, [req.last_token, *drafts]) for req, drafts in rows])
         bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
@@ -95,11 +110,15 @@ class SpeculativeStep:
                 host.spec_fail(req, f"model produced non-finite logits (NaN/inf) in a verify pass at step "
                                     f"{len(req.output_ids)}")
                 continue
-            stats = self.stats[req.seq_id]
-            was_on = not stats.off
-            self.policy.record(stats, k, acc.num_accepted)
-            c.turned_off += int(was_on and stats.off)
-            c.verified_rows, c.drafted, c.accepted = c.verified_rows + 1, c.drafted + k, c.accepted + acc.num_accepted
+            if r < drafted:
+                stats = self.stats[req.seq_id]
+                was_on = not stats.off
+                self.policy.record(stats, k, acc.num_accepted)
+                c.turned_off += int(was_on and stats.off)
+                c.verified_rows, c.drafted = c.verified_rows + 1, c.drafted + k
+                c.accepted += acc.num_accepted
+            else:
+                c.rider_rows += 1
             lps = token_logprobs(logits[r, : len(acc.tokens)], acc.tokens, [req.params.logprobs] * len(acc.tokens))
             for tok, lp in zip(acc.tokens, lps, strict=True):
                 c.emitted += 1
