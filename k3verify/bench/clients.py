@@ -3,7 +3,8 @@
 The clients live in a separate process so that their JSON parsing and event loop never take the GIL from
 the engine thread or the server they measure. Input (stdin, JSON): url, model, concurrency, new_tokens, and
 `waves`: a list of prompt lists; client i sends waves[r][i] as its r-th request (token-id prompts, greedy,
-ignore_eos, stream). Output (stdout, JSON): one record per request with its text, the time to its first
+ignore_eos, stream); optional `start_at`, a time.perf_counter() value to sleep until (several client processes
+starting together). Output (stdout, JSON): one record per request with its text, the time to its first
 token and the arrival time of every token chunk, plus the wall time of the whole run.
 
     echo '{"url": ..., "model": ..., "new_tokens": 64, "waves": [[[1, 2, 3]]]}' | python -m k3verify.bench.clients
@@ -85,6 +86,9 @@ async def run_clients(url: str, model: str, waves: list[list[list[int]]], new_to
 
 def main() -> int:
     spec = json.load(sys.stdin)
+    start_at = spec.get("start_at")
+    if start_at is not None:  # several client processes start together (time.perf_counter: system-wide monotonic)
+        time.sleep(max(0.0, start_at - time.perf_counter()))
     result = asyncio.run(run_clients(spec["url"], spec["model"], spec["waves"], spec["new_tokens"],
                                      spec.get("timeout_s", 300.0), spec.get("ordered", False)))
     json.dump(result, sys.stdout)
