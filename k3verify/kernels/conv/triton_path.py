@@ -23,20 +23,31 @@ def available_prefill() -> str | None:
     return cuda_reason(_prefill_module)
 
 
+def _qkv_reason(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> str | None:
+    """What both conv kernels need of q/k/v ([rows, D] alike) and their weights ([D, W] in the same dtype)."""
+    dtype, shape, W = xs[0].dtype, xs[0].shape, weights[0].shape[-1]
+    if dtype not in _DTYPES:
+        return (f"activation dtype {dtype} is not one of {_DTYPES}: the exact fp32 path is the torch reference "
+                "(the kernel's SiLU exp is a few ulps off torch's)")
+    if any(x.shape != shape or x.dtype != dtype for x in xs):
+        return f"q/k/v inputs differ in shape or dtype: {[(tuple(x.shape), x.dtype) for x in xs]}"
+    D = shape[-1]
+    if any(w.shape != (D, W) or w.dtype != dtype for w in weights):
+        return f"conv weights must be [{D}, W] in {dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
+    if not 2 <= W <= MAX_WIDTH:
+        return f"conv width {W} is outside the unrolled range [2, {MAX_WIDTH}]"
+    return None
+
+
 def accepts_prefill(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seg_ids: torch.Tensor,
                     local_pos: torch.Tensor, cu_seqlens: torch.Tensor,
                     initial: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> str | None:
     dtype, (T, D), W = xs[0].dtype, xs[0].shape, weights[0].shape[-1]
-    if dtype not in _DTYPES:
-        return (f"activation dtype {dtype} is not one of {_DTYPES}: the exact fp32 path is the torch reference "
-                "(the kernel's SiLU exp is a few ulps off torch's)")
-    if any(x.shape != (T, D) or x.dtype != dtype for x in xs):
-        return f"q/k/v inputs differ in shape or dtype: {[(tuple(x.shape), x.dtype) for x in xs]}"
-    if any(w.shape != (D, W) or w.dtype != dtype for w in weights):
-        return f"conv weights must be [{D}, W] in {dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
-    if not 2 <= W <= MAX_WIDTH:
-        return f"conv width {W} is outside the unrolled range [2, {MAX_WIDTH}]"
+    reason = _qkv_reason(xs, weights)
+    if reason is not None:
+        return reason
     N = cu_seqlens.numel() - 1
     if initial is not None and any(t.shape != (N, D, W - 1) or t.dtype != dtype for t in initial):
         return (f"initial windows must be [{N}, {D}, {W - 1}] in {dtype}; "
@@ -63,16 +74,10 @@ def accepts_decode(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
                    keep: torch.Tensor) -> str | None:
-    dtype, (B, D), W = xs[0].dtype, xs[0].shape, weights[0].shape[-1]
-    if dtype not in _DTYPES:
-        return (f"activation dtype {dtype} is not one of {_DTYPES}: the exact fp32 path is the torch reference "
-                "(the kernel's SiLU exp is a few ulps off torch's)")
-    if any(x.shape != (B, D) or x.dtype != dtype for x in xs):
-        return f"q/k/v inputs differ in shape or dtype: {[(tuple(x.shape), x.dtype) for x in xs]}"
-    if any(w.shape != (D, W) or w.dtype != dtype for w in weights):
-        return f"conv weights must be [{D}, W] in {dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
-    if not 2 <= W <= MAX_WIDTH:
-        return f"conv width {W} is outside the unrolled range [2, {MAX_WIDTH}]"
+    (B, D), W = xs[0].shape, weights[0].shape[-1]
+    reason = _qkv_reason(xs, weights)
+    if reason is not None:
+        return reason
     if any(t.dtype != torch.float32 or t.shape[1:] != (D, W - 1) for t in windows):
         return f"windows must be fp32 [slots, {D}, {W - 1}]; got {[(tuple(t.shape), t.dtype) for t in windows]}"
     if len({(t.shape, t.stride()) for t in windows}) != 1:
