@@ -257,7 +257,7 @@ invariance)
     # Issue 15: is a seeded request's text batch-invariant on CUDA? k3-tiny, a prompt alone vs packed with 1, 3 or 7
     # others, eager and CUDA-graph decode (graph buckets pad the batch), fp32 and bf16; a table + $OUT/invariance.json
     step "batch invariance on cuda (k3-tiny, --trials ${TRIALS:-3} --steps ${STEPS:-8})"
-    timeout "${INVARIANCE_S:-120}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
+    timeout "${INVARIANCE_S:-240}" python3 scripts/batch_invariance.py --device cuda --trials "${TRIALS:-3}" \
         --steps "${STEPS:-8}" --json "$OUT/invariance.json" 2>&1 | quiet | tail -16
     ;;
 round)
