@@ -11,7 +11,8 @@
 #                                        then, in the time left, k3-slice-4l against the fp32 K3 reference gold
 #                                        -> $OUT/bench-k3.json; prints both tables
 #   bash scripts/gpu_session.sh bench-k3 the k3-slice-4l bench alone (when `bench` left it no time)
-#   bash scripts/gpu_session.sh prefill  the Triton prefill conv: its gpu test, CUDA checks kernel.conv.*,
+#   bash scripts/gpu_session.sh prefill  the Triton prefill conv: its gpu test, CUDA checks kernel.conv.* and
+#                                        kernel.kda.* (fla's varlen and one-sequence dense chunk_kda calls),
 #                                        scripts/prefill_diag.py (host time and syncs), the kl-48b-8l bench
 #   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
 #                                        Triton kernels, fla flags, graph signature/padding, the engine step)
@@ -129,10 +130,10 @@ prefill)
     # The Triton prefill conv round (one call, ~8 min cold): its gpu test and the CUDA conv checks on k3-syn-25,
     # the prefill host-time / sync diagnosis, then the kl-48b-8l bench (no k3 slice; its cold fp32 gold alone took
     # 180 s on 2026-12-01). The conv mutants run in `mutate-cuda` (pattern kernel.conv.triton*).
-    step "conv prefill: gpu test + cuda checks kernel.conv.* (k3-syn-25)"
+    step "conv prefill: gpu test + cuda checks kernel.conv.* kernel.kda.* (k3-syn-25)"
     timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_conv_prefill.py 2>&1 | tail -2
-    timeout 120 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.conv.*' \
-        --report-dir "$OUT/parity-conv" 2>&1 | quiet | grep -E "conv|PASS|FAIL"
+    timeout 150 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.conv.*' \
+        --only 'kernel.kda.*' --report-dir "$OUT/parity-conv" 2>&1 | quiet | grep -E "conv|kda|PASS|FAIL"
     step "prefill host time and host syncs (kl-48b-8l)"
     timeout 100 python3 scripts/prefill_diag.py --shapes 1x1024,64x128,1x8192 --top 12 >"$OUT/diag.log" 2>&1
     grep -A4 "^shape" "$OUT/diag.log"; grep "sync sites" "$OUT/diag.log"

@@ -155,25 +155,34 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
 )
 @fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
-    """fla's chunk_kda / fused_recurrent_kda (through our registry) vs the torch path, bf16 inputs."""
+    """fla's chunk_kda (through our registry) vs the torch path, bf16 inputs: a pack of three sequences (fla's
+    varlen call) and its second sequence alone (the dense call fla_triton makes for one sequence)."""
     fx.require_fast_path("Triton KDA path", fla_triton.available())
     cu = [0]
     for n in LENS:
         cu.append(cu[-1] + n)
     x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, cu[-1], len(LENS)).items()}
     bf = {k: (v.bfloat16() if k in ("q", "k", "v") else v) for k, v in x.items()}
-    args = (bf["q"], bf["k"], bf["v"], x["g"], x["beta"], cu, x["s0"], DK**-0.5)
-    o_t, s_t = kda_ops.kda_prefill(*args, lower_bound=-5.0)
+    one = slice(cu[1], cu[2])
+
+    def run(beta: torch.Tensor) -> dict[str, torch.Tensor]:
+        o, state = kda_ops.kda_prefill(bf["q"], bf["k"], bf["v"], x["g"], beta, cu, x["s0"], DK**-0.5,
+                                       lower_bound=-5.0)
+        o1, state1 = kda_ops.kda_prefill(bf["q"][one], bf["k"][one], bf["v"][one], x["g"][one], beta[one],
+                                         [0, LENS[1]], x["s0"][1:2], DK**-0.5, lower_bound=-5.0)
+        return {"o": o.float(), "state": state, "o_alone": o1.float(), "state_alone": state1}
+
+    cand = run(x["beta"])
     fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
+    ctrl = run(torch.sigmoid(x["beta"]))
     REGISTRY.force(kda_ops.PREFILL, TORCH)
     try:
-        o_r, s_r = kda_ops.kda_prefill(*args, lower_bound=-5.0)
+        ref = run(x["beta"])
     finally:
         REGISTRY.force(kda_ops.PREFILL, None)
-    o_c, s_c = kda_ops.kda_prefill(bf["q"], bf["k"], bf["v"], x["g"], torch.sigmoid(x["beta"]), cu, x["s0"],
-                                   DK**-0.5, lower_bound=-5.0)
-    return Trial(reference={"o": o_r.float(), "state": s_r}, candidate={"o": o_t.float(), "state": s_t},
-                 control={"o": o_c.float(), "state": s_c}, notes=["bf16 q/k/v, fp32 gate/beta/state; fla's bar"])
+    return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
+        f"bf16 q/k/v, fp32 gate/beta/state; fla's bar; sequences of {LENS} tokens packed, and the {LENS[1]}-token "
+        "one alone"])
 
 
 @register_check(
