@@ -50,7 +50,8 @@ def _conv_tokens(x_ptr, w_ptr, init_ptr, out_ptr, t, n, pos, tmask, d, dmask, D,
 def conv_tokens_kernel(xq, xk, xv, wq, wk, wv, iq, ik, iv, oq, ok, ov, seg_ptr, pos_ptr, T, D, s_x, s_in, s_id, s_it,
                        HAS_INIT: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_D: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    # int64 token index: (t - shift) * s_x passes 2^31 for long packs (a fused projection row is ~3 x kda_dim wide)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
     tmask, dmask = t < T, d < D
     n = tl.load(seg_ptr + t, mask=tmask, other=0)
