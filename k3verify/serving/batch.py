@@ -6,7 +6,7 @@ Shape legend: T tokens in the pack, B sequences, P pages per page-table row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +59,13 @@ class PackedBatch:
     def build(cls, input_ids: torch.Tensor, seq_lens: Sequence[int], *, start_pos: Sequence[int] | None = None,
               slots: Sequence[int] | None = None, page_tables: Sequence[Sequence[int]] | None = None,
               page_size: int | None = None, is_decode: bool = False,
-              device: torch.device | str | None = None) -> PackedBatch:
+              device: torch.device | str | None = None,
+              stage: Callable[[list[int]], torch.Tensor] | None = None) -> PackedBatch:
         """Validate and lay out one pack. `page_tables[i]` lists sequence i's pages in order; it must
-        cover start_pos[i] + seq_lens[i] tokens."""
+        cover start_pos[i] + seq_lens[i] tokens. `stage` (serving/staging.HostStaging.to_device) moves the
+        host-side ints (token ids, offsets, starts, slots, page table) to `device` in one copy that does not
+        wait for the GPU; without it each is its own copy from pageable memory, which on CUDA waits for every
+        kernel already queued (in the engine: the decode step in flight)."""
         device = torch.device(device) if device is not None else input_ids.device
         lens = [int(n) for n in seq_lens]
         if not lens or any(n <= 0 for n in lens):
@@ -75,16 +79,12 @@ class PackedBatch:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-        start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        seg = segment_ids(cu_t, cu[-1])
-        local = torch.arange(cu[-1], device=device) - cu_t[seg]
-        slot_t = None
+        slot_list = None
         if slots is not None:
             if len(slots) != len(lens) or any(int(s) == SCRATCH for s in slots):
                 raise ValueError(f"slots must give one non-scratch state slot per sequence; got {list(slots)}")
-            slot_t = torch.tensor([int(s) for s in slots], dtype=torch.long, device=device)
-        table_t = None
+            slot_list = [int(s) for s in slots]
+        padded = None
         if page_tables is not None:
             if page_size is None or len(page_tables) != len(lens):
                 raise ValueError("page_tables need page_size and one row per sequence")
@@ -96,6 +96,31 @@ class PackedBatch:
                                      f"none of them the scratch page)")
             width = max(len(r) for r in page_tables)
             padded = [list(map(int, r)) + [SCRATCH] * (width - len(r)) for r in page_tables]
-            table_t = torch.tensor(padded, dtype=torch.long, device=device)
-        return cls(input_ids.to(device), cu_t, cu, start_t, starts, slot_t, table_t, seg, local,
-                   start_t[seg] + local, is_decode)
+        if stage is not None:
+            ids_t, cu_t, start_t, slot_t, table_t = _staged(stage, input_ids, cu, starts, slot_list, padded)
+        else:
+            ids_t = input_ids.to(device)
+            cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+            start_t = torch.tensor(starts, dtype=torch.long, device=device)
+            slot_t = None if slot_list is None else torch.tensor(slot_list, dtype=torch.long, device=device)
+            table_t = None if padded is None else torch.tensor(padded, dtype=torch.long, device=device)
+        seg = segment_ids(cu_t, cu[-1])
+        local = torch.arange(cu[-1], device=cu_t.device) - cu_t[seg]
+        return cls(ids_t, cu_t, cu, start_t, starts, slot_t, table_t, seg, local, start_t[seg] + local, is_decode)
+
+
+def _staged(stage: Callable[[list[int]], torch.Tensor], input_ids: torch.Tensor, cu: list[int], starts: list[int],
+            slots: list[int] | None, table: list[list[int]] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The pack's host ints as views of one staged int64 tensor: ids, cu_seqlens, starts, slots, page table."""
+    if input_ids.dtype != torch.long:
+        raise ValueError(f"staged token ids must be int64; got {input_ids.dtype}")
+    parts: list[list[int]] = [input_ids.tolist(), cu, starts, slots or [], [p for row in table or [] for p in row]]
+    flat = stage([v for part in parts for v in part])
+    views, at = [], 0
+    for part in parts:
+        views.append(flat[at:at + len(part)])
+        at += len(part)
+    ids_t, cu_t, start_t, slot_v, table_v = views
+    return (ids_t, cu_t, start_t, None if slots is None else slot_v,
+            None if table is None else table_v.view(len(table), -1))

@@ -138,7 +138,8 @@ class ModelRunner:
         batch = PackedBatch.build(ids, [len(t) for _, t in seqs], start_pos=[s.cached for s in states],
                                   slots=[s.slot for s in states],
                                   page_tables=[self.kv_cache.table(sid) for sid, _ in seqs],
-                                  page_size=self.kv_cache.page_size, device=self.model.device)
+                                  page_size=self.kv_cache.page_size, device=self.model.device,
+                                  stage=self.staging.to_device)
         logits = self.model.prefill(batch).logits
         for (_, tokens), st in zip(seqs, states, strict=True):
             st.cached += len(tokens)
