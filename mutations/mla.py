@@ -16,6 +16,15 @@ MUTANTS = [
         killers=["mla.*", "serving.packed.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
+        id="mla.prefix.keys_shifted",
+        fault="the keys of a pack with continuing sequences are laid out with every sequence's offset taken from "
+              "the first sequence's length: the second and later sequences read other positions' latents",
+        target=f"{MLA}:context_rows",
+        old="first = torch.cumsum(lens, 0) - lens",
+        new="first = torch.cumsum(lens, 0) - lens[:1]",
+        killers=["serving.*", "mla.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
         id="mla.gate.dropped", quick=True,
         fault="K3's MLA output gate sigmoid(g_proj(x)) is never applied",
         target=f"{MLA}:MultiHeadLatentAttention.forward",

@@ -59,3 +59,24 @@ def test_runner_prefill_stages_its_pack(build_model) -> None:  # type: ignore[no
     runner.prefill([(1, [5, 6, 7]), (2, [8, 9])])
     rows = [len(runner.kv_cache.table(sid)) for sid in (1, 2)]
     assert staged == [5 + 3 + 2 + 2 + 2 * max(rows)], (staged, rows)  # ids, cu, starts, slots, the padded table
+
+
+def test_mla_context_rows_are_built_on_the_device_as_the_host_lists_gave_them() -> None:
+    """serving/layers/mla.context_rows (keys of continuing sequences: cached prefix + new tokens) equals the
+    host-list construction it replaced, for fresh and continuing sequences of different lengths."""
+    from k3verify.presets import get_preset
+    from k3verify.serving.kv_cache import PagedLatentCache
+    from k3verify.serving.layers.mla import context_rows
+
+    cache = PagedLatentCache(get_preset("kl-tiny"), num_pages=16, page_size=4, dtype=torch.float32,
+                             device=torch.device("cpu"))
+    starts, lens, tables = [5, 0, 9], [3, 2, 4], [[1, 2], [3], [4, 5, 6, 7]]
+    b = PackedBatch.build(torch.arange(sum(lens)), lens, start_pos=starts, slots=[1, 2, 3], page_tables=tables,
+                          page_size=4)
+    assert b.page_table is not None
+    keys = [s + n for s, n in zip(starts, lens, strict=True)]
+    seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(keys)])
+    pos = torch.cat([torch.arange(n) for n in keys])
+    want = cache.rows(b.page_table, seq, pos)
+    assert torch.equal(context_rows(b, cache, sum(keys)), want)
+    assert want.tolist()[:8] == [4, 5, 6, 7, 8, 9, 10, 11]  # sequence 0: pages 1 and 2, positions 0..7

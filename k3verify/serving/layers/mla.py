@@ -31,6 +31,18 @@ def key_ranges(batch: PackedBatch, key_cu: list[int]) -> list[KeyRange]:
     return [(key_cu[i], key_cu[i + 1], batch.start_list[i]) for i in range(batch.num_seqs)]
 
 
+def context_rows(b: PackedBatch, cache: PagedLatentCache, total: int) -> torch.Tensor:
+    """Latent-cache rows of every key the pack's sequences see (sequence i: its positions 0 .. start_i + n_i - 1),
+    concatenated ([total]). Built on the device from the pack's tensors (`total` is known on the host): no copy
+    from host memory, which on CUDA would wait for every queued kernel."""
+    assert b.page_table is not None
+    lens = b.start_pos + (b.cu_seqlens[1:] - b.cu_seqlens[:-1])  # [B] keys per sequence
+    seq = torch.repeat_interleave(torch.arange(b.num_seqs, device=lens.device), lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens  # each sequence's first key in the concatenation
+    pos = torch.arange(total, device=lens.device) - first[seq]
+    return cache.rows(b.page_table, seq, pos)
+
+
 def decode_rows(b: PackedBatch, cache: PagedLatentCache) -> tuple[torch.Tensor, torch.Tensor]:
     """For queries against the cache (a decode step: one token per sequence; a verify pack: several): which
     of the padded context positions each token sees ([T, L] bool, L the longest context) and the latent-cache
@@ -114,12 +126,10 @@ class MultiHeadLatentAttention(nn.Module):
         cache = ctx.kv_cache
         assert cache is not None and b.page_table is not None
         lens = [s + n for s, n in zip(b.start_list, b.seq_lens, strict=True)]
-        seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lens)]).to(lat.device)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(lat.device)
-        rows = cache.rows(b.page_table, seq, pos)
         key_cu = [0]
         for n in lens:
             key_cu.append(key_cu[-1] + n)
+        rows = ctx.memo("mla.context_rows", lambda: context_rows(b, cache, key_cu[-1]))  # shared by the MLA layers
         return cache.layer(self.layer_idx).index_select(0, rows).to(lat.dtype), key_cu
 
     def _attend(self, q: torch.Tensor, lat: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
