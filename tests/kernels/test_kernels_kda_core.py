@@ -81,3 +81,18 @@ def test_state_handoff_at_chunk_boundary_is_bitexact_and_mid_chunk_is_not() -> N
         return torch.cat([o1, o2])
     assert torch.equal(split(2 * CHUNK), whole)
     assert not torch.equal(split(CHUNK + 32), whole)
+
+
+def test_fla_varlen_arguments_need_no_host_sync() -> None:
+    """fla_triton._varlen: one sequence -> the dense call (no offsets at all); several -> device offsets plus
+    cu_seqlens_cpu (fla's chunk indices are derived on the host), the same tensors for every layer of a pass (fla's
+    tensor_cache keys on identity) and new ones for another pack."""
+    from k3verify.kernels.kda.fla_triton import _varlen
+
+    cpu = torch.device("cpu")
+    assert _varlen([0, 1024], cpu) == {}
+    a = _varlen([0, 5, 12], cpu)
+    assert a["cu_seqlens"].tolist() == [0, 5, 12] and a["cu_seqlens_cpu"].device.type == "cpu"
+    assert _varlen([0, 5, 12], cpu) is a, "a second layer of the same pass got new offset tensors"
+    b = _varlen([0, 6, 12], cpu)
+    assert b is not a and b["cu_seqlens"].tolist() == [0, 6, 12]
