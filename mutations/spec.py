@@ -11,6 +11,7 @@ ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
 KERNELS = "k3verify.kernels.kda.verify_kernels"
 GRAPHS = "k3verify.serving.spec.graphs"
+OFFLINE = "k3verify.serving.spec.offline"
 PRESETS = ("k3-tiny", "kl-tiny")
 
 MUTANTS = [
@@ -21,6 +22,14 @@ MUTANTS = [
         old="        records[:, j] = state\n",
         new="        records[:, j - 1] = state\n",
         killers=("spec.records.vs_sequential", "spec.greedy.vs_plain"), presets=PRESETS,
+    ),
+    Mutant(
+        id="spec.rider.fillers_emitted",
+        fault="a row riding along in a verify pass emits its filler drafts as if the model had accepted them",
+        target=f"{OFFLINE}:_round",
+        old="            run.tokens[i].extend(a.tokens)\n",
+        new="            run.tokens[i].extend(a.tokens if r < drafted else a.tokens + rows[r][1])\n",
+        killers=("spec.greedy.vs_plain",), presets=PRESETS,
     ),
     Mutant(
         id="spec.commit.rejected_drafts_committed", quick=True,

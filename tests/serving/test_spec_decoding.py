@@ -12,7 +12,7 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.spec.accept import accept_greedy, accept_sampled, token_probs
-from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter
+from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter, WithoutDrafts
 from k3verify.serving.spec.offline import generate_speculative
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
@@ -133,16 +133,6 @@ def test_rows_that_turned_speculation_off_finish_on_the_plain_device_fed_path(ti
     assert verifier.runner.active_ids == []
 
 
-class _FirstRowOnly:
-    """Drafts (the controlled drafter's) for one sequence only: the batch's other rows have nothing to verify."""
-
-    def __init__(self, inner: ControlledDrafter, key: int) -> None:
-        self.inner, self.key, self.num_draft = inner, key, inner.num_draft
-
-    def propose(self, seq_id: int, tokens: list[int]) -> list[int]:
-        return self.inner.propose(seq_id, tokens) if seq_id == self.key else []
-
-
 def test_rows_without_drafts_ride_along_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
     """One row drafts, two have nothing to verify: they ride along in its verify passes with filler drafts, so
     while it speculates no round also runs a decode step (a verify and a decode step per round cost a batch of 16
@@ -153,7 +143,7 @@ def test_rows_without_drafts_ride_along_instead_of_a_decode_step(tiny_model: Ser
                             prompts, new)
     refs = {0: prompts[0] + plain[0]}
     verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-    run = generate_speculative(verifier, _FirstRowOnly(ControlledDrafter(K, refs, 0.3, 4608, seed=1), 0), prompts,
+    run = generate_speculative(verifier, WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608, seed=1), {1, 2}), prompts,
                                new, policy=SpecPolicy(min_mean_accepted=0.0))
     assert run.tokens == plain
     assert run.verify_steps > 0 and run.rider_rows == 2 * run.verify_steps, run
@@ -225,7 +215,7 @@ def test_engine_greedy_rows_ride_along_sampled_rows_decode(tiny_model: ServingMo
                             prompts, new)
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     refs = {1: prompts[0] + plain[0]}  # engine ids start at 1
-    step = SpeculativeStep(SpecVerifier(runner, K, 3), _FirstRowOnly(ControlledDrafter(K, refs, 0.3, 4608), 1),
+    step = SpeculativeStep(SpecVerifier(runner, K, 3), WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608), {2, 3}),
                            SpecPolicy(min_mean_accepted=0.0))
     engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
     greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)

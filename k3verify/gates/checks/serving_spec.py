@@ -25,7 +25,7 @@ from k3verify.kernels.norm import GATED_RMS, gated_rms_norm
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.spec import verifier as verifier_module
 from k3verify.serving.spec.arena import commit_accepted
-from k3verify.serving.spec.drafter import ControlledDrafter
+from k3verify.serving.spec.drafter import ControlledDrafter, WithoutDrafts
 from k3verify.serving.spec.offline import generate_speculative
 from k3verify.serving.spec.policy import SpecPolicy
 from k3verify.serving.spec.verifier import SpecVerifier
@@ -214,10 +214,13 @@ def check_greedy_vs_plain(ctx: CheckContext) -> Trial:
     plain = generate_greedy(runner(), prompts, new)
     refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
 
-    def speculative(commit_all: bool) -> tuple[list[list[int]], list[int]]:
+    def speculative(commit_all: bool) -> tuple[list[list[int]], list[int], int]:
         verifier = SpecVerifier(runner(), NUM_DRAFT, len(prompts))
         verifier.arena.poison()
-        drafter = ControlledDrafter(NUM_DRAFT, refs, corrupt=0.5, vocab_size=ctx.cfg.vocab_size, seed=ctx.seed)
+        # the last prompt gets no drafts: it rides along in the others' verify passes (offline.filler_drafts)
+        drafter = WithoutDrafts(ControlledDrafter(NUM_DRAFT, refs, corrupt=0.5, vocab_size=ctx.cfg.vocab_size,
+                                                  seed=ctx.seed), {len(prompts) - 1})
+
         def every_draft(pool: Any, cache: Any, arena: Any, slots: torch.Tensor, accepted: torch.Tensor,
                         rows: torch.Tensor | None) -> None:
             commit_accepted(pool, cache, arena, slots, torch.full_like(accepted, NUM_DRAFT), rows)
@@ -225,14 +228,17 @@ def check_greedy_vs_plain(ctx: CheckContext) -> Trial:
         with fx.patched(verifier_module, "commit_accepted", every_draft if commit_all else commit_accepted):
             run = generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
         verifier.runner.check_integrity()
-        return run.tokens, run.accepted_per_row
+        return run.tokens, run.accepted_per_row, run.rider_rows
 
-    cand, accepted = speculative(False)
-    if all(a == NUM_DRAFT for a in accepted) or not any(accepted):
-        raise RuntimeError(f"accepted drafts per verify row {accepted}: no rejection (the control would commit the "
-                           "right state) or no acceptance (nothing multi-token was committed); the check tests nothing")
-    ctrl, _ = speculative(True)
+    cand, accepted, riders = speculative(False)
+    if all(a == NUM_DRAFT for a in accepted) or not any(accepted) or not riders:
+        raise RuntimeError(f"accepted drafts per verify row {accepted}, {riders} rider rows: no rejection (the "
+                           "control would commit the right state), no acceptance (nothing multi-token was committed) "
+                           "or no rider; the check tests less than it says")
+    ctrl, _, _ = speculative(True)
     return Trial(reference=torch.tensor(plain), candidate=torch.tensor(cand), control=torch.tensor(ctrl), metrics={
-        "verify_rows": float(len(accepted)), "mean_accepted": sum(accepted) / max(len(accepted), 1)}, notes=[
+        "verify_rows": float(len(accepted)), "mean_accepted": sum(accepted) / max(len(accepted), 1),
+        "rider_rows": float(riders)}, notes=[
         f"prompts {PROMPT_LENS}, {new} new tokens, k={NUM_DRAFT}; drafts = plain greedy continuation with each token "
-        f"corrupted with probability 0.5; accepted drafts per verify row {accepted}; caches and arena NaN-poisoned"])
+        f"corrupted with probability 0.5, none for the last prompt (a rider: {riders} rider rows); accepted drafts per "
+        f"verify row {accepted}; caches and arena NaN-poisoned"])

@@ -10,7 +10,7 @@ acceptance rate is set by construction: random-weight checkpoints make n-gram ac
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 
@@ -66,3 +66,14 @@ class ControlledDrafter:
                 tok = (tok + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
             drafts.append(tok)
         return drafts
+
+
+class WithoutDrafts:
+    """`inner`, except that the sequences in `silent` get no drafts: in a batch with drafting rows they ride along
+    in the verify pass on filler drafts (offline.filler_drafts). The checks and tests use it to exercise riders."""
+
+    def __init__(self, inner: Drafter, silent: Collection[int]) -> None:
+        self.inner, self.silent, self.num_draft = inner, frozenset(silent), inner.num_draft
+
+    def propose(self, seq_id: int, tokens: Sequence[int]) -> list[int]:
+        return [] if seq_id in self.silent else self.inner.propose(seq_id, tokens)
