@@ -3,19 +3,13 @@ kernel under the interpreter vs the torch reference, the layer's wiring and the 
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
-import k3verify
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels.conv import torch_ref
@@ -164,16 +158,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
                                                              getattr(torch, dt), W, D)
     report["cases"]["bfloat16-W4-D72-fused-slices"] = _compare_kernel(decode_kernel.conv_decode_qkv_triton,
                                                                       torch.bfloat16, 4, 72, fused=True)
-    source = Path(decode_kernel.__file__).read_text()
     for name, (old, new) in BROKEN.items():
-        if source.count(old) != 1:
-            raise RuntimeError(f"broken variant {name}: snippet {old!r} is not in the kernel exactly once")
-        path = Path(tmp) / f"decode_kernel_{name}.py"
-        path.write_text(source.replace(old, new))
-        spec = importlib.util.spec_from_file_location(f"decode_kernel_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = broken_variant(decode_kernel, name, old, new, tmp)
         report["broken"][name] = _compare_kernel(module.conv_decode_qkv_triton, torch.bfloat16, 4, 72,
                                                  fused=name == "row_stride_ignored")
     return report
@@ -181,18 +167,9 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def interpreter_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = str(tmp_path_factory.mktemp("conv_decode_interp"))
-    root = str(Path(k3verify.__file__).resolve().parents[1])
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_conv_decode as t; "
-            "print('REPORT ' + json.dumps(t._interpreter_report(sys.argv[2])))")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     pytest.importorskip("triton", reason="triton is not installed: the interpreter test needs it")
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), tmp], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT "))
+    return child_report("test_kernels_conv_decode", "_interpreter_report",
+                        str(tmp_path_factory.mktemp("conv_decode_interp")))
 
 
 def test_triton_kernel_matches_torch_under_interpreter(interpreter_report: dict[str, Any]) -> None:

@@ -4,18 +4,12 @@ fused GEMM's column slices), controls that must fail, the refusal reasons, and t
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
-import k3verify
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels.conv import torch_ref, triton_path
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
@@ -69,7 +63,6 @@ BROKEN = {  # controls: the kernel's own source with one fault, compared the sam
 
 def _interpreter_report(tmp: str) -> dict[str, Any]:
     """Runs in the subprocess (TRITON_INTERPRET=1): the kernel and its broken variants vs the torch reference."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from triton_interp import patch_interpreter
 
     patch_interpreter()
@@ -79,16 +72,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     for dt, W, D, init in INTERP_CASES:
         report["cases"][f"{dt}-W{W}-D{D}-init{int(init)}"] = _compare(prefill_kernel.causal_conv_qkv_triton,
                                                                      getattr(torch, dt), W, D, init)
-    source = Path(prefill_kernel.__file__).read_text()
     for name, (old, new) in BROKEN.items():
-        if source.count(old) != 1:
-            raise RuntimeError(f"broken variant {name}: snippet {old!r} is not in the kernel exactly once")
-        path = Path(tmp) / f"prefill_kernel_{name}.py"
-        path.write_text(source.replace(old, new))
-        spec = importlib.util.spec_from_file_location(f"prefill_kernel_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = broken_variant(prefill_kernel, name, old, new, tmp)
         report["broken"][name] = _compare(module.causal_conv_qkv_triton, torch.bfloat16, 4, 72, True)
     return report
 
@@ -96,17 +81,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def interpreter_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("triton", reason="triton is not installed: the interpreter test needs it")
-    tmp = str(tmp_path_factory.mktemp("conv_prefill_interp"))
-    root = str(Path(k3verify.__file__).resolve().parents[1])
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_conv_prefill as t; "
-            "print('REPORT ' + json.dumps(t._interpreter_report(sys.argv[2])))")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), tmp], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT "))
+    return child_report("test_kernels_conv_prefill", "_interpreter_report",
+                        str(tmp_path_factory.mktemp("conv_prefill_interp")))
 
 
 def test_triton_prefill_conv_matches_torch_under_interpreter(interpreter_report: dict[str, Any]) -> None:

@@ -4,21 +4,15 @@ it do not, and on CUDA the registry runs it."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
-import k3verify
 from k3verify.kernels import router as router_ops
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.kernels.router import torch_ref, triton_impl
@@ -116,16 +110,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     logits[2, :7] = float("nan")
     _, idx = triton_impl.route_triton(logits, bias, 8, 1, 1, True, SCALING)
     report["nan_rows_ids_in_range"] = float(bool(((idx >= 0) & (idx < 64)).all()))
-    source = Path(triton_kernels.__file__).read_text()
     for name, (old, new) in BROKEN.items():
-        if source.count(old) != 1:
-            raise RuntimeError(f"broken variant {name}: snippet {old!r} is not in the kernel exactly once")
-        path = Path(tmp) / f"router_kernels_{name}.py"
-        path.write_text(source.replace(old, new))
-        spec = importlib.util.spec_from_file_location(f"router_kernels_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = broken_variant(triton_kernels, name, old, new, tmp)
         original = triton_impl._kernels
         triton_impl._kernels = lambda module=module: module  # type: ignore[assignment]
         try:
@@ -138,17 +124,7 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def interpreter_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("triton", reason="triton is not installed: the interpreter test needs it")
-    tmp = str(tmp_path_factory.mktemp("router_interp"))
-    root = str(Path(k3verify.__file__).resolve().parents[1])
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernels_router as t; "
-            "print('REPORT ' + json.dumps(t._interpreter_report(sys.argv[2])))")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), tmp], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT "))
+    return child_report("test_kernels_router", "_interpreter_report", str(tmp_path_factory.mktemp("router_interp")))
 
 
 def test_triton_kernel_matches_torch_under_interpreter(interpreter_report: dict[str, Any]) -> None:

@@ -60,3 +60,46 @@ def patch_interpreter() -> None:
         raise SystemExit("TRITON_INTERPRET=1 must be set in the environment before triton is imported")
     round_bf16_to_nearest_even()
     bf16_dot_in_fp32()
+
+
+def child_report(module: str, function: str, tmp: str, timeout_s: int = 600) -> dict[str, Any]:
+    """Run `function(tmp)` of tests/kernels/`module` in a child process with TRITON_INTERPRET=1 (the variable must
+    be set before triton is first imported, hence the child) and return the dict it reports, through JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import k3verify
+
+    root = str(Path(k3verify.__file__).resolve().parents[1])
+    code = (f"import json, sys; sys.path.insert(0, sys.argv[1]); import {module} as m; "
+            f"print('REPORT ' + json.dumps(m.{function}(sys.argv[2])))")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), tmp], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT "))
+    report: dict[str, Any] = json.loads(line.removeprefix("REPORT "))
+    return report
+
+
+def broken_variant(module: Any, name: str, old: str, new: str, tmp: str) -> Any:
+    """`module` (a kernel module) imported again from its own source with `old` replaced by `new` (exactly one
+    occurrence, else the variant would test nothing): a control the kernel comparison must catch."""
+    import importlib.util
+    from pathlib import Path
+
+    source = Path(module.__file__).read_text()
+    if source.count(old) != 1:
+        raise RuntimeError(f"broken variant {name}: snippet {old!r} is not in {module.__name__} exactly once")
+    stem = f"{module.__name__.rsplit('.', 1)[-1]}_{name}"
+    path = Path(tmp) / f"{stem}.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(stem, path)
+    assert spec is not None and spec.loader is not None
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    return variant
