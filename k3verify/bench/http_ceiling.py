@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, cast
 
-from k3verify.bench.served import MODEL_NAME, IdTokenizer, _pct, no_chat, run_client_processes
+from k3verify.bench.served import MODEL_NAME, IdTokenizer, no_chat, run_client_processes, wave_stats
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
 from k3verify.server.thread import ServerThread
@@ -87,14 +87,8 @@ def run(concurrency: int, step_ms: float, per_process: int, waves: int, new_toke
                                           per_process)
     finally:
         engine.stopped.set()
-    reqs = result["requests"]
-    tokens = sum(len(r["text"].split()) for r in reqs)
-    itl = [b - a for r in reqs for a, b in zip(r["chunk_times"][:-1], r["chunk_times"][1:], strict=True)]
-    ttft = [r["chunk_times"][0] - r["start"] for r in reqs if r["chunk_times"]]
-    return {"concurrency": concurrency, "client_procs": result["client_processes"], "step_ms": step_ms,
-            "tokens": tokens, "tok_s": tokens / result["wall_s"], "engine_rate": concurrency * 1e3 / step_ms,
-            "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
-            "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "engine_steps": engine.steps}
+    return {"concurrency": concurrency, "step_ms": step_ms, "engine_rate": concurrency * 1e3 / step_ms,
+            "engine_steps": engine.steps, **wave_stats(result, new_tokens)}
 
 
 def main() -> None:
@@ -109,7 +103,7 @@ def main() -> None:
             for p in map(int, a.per_process.split(","))]
     print("clients procs step_ms  engine tok/s  delivered tok/s  ratio  TTFT p50  ITL p50  ITL p99")
     for r in rows:
-        print(f"{r['concurrency']:7d} {r['client_procs']:5d} {r['step_ms']:7.1f} {r['engine_rate']:13,.0f} "
+        print(f"{r['concurrency']:7d} {r['client_processes']:5d} {r['step_ms']:7.1f} {r['engine_rate']:13,.0f} "
               f"{r['tok_s']:16,.0f} {r['tok_s'] / r['engine_rate']:6.2f} {r['ttft_p50_ms']:7.1f}ms "
               f"{r['itl_p50_ms']:6.2f}ms {r['itl_p99_ms']:7.2f}ms")
 

@@ -229,9 +229,15 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
 
 
 def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: int) -> dict[str, Any]:
-    """Run the clients over `waves`: tok/s over wall time, TTFT and ITL (p50/p99), engine steps."""
+    """Run the clients over `waves`: wave_stats and the engine steps they took."""
     steps = stack.engine.num_steps
-    result = run_client_processes(stack.url, waves, new_tokens)
+    row = wave_stats(run_client_processes(stack.url, waves, new_tokens), new_tokens)
+    return row | {"engine_steps": stack.engine.num_steps - steps}
+
+
+def wave_stats(result: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """Client records (run_client_processes) -> tok/s over wall time, TTFT and ITL (p50/p99), the three slowest
+    first tokens; every answer must hold new_tokens tokens."""
     ttft, itl, tokens = [], [], 0
     for rec in result["requests"]:
         n, times = len(served_ids(rec)), rec["chunk_times"]
@@ -247,7 +253,7 @@ def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: i
             "ttft_slowest": [{"client": o[0], "request": o[1], "ttft_ms": 1e3 * t} for t, o in slowest],
             "tok_s": tokens / result["wall_s"], "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p99_ms": 1e3 * _pct(ttft, 0.99), "itl_p50_ms": 1e3 * statistics.median(itl),
-            "itl_p99_ms": 1e3 * _pct(itl, 0.99), "engine_steps": stack.engine.num_steps - steps}
+            "itl_p99_ms": 1e3 * _pct(itl, 0.99)}
 
 
 def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_per_client: int, prompt_len: int,

@@ -116,11 +116,6 @@ def _staged(stage: Callable[[list[int]], torch.Tensor], input_ids: torch.Tensor,
     if input_ids.dtype != torch.long:
         raise ValueError(f"staged token ids must be int64; got {input_ids.dtype}")
     parts: list[list[int]] = [input_ids.tolist(), cu, starts, slots or [], [p for row in table or [] for p in row]]
-    flat = stage([v for part in parts for v in part])
-    views, at = [], 0
-    for part in parts:
-        views.append(flat[at:at + len(part)])
-        at += len(part)
-    ids_t, cu_t, start_t, slot_v, table_v = views
+    ids_t, cu_t, start_t, slot_v, table_v = stage([v for part in parts for v in part]).split([len(p) for p in parts])
     return (ids_t, cu_t, start_t, None if slots is None else slot_v,
             None if table is None else table_v.view(len(table), -1))

@@ -106,7 +106,7 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         else:
             plain.append(i)
     drafted = len(rows)
-    if rows:  # rows without drafts ride along (ride_along): one step for the batch, not a verify and a decode
+    if rows:  # rows without drafts ride along: one step for the batch, not a verify and a decode
         riders = [i for i in plain if verifier.can_verify(ids[i])]
         rows += [(i, filler_drafts(run.tokens[i][-1], k)) for i in riders]
         plain = [i for i in plain if i not in riders]
