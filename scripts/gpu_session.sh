@@ -59,6 +59,24 @@ if [ -z "${K3V_SITE_READY:-}" ]; then
     export K3V_SITE_READY=1
 fi
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
+# Triton's on-disk cache (compiled kernels, and fla's autotune picks with TRITON_CACHE_AUTOTUNING) travels
+# between calls: restored from .tcache/ (carry it) at the start, saved as $OUT/tcache.tgz.* (15 MB parts) at
+# the end; copy those into .tcache/ here for the next call. A cold machine otherwise spends ~180 s compiling.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache} TRITON_CACHE_AUTOTUNING=1
+save_tcache() {
+    rm -f "$OUT"/tcache.tgz.*
+    tar -czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M - "$OUT/tcache.tgz."
+    echo "triton cache saved: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) -> $(cat "$OUT"/tcache.tgz.* | wc -c) bytes"
+}
+if [ -z "${K3V_TCACHE_READY:-}" ]; then  # the outermost case only: restore once, save on exit
+    export K3V_TCACHE_READY=1
+    mkdir -p "$TRITON_CACHE_DIR"
+    if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then
+        cat .tcache/tcache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
+            && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
+    fi
+    trap save_tcache EXIT
+fi
 step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }
 bench_k3() {  # k3-slice-4l against the fp32 K3 reference gold, within $1 seconds
