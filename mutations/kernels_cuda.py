@@ -1,6 +1,7 @@
 """Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
 kernels/norm/triton_kernels.py, our Triton conv decode and prefill in kernels/conv/, the fused Triton router
-selection in kernels/router/triton_kernels.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py).
+selection in kernels/router/triton_kernels.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py, the
+MoE decode kernels in kernels/moe/decode_kernel.py).
 They only run with
 `k3verify mutate --device cuda`: on CPU the registry routes
 to the torch reference and they cannot matter."""
@@ -15,6 +16,7 @@ CONV = "k3verify.kernels.conv.decode_kernel"
 CONV_PREFILL = "k3verify.kernels.conv.prefill_kernel"
 ROUTER = "k3verify.kernels.router.triton_kernels"
 MXFP4 = "k3verify.kernels.mxfp4.grouped_kernel"
+MOE_DECODE = "k3verify.kernels.moe.decode_kernel"
 MXFP4_KILLERS = ["kernel.mxfp4.*", "moe.module.packed"]
 
 MUTANTS = [
@@ -103,6 +105,22 @@ MUTANTS = [
         old="rel = tl.zeros_like(d) + (length - (W - 1) + j)",
         new="rel = tl.zeros_like(d) + (length - W + j)",
         killers=["kernel.conv.*", "serving.*", "kda.*"],
+    ),
+    Mutant(
+        id="kernel.moe.decode_rows_past_first_block", devices=("cuda",),
+        fault="the MoE decode kernels compute only an expert's first 16 routed rows: every later block repeats them",
+        target=f"{MOE_DECODE}:_block_pairs",
+        old="r = block * BLOCK_M + tl.arange(0, BLOCK_M)",
+        new="r = tl.arange(0, BLOCK_M)",
+        killers=["kernel.moe.*"],
+    ),
+    Mutant(
+        id="kernel.moe.decode_route_weight_dropped", devices=("cuda",),
+        fault="the MoE decode down kernel stores the expert outputs without their route weights",
+        target=f"{MOE_DECODE}:moe_down_kernel",
+        old="* route_w[:, None]",
+        new="* 1.0",
+        killers=["kernel.moe.*", "serving.*"],
     ),
     Mutant(
         id="kernel.router.triton_weights_from_choice", devices=("cuda",),

@@ -41,6 +41,7 @@ class BenchResult:
     profile: list[dict[str, Any]] = field(default_factory=list)
     profile_prefill: list[dict[str, Any]] = field(default_factory=list)
     kernel_fallbacks: list[str] = field(default_factory=list)  # every (op: reason) a fast path refused
+    moe_paths: dict[str, int] = field(default_factory=dict)  # bf16 MoE combine calls per kernel path, whole run
     notes: list[str] = field(default_factory=list)
     speeds_reported: bool = False
 
@@ -218,9 +219,11 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
 
 
 def _with_fallbacks(result: BenchResult) -> BenchResult:
+    from k3verify.kernels.moe import grouped
     from k3verify.kernels.registry import REGISTRY
 
     result.kernel_fallbacks = sorted({f"{op}: {reason}" for op, reason in REGISTRY.fallbacks})
+    result.moe_paths = dict(grouped.PATHS)
     return result
 
 

@@ -92,11 +92,16 @@ class KernelRegistry:
         self._refused(op, reason)
         return impls[TORCH]
 
-    def _refused(self, op: str, reason: str) -> None:
+    def _refused(self, op: str, reason: str, instead: str = "torch") -> None:
         if (op, reason) not in self._warned:
             self._warned.add((op, reason))
-            log.warning("kernel %s: fast path refused, falling back to torch: %s", op, reason)
+            log.warning("kernel %s: fast path refused, falling back to %s: %s", op, instead, reason)
         self.fallbacks.append((op, reason))
+
+    def refused_inside(self, op: str, path: str, reason: str, instead: str) -> None:
+        """A fast path's own choice between two kernels: `path` refused the call and `instead` runs (warned once
+        per reason, counted in `fallbacks` like a registry refusal)."""
+        self._refused(op, f"{path}: {reason}", instead)
 
     def call(self, op: str, *args: Any, device: torch.device, **kwargs: Any) -> Any:
         impl = self.select(op, device, *args, **kwargs)

@@ -13,13 +13,17 @@ experts as the checkpoint stores them (`PackedExperts`, the packed mode).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from k3verify.kernels.moe import decode_path
 from k3verify.kernels.mxfp4 import grouped_mm
+from k3verify.kernels.registry import REGISTRY
 
 # (rows sorted by expert [M, K], offs [E] int32 ends of each expert's rows) -> [M, N]: rows times their expert
 GroupedMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -124,10 +128,54 @@ def moe_gathered_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return (y.float() * weights.reshape(-1, 1)).view(T, k, -1).sum(dim=1)
 
 
+# which kernels the bf16 combine ran, per call: "decode" (kernels/moe/decode_path.py) or "grouped"
+PATHS: Counter[str] = Counter()
+_FORCED: list[str] = []
+
+
+@contextlib.contextmanager
+def forced_path(path: str) -> Iterator[None]:
+    """Pin the bf16 combine to "decode" or "grouped" whatever the step's size (checks, benchmarks); a pinned
+    decode path that refuses raises instead of falling back."""
+    if path not in ("decode", "grouped"):
+        raise ValueError(f"unknown MoE combine path {path!r}; expected 'decode' or 'grouped'")
+    _FORCED.append(path)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+_decode_broken: list[str] = []  # the decode kernels' launch failure, once it happened (disabled for the process)
+
+
+def _decode_reason(moe: Any, x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   idx: torch.Tensor) -> str | None:
+    if _decode_broken:
+        return _decode_broken[0]
+    return decode_path.available() or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None))
+
+
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`), then two grouped GEMMs
-    (bf16) or the per-pair gather (other dtypes)."""
+    """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`); bf16 steps of at most
+    decode_path.MAX_PAIRS pairs run the decode kernels, larger ones two grouped GEMMs; other dtypes the per-pair
+    gather. A decode-sized step the decode kernels refuse runs the grouped GEMMs with the reason logged once."""
     w13, w2 = moe.stacked_weights()
     if x_in.dtype != torch.bfloat16:
         return moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act)
+    forced = _FORCED[-1] if _FORCED else None
+    if forced == "decode" or (forced is None and not decode_path.too_large(idx.numel())):
+        reason = _decode_reason(moe, x_in, w13, w2, weights, idx)
+        if forced == "decode" and reason is not None:
+            raise RuntimeError(f"moe.combine pinned to the decode kernels, which refused: {reason}")
+        if reason is None:
+            try:
+                out = decode_path.combine(x_in, w13, w2, weights, idx, moe.glu)
+                PATHS["decode"] += 1
+                return out
+            except Exception as exc:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
+                _decode_broken.append(reason)
+        REGISTRY.refused_inside("moe.combine", "decode kernels", reason, "the grouped GEMMs")
+    PATHS["grouped"] += 1
     return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)

@@ -21,6 +21,7 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.moe import moe_combine
+from k3verify.kernels.moe.decode_path import GluSpec
 from k3verify.kernels.moe.grouped import PackedExperts, moe_packed_combine
 from k3verify.kernels.mxfp4 import dequantize
 from k3verify.kernels.router import route
@@ -132,6 +133,7 @@ class SparseMoE(nn.Module):
         self.dtype, self.mxfp4_mode = dtype, mxfp4_mode
         self.quantized, self.latent = cfg.experts_quantized, cfg.uses_latent_moe
         self.act = glu_activation(cfg)
+        self.glu = GluSpec(cfg.hidden_act, cfg.situ_beta or 1.0, cfg.situ_linear_beta)  # the same GLU, for kernels
         self.gate = Router(cfg, device)
         self.experts = nn.ModuleList(Expert(cfg, dtype, device) for _ in range(cfg.num_experts))
         self.shared_experts = GatedMLP(cfg, H, cfg.shared_intermediate_size, dtype, device, tile_tokens)
