@@ -31,6 +31,7 @@ from k3verify.serving.scheduler import Scheduler
 from k3verify.serving.step_loop import StepLauncher
 
 _CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
+    ("moe decode experts", ("moe_gate_up", "moe_down")),  # kernels/moe/decode_kernel.py
     ("moe grouped gemm", ("grouped",)),
     ("kda recurrent (fla)", ("fused_recurrent", "recurrent_kda")),
     ("kda chunk (fla)", ("chunk_kda", "chunk_gated", "kda")),

@@ -43,6 +43,8 @@ def test_a_sum_of_durations_would_overcount_overlap() -> None:
 
 @pytest.mark.parametrize(("name", "cat"), [
     ("void cutlass::Kernel2<cutlass_grouped_gemm>", "moe grouped gemm"),
+    ("moe_gate_up_kernel", "moe decode experts"),
+    ("moe_down_kernel", "moe decode experts"),
     ("chunk_kda_fwd_kernel_o", "kda chunk (fla)"),
     ("_rms_norm_kernel", "norm"),
     ("void at::native::index_elementwise_kernel", "gather / scatter / index"),
