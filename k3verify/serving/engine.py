@@ -74,11 +74,11 @@ class Engine:
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
         self.max_step_tokens, self.max_running = max_step_tokens, max_running
-        self.scheduler = Scheduler(runner, max_step_tokens=max_step_tokens, max_running=max_running)
+        self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
+        self.scheduler = self._new_scheduler()
         self.launcher = StepLauncher(runner, graphs)
         self.debug = debug
         self.observer = observer
-        self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
@@ -94,6 +94,13 @@ class Engine:
         self._fault: BaseException | None = None
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="k3verify-engine", daemon=True)
+
+    def _new_scheduler(self) -> Scheduler:
+        """Speculating, each sequence reserves k positions past its need (scheduler.spec_reservation) so that it
+        can be verified, or ride along, up to its last token."""
+        extra = self.speculator.verifier.num_draft if self.speculator is not None else 0
+        return Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running,
+                         reserve_extra=extra, max_reserve=self.max_context)
 
     def start(self) -> Engine:
         self._thread.start()
@@ -202,7 +209,7 @@ class Engine:
         except Exception:
             log.exception("engine restart failed: the caches could not be reallocated")
             return False
-        self.scheduler = Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running)
+        self.scheduler = self._new_scheduler()
         for seq in waiting:
             self.scheduler.add(seq)
         for req in lost:

@@ -20,7 +20,7 @@ from k3verify.presets import get_preset, preset_hf_config
 def dry_run() -> Any:
     from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 
-    plan = SpecPlan("kl-tiny", batches=(1, 3), accept=(0.0, 0.8), new_tokens=12, prompt_len=8, parity_len=64,
+    plan = SpecPlan("kl-tiny", batches=(1, 3), accept=(0.0, 0.8), new_tokens=24, prompt_len=8, parity_len=64,
                     layer_rows=(2,))
     saved = torch.get_num_threads()  # a module fixture runs before the per-test one-thread fixture
     torch.set_num_threads(1)

@@ -3,6 +3,8 @@ policy, and the engine's speculative step on k3-tiny (fp32) against plain greedy
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -152,6 +154,40 @@ def test_rows_without_drafts_ride_along_instead_of_a_decode_step(tiny_model: Ser
     assert run.decode_steps <= new - 1 - run.verify_steps, run
     assert run.stats[1].verifies == run.stats[2].verifies == 0, "a rider's fillers were counted as drafts"
     verifier.runner.check_integrity()
+
+
+def test_rows_near_their_end_still_verify_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
+    """Every row drafts at 50%: rows get ahead of each other, and a row within k tokens of its end still has room
+    for a verify pass (k positions reserved past its need, scheduler.spec_reservation), so no round runs a decode
+    step beside the batch's verify pass. Without the reservation this run takes decode steps (a kl-48b-8l batch of
+    16 at 50%: 35 beside 36 verify steps on the H200)."""
+    from k3verify.serving.scheduler import spec_reservation
+    from k3verify.serving.spec.offline import useful_drafts
+
+    prompts, new = _prompts(), 17
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
+
+    def run_with(reserve: bool) -> Any:
+        verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+        drafter = ControlledDrafter(K, refs, 0.5, 4608, seed=3)
+        if reserve:
+            return generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
+        with pytest.MonkeyPatch.context() as mp:  # the reservation off: each row reserves exactly its need
+            mp.setattr("k3verify.serving.spec.offline.spec_reservation", lambda runner, need, k, limit: need)
+            return generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
+
+    run, without = run_with(True), run_with(False)
+    assert run.tokens == plain == without.tokens
+    assert run.verify_steps > 0 and run.decode_steps == 0, run
+    assert without.decode_steps > 0, "the control needs rows that ran out of room: the test proves nothing"
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    assert spec_reservation(runner, 100, K, 128) == 100 + K and spec_reservation(runner, 126, K, 128) == 126
+    # drafts past a row's end are not counted as drafted (nor as accepted): the measured acceptance stays the
+    # drafter's; a row with one token to go only rides along
+    assert [useful_drafts(K, left) for left in (1, 2, 3, 9)] == [0, 1, 2, K]
+    assert sum(s.drafted for s in run.stats) < K * run.verify_steps * len(prompts)
 
 
 def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> None:

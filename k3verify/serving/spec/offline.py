@@ -1,7 +1,8 @@
 """Offline speculative greedy generation (the checks and the bench; the server goes through step.py).
 
 Each round: every live sequence whose drafter proposes something, whose policy still allows it and whose
-budget has room for k+1 more positions is verified in one packed pass (drafts padded to k by repeating
+budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation)
+is verified in one packed pass (drafts padded to k by repeating
 the last one). When such a pass runs, the other live sequences with room ride along in it with filler drafts
 (filler_drafts) instead of taking a decode step of their own: on the H200 a kl-48b-8l batch of 16 that ran a
 verify and a decode step in every round decoded at 0.62x plain speed (2026-12-01), although a verify step
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3verify.serving.kv_cache import CacheError
+from k3verify.serving.scheduler import spec_reservation
 from k3verify.serving.spec.accept import accept_greedy_ids
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
@@ -49,6 +51,14 @@ def pad_drafts(drafts: list[int], k: int) -> list[int]:
     return (drafts + [drafts[-1]] * k)[:k]
 
 
+def useful_drafts(k: int, left: int) -> int:
+    """Of k drafts, how many can still become output for a sequence with `left` tokens to go (the verify's bonus
+    token is one of them). Only these count as drafted for the policy and the measured acceptance: a sequence
+    near its end reserves room for a full verify (scheduler.spec_reservation), and drafts past its end are
+    dropped whatever the model says of them. Under 1 the sequence drafts nothing and rides along."""
+    return max(0, min(k, left - 1))
+
+
 def filler_drafts(last: int, k: int) -> list[int]:
     """The k positions of a greedy row that rides along in a verify pass without drafts of its own (speculation
     off, or nothing proposed): its last token repeated. Greedy acceptance keeps exactly the tokens the model's
@@ -70,10 +80,12 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
     policy = policy if policy is not None else SpecPolicy()
     base = max(runner.active_ids, default=-1) + 1
     ids = list(range(base, base + len(prompts)))
+    limit = min([runner.max_context] + [g.max_context for g in (verify_graphs, decode_graphs) if g is not None])
     for sid, p in zip(ids, prompts, strict=True):
-        if not runner.can_admit(len(p) + max_new_tokens):
+        need = len(p) + max_new_tokens
+        if not runner.can_admit(need):
             raise CacheError(f"prompt of {len(p)} tokens + {max_new_tokens} new does not fit the free cache")
-        runner.admit(sid, len(p) + max_new_tokens)
+        runner.admit(sid, spec_reservation(runner, need, verifier.num_draft, limit))
     run = SpecRun([[] for _ in prompts], [SpecStats() for _ in prompts])
     try:
         first = runner.prefill([(sid, list(p)) for sid, p in zip(ids, prompts, strict=True)]).argmax(-1).tolist()
@@ -83,7 +95,7 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
             if all(run.stats[i].off for i in live):
                 _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)
                 break
-            _round(verifier, drafter, policy, prompts, ids, live, run, verify_graphs, decode_graphs)
+            _round(verifier, drafter, policy, prompts, ids, live, run, max_new_tokens, verify_graphs, decode_graphs)
     finally:
         for sid in ids:
             runner.release(sid)
@@ -93,13 +105,14 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
 
 
 def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts: Sequence[Sequence[int]],
-           ids: list[int], live: list[int], run: SpecRun, verify_graphs: VerifyGraphs | None,
+           ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int, verify_graphs: VerifyGraphs | None,
            decode_graphs: GraphDecoder | None) -> None:
     k = verifier.num_draft
     rows: list[tuple[int, list[int]]] = []  # (prompt index, drafts)
     plain: list[int] = []
+    useful = {i: useful_drafts(k, max_new_tokens - len(run.tokens[i])) for i in live}
     for i in live:
-        drafts = [] if run.stats[i].off or not verifier.can_verify(ids[i]) else \
+        drafts = [] if run.stats[i].off or not useful[i] or not verifier.can_verify(ids[i]) else \
             drafter.propose(i, list(prompts[i]) + run.tokens[i])
         if drafts:
             rows.append((i, pad_drafts(drafts, k)))
@@ -117,8 +130,8 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
             run.tokens[i].extend(a.tokens)
             if r < drafted:  # a rider's fillers are no drafts: neither the policy nor the acceptance counts them
-                policy.record(run.stats[i], k, a.num_accepted)
-                run.accepted_per_row.append(a.num_accepted)
+                policy.record(run.stats[i], useful[i], min(a.num_accepted, useful[i]))
+                run.accepted_per_row.append(min(a.num_accepted, useful[i]))
         run.verify_steps += 1
         run.rider_rows += len(rows) - drafted
     if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round

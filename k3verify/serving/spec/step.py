@@ -21,7 +21,7 @@ from k3verify.serving.sampler import TokenLogprob, nonfinite_rows, token_logprob
 from k3verify.serving.scheduler import ScheduledSeq
 from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
 from k3verify.serving.spec.drafter import Drafter, NgramDrafter
-from k3verify.serving.spec.offline import filler_drafts, pad_drafts
+from k3verify.serving.spec.offline import filler_drafts, pad_drafts, useful_drafts
 from k3verify.serving.spec.policy import SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
 
@@ -85,9 +85,12 @@ class SpeculativeStep:
         step, and a seeded request's text would then depend on what else shares its batch."""
         return req.params.is_greedy and self.verifier.can_verify(req.seq_id)
 
+    def _useful(self, req: Request) -> int:
+        return useful_drafts(self.verifier.num_draft, req.params.max_tokens - len(req.output_ids))
+
     def _drafts(self, req: Request) -> list[int]:
         stats = self.stats.setdefault(req.seq_id, SpecStats())
-        if stats.off or not self.verifier.can_verify(req.seq_id):
+        if stats.off or not self._useful(req) or not self.verifier.can_verify(req.seq_id):
             return []
         proposed = self.drafter.propose(req.seq_id, req.prompt_ids + req.output_ids)
         return pad_drafts(proposed, self.verifier.num_draft) if proposed else []
@@ -95,7 +98,8 @@ class SpeculativeStep:
     def _verify(self, host: SpecHost, rows: list[tuple[Request, list[int]]], drafted: int) -> None:
         """rows[:drafted] carry drafts, the rest are riders (filler drafts): not counted by the policy or the
         acceptance counters."""
-        n, k = self.verifier.num_positions, self.verifier.num_draft
+        n = self.verifier.num_positions
+        useful = [self._useful(req) for req, _ in rows[:drafted]]  # before this pass's tokens are emitted
         logits = self.verifier.verify([(req.seq_id, [req.last_token, *drafts]) for req, drafts in rows])
         bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
         best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
@@ -113,10 +117,10 @@ class SpeculativeStep:
             if r < drafted:
                 stats = self.stats[req.seq_id]
                 was_on = not stats.off
-                self.policy.record(stats, k, acc.num_accepted)
+                self.policy.record(stats, useful[r], min(acc.num_accepted, useful[r]))
                 c.turned_off += int(was_on and stats.off)
-                c.verified_rows, c.drafted = c.verified_rows + 1, c.drafted + k
-                c.accepted += acc.num_accepted
+                c.verified_rows, c.drafted = c.verified_rows + 1, c.drafted + useful[r]
+                c.accepted += min(acc.num_accepted, useful[r])
             else:
                 c.rider_rows += 1
             lps = token_logprobs(logits[r, : len(acc.tokens)], acc.tokens, [req.params.logprobs] * len(acc.tokens))
