@@ -30,6 +30,7 @@ from k3verify.bench.speeds import generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
+from k3verify.kernels.moe import grouped
 from k3verify.kernels.registry import REGISTRY
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
@@ -114,12 +115,14 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
             progress(f"batch {B} nominal {accept:.0%}: reference {'converged' if ref.converged else 'NOT converged'} "
                      f"after {ref.iterations} untimed runs")
         drafter: Drafter = NgramDrafter(plan.num_draft) if ref is None else controlled(ref.references)
+        paths = grouped.PATHS.copy()
         run, spec_s = _timed(lambda d=drafter: generate(d))
         row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
                "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
                "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
                "turned_off": sum(s.off for s in run.stats), "rider_rows": run.rider_rows,
-               "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs)}
+               "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs),
+               "moe_paths": dict(grouped.PATHS - paths)}  # the timed run's bf16 MoE combine calls per kernel path
         rows.append(row if ref is None else row | _reference_columns(ref, run, prompts, accept, plan.num_draft))
     return rows
 
