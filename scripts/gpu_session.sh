@@ -50,7 +50,9 @@
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
-# Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache.
+# Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
+# carry .tcache/ (the previous call's $OUT/tcache.tgz.* copied there): a cold `moe` call took 168 s with it
+# (2026-12-02) where the same work had run out of 600 s without. .whl + .tcache + the tree must stay under 64 MiB.
 # Wheels: scripts/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/k3v-gpu}
