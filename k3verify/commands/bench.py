@@ -208,7 +208,9 @@ def _emit(result: BenchResult, path: Path | None) -> None:
         lines.append(f"  parity {r['id']}: {r['status']} metric={r['metric']:.3g} control={r['control_metric']:.3g}")
     for r in result.prefill:
         lines.append(f"  prefill {r['tokens']:>6}: ours {r['ours_tok_s']:>10.0f} tok/s  baseline "
-                     f"{r.get('baseline_tok_s', float('nan')):>10.0f}  ratio {r.get('ratio', float('nan')):.2f}x")
+                     f"{r.get('baseline_tok_s', float('nan')):>10.0f}  ratio {r.get('ratio', float('nan')):.2f}x"
+                     + (f"  (median of {r['rounds']} alternating runs; spread ours {r['ours_spread']:.0%}, baseline "
+                        f"{r.get('baseline_spread', float('nan')):.0%})" if "rounds" in r else ""))
     for r in result.decode:
         lines.append(f"  decode b{r['batch']:>3}: ours {r['ours_tok_s']:>9.1f} tok/s  baseline "
                      f"{r.get('baseline_tok_s', float('nan')):>8.1f}  ratio {r.get('ratio', float('nan')):.2f}x  "
