@@ -1,7 +1,7 @@
-"""The routed-expert combine of one kl-48b-shaped MoE layer on CUDA: the decode kernels (each tile choice) against
-the grouped GEMMs (sort, gather, torch._grouped_mm x2, un-sort), per step size; microseconds per layer and the
-touched experts' bytes over that time. A measuring tool for choosing decode_path.pick_tiles, not a gate (the
-combine's parity is kernel.moe.decode_vs_torch).
+"""The routed-expert combine of one kl-48b-shaped MoE layer on CUDA: the decode kernels (each tile choice; a
+trailing "c": the compact grid) against the grouped GEMMs (sort, gather, torch._grouped_mm x2, un-sort), per step
+size; microseconds per layer and the touched experts' bytes over that time. A measuring tool for choosing
+decode_path.pick_tiles, not a gate (the combine's parity is kernel.moe.decode_vs_torch).
 
     python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,4,5,16,64]
 """
@@ -46,9 +46,11 @@ def main() -> None:
     w2 = (torch.randn(E, D, I, device="cuda", generator=g) * I**-0.5).bfloat16()
     spec = decode_path.GluSpec("silu")
     tiles = [decode_path.Tiles(bn, 4, st) for bn in (16, 32, 64) for st in (3, 4)]
+    tiles += [decode_path.Tiles(bn, 4, 4, compact=True) for bn in (32, 64)]
     print(f"E={E} D={D} I={I} k={k}; us per layer (CUDA graph replay); GB/s of the touched experts' bytes")
+    names = [f"bn{t.block_n}/s{t.num_stages}" + ("c" if t.compact else "") for t in tiles]
     print(f"{'tokens':>6} {'experts':>7} {'grouped':>9} {'decode(pick)':>13} " +
-          " ".join(f"{f'bn{t.block_n}/s{t.num_stages}':>9}" for t in tiles) + "  best GB/s")
+          " ".join(f"{n:>9}" for n in names) + "  best GB/s")
     for T in (int(t) for t in args.tokens.split(",")):
         _row(T, E, D, k, w13, w2, spec, tiles, g)
 

@@ -52,13 +52,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 SPECS = {"silu": GluSpec("silu"), "situ": GluSpec("situ", 2.0, 3.0), "situ-nolin": GluSpec("situ", 1.5)}
 # (E, D, I, k, T): one token; a few; more rows per expert than one 16-row block; the most pairs the kernels take
 SHAPES = {"t1": (8, 64, 32, 2, 1), "t5": (8, 72, 48, 2, 5), "blocks": (4, 64, 32, 2, 40), "max": (64, 32, 16, 8, 64)}
-BROKEN = {  # controls: the kernel's own source with one fault, compared the same way
+GRIDS = {"all": decode_path.Tiles(64, 4, 4), "compact": decode_path.Tiles(64, 4, 4, compact=True)}
+BROKEN = {  # controls: the kernel's own source with one fault, compared the same way (compact grid)
     "first_pair_dropped": ("rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1",
                            "rank = tl.cumsum(hit.to(tl.int32), axis=0)"),
     "only_first_block": ("r = block * BLOCK_M + tl.arange(0, BLOCK_M)", "r = tl.arange(0, BLOCK_M)"),
     "route_weight_dropped": ("* route_w[:, None]", "* 1.0"),
     "silu_without_sigmoid": ("a = (g * tl.sigmoid(g))", "a = (g * 0.5)"),
     "token_is_pair": ("(pairs // TOP_K)", "(pairs // 1)"),
+    "expert_list_drops_its_last": ("mask=(e >= count) & (e < SLOTS)", "mask=(e >= count - 1) & (e < SLOTS)"),
 }
 
 
@@ -75,14 +77,16 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
             if shape == "max" and name != "silu":
                 continue
             case = _case(*dims, seed=len(report["cases"]))
-            got = decode_path.combine(*case, spec, mod=decode_kernel)
-            report["cases"][f"{shape}-{name}"] = {"rel": _rel(got, reference(case, spec)),
-                                                 "pairs": case[4].numel(),
-                                                 "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
+            ref = reference(case, spec)
+            for grid, tiles in GRIDS.items():
+                got = decode_path.combine(*case, spec, mod=decode_kernel, tiles=tiles)
+                report["cases"][f"{shape}-{name}-{grid}"] = {
+                    "rel": _rel(got, ref), "pairs": case[4].numel(),
+                    "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
     case = _case(*SHAPES["blocks"], seed=99)
     for name, (old, new) in BROKEN.items():
         module = broken_variant(decode_kernel, name, old, new, tmp)
-        report["broken"][name] = _rel(decode_path.combine(*case, SPECS["silu"], mod=module),
+        report["broken"][name] = _rel(decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"]),
                                       reference(case, SPECS["silu"]))
     return report
 
@@ -97,17 +101,19 @@ def interpreter_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 def test_decode_combine_matches_the_loop_under_interpreter(interpreter_report: dict[str, Any]) -> None:
     """Measured here: 0 in every case (the interpreter's dots are exact fp32 sums, like CPU F.linear at these
     widths; both round each GEMM output to bf16 at the same step), SiLU and SiTU with and without its linear
-    beta, 1 to 64 tokens, experts with more rows than one 16-row block, the 512-pair maximum's pad."""
+    beta, 1 to 64 tokens, experts with more rows than one 16-row block, the 512-pair maximum's pad; the grid over
+    all experts and the compact grid over the touched ones alike."""
     cases = interpreter_report["cases"]
-    assert cases["blocks-silu"]["max_rows_per_expert"] > decode_path.BLOCK_M, cases["blocks-silu"]
-    assert cases["max-silu"]["pairs"] == decode_path.MAX_PAIRS
+    assert cases["blocks-silu-all"]["max_rows_per_expert"] > decode_path.BLOCK_M, cases["blocks-silu-all"]
+    assert cases["max-silu-compact"]["pairs"] == decode_path.MAX_PAIRS
     for name, r in cases.items():
         assert r["rel"] < 1e-3, (name, r)
 
 
 def test_interpreter_comparison_catches_broken_decode_kernels(interpreter_report: dict[str, Any]) -> None:
     """Controls: a rank off by one, rows past the first 16 never computed, the route weight dropped, SiLU
-    without its sigmoid and rows read from the wrong token all fail the same comparison (a variant that reads
+    without its sigmoid, rows read from the wrong token and an expert list that drops its highest expert all fail
+    the same comparison (a variant that reads
     past its rows may give inf or NaN: that fails too)."""
     for name, rel in interpreter_report["broken"].items():
         assert not rel <= 5e-2, (name, rel)
@@ -127,16 +133,18 @@ def test_decode_refusals_name_the_reason() -> None:
 @pytest.mark.gpu
 def test_cuda_decode_combine_vs_loop_and_routing() -> None:
     """On CUDA: the kernels against the loop at a kl-48b-like width (bf16 GEMM outputs, different accumulation
-    order: ~1e-3 RMS), and the registry's combine runs them for decode-sized steps, the grouped GEMMs past
-    MAX_PAIRS."""
+    order: ~1e-3 RMS), the compact grid bit for bit equal to the grid over all experts, and the registry's combine
+    runs them for decode-sized steps, the grouped GEMMs past MAX_PAIRS."""
     from types import SimpleNamespace
 
     from k3verify.kernels.moe import grouped
 
     for T in (1, 16, 64):
         case = _case(64, 2304, 1024, 8, T, seed=T, device="cuda")
-        got = decode_path.combine(*case, SPECS["silu"])
-        assert _rel(got, reference(case, SPECS["silu"])) < 1e-2
+        ref = reference(case, SPECS["silu"])
+        assert _rel(decode_path.combine(*case, SPECS["silu"]), ref) < 1e-2
+        compact = decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["compact"])
+        assert torch.equal(compact, decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["all"]))
     x, w13, w2, weights, idx = _case(64, 256, 128, 8, 65, seed=1, device="cuda")
     moe = SimpleNamespace(stacked_weights=lambda: (w13, w2), glu=SPECS["silu"],
                           act=lambda g, u: _glu(SPECS["silu"], g, u))

@@ -11,6 +11,9 @@ token they belong to and results stored at their pair index.
   of one block computed side by side (w13 stacks W1 rows then W3 rows) and the GLU applied in registers.
 - `moe_down_kernel`: terms[pair] = w[pair] * bf16(a[pair] @ W2[e]^T) in fp32; the caller sums each token's
   k terms in route order (deterministic: no atomics).
+- The compact grid (COMPACT): `moe_active_experts_kernel` first lists the experts the step touches, and the
+  GEMM grids get one row per slot of that list (min(pairs, experts) rows) instead of one per expert, so a
+  batch-1 step launches 8 rows of programs rather than 256 of which 248 return at once.
 
 Rounding follows the reference's steps (kernels/moe/torch_ref.py): each GEMM output is rounded to the
 activation dtype before the GLU and before the route weight, as F.linear's outputs are; only the GEMMs'
@@ -35,7 +38,7 @@ def _routed(idx_ptr, M, expert, M_PAD: tl.constexpr):
     """The step's route ids [M] (flattened (token, slot) pairs) -> (which pairs chose `expert` [M_PAD],
     their rank among those pairs, how many did)."""
     p = tl.arange(0, M_PAD)
-    hit = tl.load(idx_ptr + p, mask=p < M, other=-1) == expert
+    hit = (tl.load(idx_ptr + p, mask=p < M, other=0) == expert) & (p < M)
     rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
     return hit, rank, tl.sum(hit.to(tl.int32), axis=0)
 
@@ -50,16 +53,41 @@ def _block_pairs(hit, rank, count, block, M_PAD: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
+def moe_active_experts_kernel(idx_ptr, list_ptr, M, E, SLOTS, M_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                              CHUNK: tl.constexpr):
+    """One program: the experts the step's route ids [M] name, ascending, into list[0:count], -1 in
+    list[count:SLOTS] (SLOTS = min(M, E)). The GEMM kernels' compact grid gives slot s to list[s]."""
+    e = tl.arange(0, E_PAD)
+    present = tl.zeros([E_PAD], dtype=tl.int32)
+    for m0 in tl.static_range(0, M_PAD, CHUNK):
+        p = m0 + tl.arange(0, CHUNK)
+        ids = tl.load(idx_ptr + p, mask=p < M, other=-1)
+        present = tl.maximum(present, tl.max((ids[None, :] == e[:, None]).to(tl.int32), axis=1))
+    slot = tl.cumsum(present, axis=0) - 1
+    count = tl.sum(present, axis=0)
+    tl.store(list_ptr + slot, e, mask=(present == 1) & (e < E))
+    tl.store(list_ptr + e, tl.full([E_PAD], -1, tl.int32), mask=(e >= count) & (e < SLOTS))
+
+
+@triton.jit
+def _expert_of(experts_ptr, COMPACT: tl.constexpr):
+    """This program's expert: its grid row (one per expert), or the list entry of its slot (-1: none)."""
+    if COMPACT:
+        return tl.load(experts_ptr + tl.program_id(0))
+    return tl.program_id(0)
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, idx_ptr, w_ptr, a_ptr, M, TOP_K, I, K, s_xm, s_we, s_wn, s_am, beta, lin_beta,
-                       ACT: tl.constexpr, HAS_LIN: tl.constexpr, M_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    expert = tl.program_id(0)
-    hit, rank, count = _routed(idx_ptr, M, expert, M_PAD)
+def moe_gate_up_kernel(x_ptr, idx_ptr, experts_ptr, w_ptr, a_ptr, M, TOP_K, I, K, s_xm, s_we, s_wn, s_am, beta,
+                       lin_beta, ACT: tl.constexpr, HAS_LIN: tl.constexpr, COMPACT: tl.constexpr,
+                       M_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert = _expert_of(experts_ptr, COMPACT)
+    hit, rank, count = _routed(idx_ptr, M, expert, M_PAD)  # a slot without an expert (-1) matches no pair
     if count == 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,9 +122,10 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, w_ptr, a_ptr, M, TOP_K, I, K, s_xm, s_we,
 
 
 @triton.jit
-def moe_down_kernel(a_ptr, idx_ptr, rw_ptr, w_ptr, y_ptr, M, N, K, s_am, s_we, s_wn, s_ym, M_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    expert = tl.program_id(0)
+def moe_down_kernel(a_ptr, idx_ptr, experts_ptr, rw_ptr, w_ptr, y_ptr, M, N, K, s_am, s_we, s_wn, s_ym,
+                    COMPACT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    expert = _expert_of(experts_ptr, COMPACT)
     hit, rank, count = _routed(idx_ptr, M, expert, M_PAD)
     if count == 0:
         return

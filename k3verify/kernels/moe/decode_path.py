@@ -44,6 +44,7 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    compact: bool = False  # the grid over the step's touched experts (one more launch) instead of all experts
 
 
 def available() -> str | None:
@@ -106,15 +107,21 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     t = tiles or pick_tiles(M)
     flat = idx.reshape(-1)
     m_pad = max(_next_pow2(M), 16)
+    rows, experts = E, flat  # experts: unread unless compact
+    if t.compact:
+        rows = min(M, E)
+        experts = torch.empty(rows, dtype=torch.int32, device=x_in.device)
+        mod.moe_active_experts_kernel[(1,)](flat, experts, M, E, rows, M_PAD=m_pad, E_PAD=max(_next_pow2(E), 16),
+                                            CHUNK=min(m_pad, 64), num_warps=4)
     a = torch.empty(M, I, dtype=x_in.dtype, device=x_in.device)
-    mod.moe_gate_up_kernel[(E, -(-I // t.block_n))](
-        x_in, flat, w13, a, M, k, I, D, x_in.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
+    mod.moe_gate_up_kernel[(rows, -(-I // t.block_n))](
+        x_in, flat, experts, w13, a, M, k, I, D, x_in.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         float(glu.beta), float(glu.linear_beta or 1.0), ACT=0 if glu.kind == "silu" else 1,
-        HAS_LIN=glu.linear_beta is not None, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        HAS_LIN=glu.linear_beta is not None, COMPACT=t.compact, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        BLOCK_K=BLOCK_K, num_warps=t.num_warps, num_stages=t.num_stages)
     terms = torch.empty(M, D, dtype=torch.float32, device=x_in.device)
-    mod.moe_down_kernel[(E, -(-D // t.block_n))](
-        a, flat, weights.reshape(-1), w2, terms, M, D, I, a.stride(0), w2.stride(0), w2.stride(1), terms.stride(0),
-        M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K, num_warps=t.num_warps,
-        num_stages=t.num_stages)
+    mod.moe_down_kernel[(rows, -(-D // t.block_n))](
+        a, flat, experts, weights.reshape(-1), w2, terms, M, D, I, a.stride(0), w2.stride(0), w2.stride(1),
+        terms.stride(0), COMPACT=t.compact, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
+        num_warps=t.num_warps, num_stages=t.num_stages)
     return terms.view(T, k, D).sum(dim=1)
