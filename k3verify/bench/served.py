@@ -229,10 +229,34 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
 
 
 def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: int) -> dict[str, Any]:
-    """Run the clients over `waves`: wave_stats and the engine steps they took."""
+    """Run the clients over `waves`: wave_stats, the engine steps they took and where those steps' time went."""
     steps = stack.engine.num_steps
-    row = wave_stats(run_client_processes(stack.url, waves, new_tokens), new_tokens)
-    return row | {"engine_steps": stack.engine.num_steps - steps}
+    stack.engine.record_steps(True)
+    try:
+        row = wave_stats(run_client_processes(stack.url, waves, new_tokens), new_tokens)
+        log = list(stack.engine.step_log or ())
+    finally:
+        stack.engine.record_steps(False)
+    return row | {"engine_steps": stack.engine.num_steps - steps, "steps": step_breakdown(log)}
+
+
+def step_breakdown(log: list[tuple[float, int, int]]) -> dict[str, Any]:
+    """The engine's step log (launch time, decode rows, prefill tokens) -> how many steps carried prompt tokens, how
+    many tokens they carried, and the interval from each launch to the next (the engine launches step n+1 while
+    step n runs, so in a busy engine that interval is one step's time), for decode-only steps and for steps with
+    prefill, with the prefill steps' share of the time. The last step has no next launch and is not timed."""
+    out: dict[str, Any] = {"steps": len(log), "prefill_steps": sum(1 for _, _, p in log if p)}
+    if out["prefill_steps"]:
+        out["prefill_tokens_per_prefill_step"] = sum(p for _, _, p in log) / out["prefill_steps"]
+    gaps = [(b[0] - a[0], a[2] > 0) for a, b in zip(log[:-1], log[1:], strict=True)]
+    for name, with_prefill in (("decode_only", False), ("with_prefill", True)):
+        ms = [1e3 * g for g, p in gaps if p == with_prefill]
+        if ms:
+            out[f"{name}_interval_ms_p50"] = statistics.median(ms)
+    total = sum(g for g, _ in gaps)
+    if total > 0:
+        out["prefill_share_of_time"] = sum(g for g, p in gaps if p) / total
+    return out
 
 
 def wave_stats(result: dict[str, Any], new_tokens: int) -> dict[str, Any]:

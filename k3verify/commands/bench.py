@@ -221,6 +221,13 @@ def _emit(result: BenchResult, path: Path | None) -> None:
         lines.append(f"  served c{r['concurrency']:>3}: {r['tok_s']:>9.1f} tok/s ({ratio:.2f}x the bench path)"
                      f"  TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms  ITL p50 "
                      f"{r['itl_p50_ms']:.2f} ms p99 {r['itl_p99_ms']:.2f} ms{_warmup_text(r)}")
+        if r.get("steps", {}).get("prefill_steps"):
+            st = r["steps"]
+            lines.append(f"      engine steps {st['steps']}: {st['prefill_steps']} with prefill "
+                         f"({st['prefill_tokens_per_prefill_step']:.0f} prompt tokens each, launch interval p50 "
+                         f"{st.get('with_prefill_interval_ms_p50', float('nan')):.1f} ms, "
+                         f"{st.get('prefill_share_of_time', float('nan')):.0%} of the time); decode-only interval "
+                         f"p50 {st.get('decode_only_interval_ms_p50', float('nan')):.2f} ms")
     for f in result.kernel_fallbacks:
         lines.append(f"  kernel fallback {f}")
     for p in result.profile:

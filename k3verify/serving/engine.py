@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,9 @@ class Engine:
         self.num_waiting = 0
         self.num_running = 0
         self.num_steps = 0
+        # (launch time, decode rows, prefill tokens) per step while record_steps() is on: the served bench's
+        # breakdown of where a wave's wall time goes (bench/served.step_breakdown)
+        self.step_log: deque[tuple[float, int, int]] | None = None
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
         self._in_flight: LaunchedStep | None = None
@@ -282,8 +286,14 @@ class Engine:
             self._refuse_unadmittable_head()
         self.num_steps += 1
 
+    def record_steps(self, on: bool) -> None:
+        """Start (a fresh log) or stop recording each step's launch time and shape in `step_log`."""
+        self.step_log = deque(maxlen=1_000_000) if on else None
+
     def _plan(self) -> StepPlan:
         plan = self.scheduler.schedule()
+        if self.step_log is not None and plan:
+            self.step_log.append((time.monotonic(), len(plan.decode), plan.num_tokens - len(plan.decode)))
         if self._fault is not None:  # after admission, as a runner fault would strike
             fault, self._fault = self._fault, None
             raise fault
