@@ -51,7 +51,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 SPECS = {"silu": GluSpec("silu"), "situ": GluSpec("situ", 2.0, 3.0), "situ-nolin": GluSpec("situ", 1.5)}
 # (E, D, I, k, T): one token; a few; more rows per expert than one 16-row block; the most pairs the kernels take
-SHAPES = {"t1": (8, 64, 32, 2, 1), "t5": (8, 72, 48, 2, 5), "blocks": (4, 64, 32, 2, 40), "max": (64, 32, 16, 8, 64)}
+SHAPES = {"t1": (8, 64, 32, 2, 1), "t5": (8, 72, 48, 2, 5), "blocks": (4, 64, 32, 2, 40), "max": (64, 32, 16, 8, 64),
+          "e12": (12, 48, 80, 3, 7)}  # expert count, width and intermediate no powers of two (a k3-skew-like shape)
 GRIDS = {"all": decode_path.Tiles(64, 4, 4), "compact": decode_path.Tiles(64, 4, 4, compact=True)}
 BROKEN = {  # controls: the kernel's own source with one fault, compared the same way (compact grid)
     "first_pair_dropped": ("rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1",
