@@ -103,6 +103,13 @@ class KernelRegistry:
         per reason, counted in `fallbacks` like a registry refusal)."""
         self._refused(op, f"{path}: {reason}", instead)
 
+    def disable_inside(self, op: str, path: str, reason: str) -> None:
+        """A kernel path inside a fast path raised: disabled for the process, as `call` disables a backend."""
+        self._broken[(op, path)] = reason
+
+    def broken_inside(self, op: str, path: str) -> str | None:
+        return self._broken.get((op, path))
+
     def call(self, op: str, *args: Any, device: torch.device, **kwargs: Any) -> Any:
         impl = self.select(op, device, *args, **kwargs)
         self.last_backend[op] = impl.backend

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from k3verify.kernels.lazy import cuda_reason, lazy_module
+from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
 
 # The kernels scan all of a step's route ids per program: a power-of-two block of at most this many.
 # 512 = batch 64 x top-8; larger steps run the grouped GEMMs, whose tiles reuse weights across rows.
@@ -93,11 +93,7 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     """x_in [T, D] bf16; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32; idx [T, k]
     -> sum_k w_k expert_k(x_in) as fp32 [T, D], each token's terms added in route order. `mod` runs a test's
     variant of the kernel module; `tiles` overrides pick_tiles (benchmarks)."""
-    if mod is None:
-        loaded = _kernels()
-        if isinstance(loaded, str):
-            raise RuntimeError(loaded)
-        mod = loaded
+    mod = loaded(_kernels) if mod is None else mod
     T, D = x_in.shape
     E, two_i, _ = w13.shape
     I, k = two_i // 2, idx.shape[1]

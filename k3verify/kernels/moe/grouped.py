@@ -144,14 +144,16 @@ def forced_path(path: str) -> Iterator[None]:
         yield
     finally:
         _FORCED.pop()
-_decode_broken: list[str] = []  # the decode kernels' launch failure, once it happened (disabled for the process)
+
+
+OP = "moe.combine"  # kernels.moe.COMBINE (that package imports this module)
+DECODE = "decode kernels"  # the path's name in the registry's refusals and disabled paths
 
 
 def _decode_reason(moe: Any, x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    idx: torch.Tensor) -> str | None:
-    if _decode_broken:
-        return _decode_broken[0]
-    return decode_path.available() or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None))
+    return (REGISTRY.broken_inside(OP, DECODE) or decode_path.available()
+            or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None)))
 
 
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -175,7 +177,7 @@ def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: to
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise
                 reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
-                _decode_broken.append(reason)
-        REGISTRY.refused_inside("moe.combine", "decode kernels", reason, "the grouped GEMMs")
+                REGISTRY.disable_inside(OP, DECODE, reason)
+        REGISTRY.refused_inside(OP, DECODE, reason, "the grouped GEMMs")
     PATHS["grouped"] += 1
     return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)

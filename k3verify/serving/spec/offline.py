@@ -1,13 +1,13 @@
 """Offline speculative greedy generation (the checks and the bench; the server goes through step.py).
 
 Each round: every live sequence whose drafter proposes something, whose policy still allows it and whose
-budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation)
-is verified in one packed pass (drafts padded to k by repeating
-the last one). When such a pass runs, the other live sequences with room ride along in it with filler drafts
-(filler_drafts) instead of taking a decode step of their own: on the H200 a kl-48b-8l batch of 16 that ran a
-verify and a decode step in every round decoded at 0.62x plain speed (2026-12-01), although a verify step
-there costs ~1.2 decode steps. Sequences without room take one plain decode step. Greedy acceptance, then a
-commit of each verified row's accepted prefix. Tokens past max_new_tokens are dropped.
+budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation) is
+verified in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
+live sequences with room ride along in it with filler drafts (filler_drafts) instead of taking a decode step of
+their own: on the H200 a kl-48b-8l batch of 16 that ran a verify and a decode step in every round decoded at
+0.62x plain speed (2026-12-01), although a verify step there costs ~1.2 decode steps. Sequences without room
+take one plain decode step. Greedy acceptance, then a commit of each verified row's accepted prefix. Tokens past
+max_new_tokens are dropped.
 """
 
 from __future__ import annotations
@@ -130,8 +130,7 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
             run.tokens[i].extend(a.tokens)
             if r < drafted:  # a rider's fillers are no drafts: neither the policy nor the acceptance counts them
-                policy.record(run.stats[i], useful[i], min(a.num_accepted, useful[i]))
-                run.accepted_per_row.append(min(a.num_accepted, useful[i]))
+                run.accepted_per_row.append(policy.record(run.stats[i], useful[i], a.num_accepted))
         run.verify_steps += 1
         run.rider_rows += len(rows) - drafted
     if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round

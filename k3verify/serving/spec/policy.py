@@ -31,9 +31,13 @@ class SpecPolicy:
             raise ValueError(f"min_verifies must be >= 1 and min_mean_accepted >= 0; got {self.min_verifies}, "
                              f"{self.min_mean_accepted}")
 
-    def record(self, stats: SpecStats, drafted: int, accepted: int) -> None:
+    def record(self, stats: SpecStats, drafted: int, accepted: int) -> int:
+        """One verify of `drafted` countable drafts (offline.useful_drafts) that accepted `accepted` positions;
+        what was accepted past the countable drafts is not counted. Returns the accepted count recorded."""
+        accepted = min(accepted, drafted)
         stats.verifies += 1
         stats.drafted += drafted
         stats.accepted += accepted
         if stats.verifies >= self.min_verifies and stats.accepted < self.min_mean_accepted * stats.verifies:
             stats.off = True
+        return accepted

@@ -117,10 +117,10 @@ class SpeculativeStep:
             if r < drafted:
                 stats = self.stats[req.seq_id]
                 was_on = not stats.off
-                self.policy.record(stats, useful[r], min(acc.num_accepted, useful[r]))
+                counted = self.policy.record(stats, useful[r], acc.num_accepted)
                 c.turned_off += int(was_on and stats.off)
                 c.verified_rows, c.drafted = c.verified_rows + 1, c.drafted + useful[r]
-                c.accepted += min(acc.num_accepted, useful[r])
+                c.accepted += counted
             else:
                 c.rider_rows += 1
             lps = token_logprobs(logits[r, : len(acc.tokens)], acc.tokens, [req.params.logprobs] * len(acc.tokens))
