@@ -16,6 +16,8 @@
 #                                        scripts/prefill_diag.py (host time and syncs), the kl-48b-8l bench
 #   bash scripts/gpu_session.sh moe      the MoE decode kernels: gpu tests, per-layer microbenchmark, CUDA checks
 #                                        kernel.moe/conv/kda.* (k3-syn-25), then the kl-48b-8l bench
+#   bash scripts/gpu_session.sh engine   where a served engine step's time goes (scripts/engine_step_diag.py) and the MoE
+#                                        combine at 1/2/4 tokens
 #   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
 #                                        Triton kernels, fla flags, graph signature/padding, the engine step)
 #   bash scripts/gpu_session.sh plan     `k3verify plan --measure` on kl-48b-8l and k3-slice-4l: the planned
@@ -50,6 +52,8 @@
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
+#   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
+# THEN=case runs a second case after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
 # carry .tcache/ (the previous call's $OUT/tcache.tgz.* copied there): a cold `moe` call took 168 s with it
 # (2026-12-02) where the same work had run out of 600 s without. .whl + .tcache + the tree must stay under 64 MiB.
@@ -65,7 +69,8 @@ fi
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 # Triton's on-disk cache (compiled kernels, and fla's autotune picks with TRITON_CACHE_AUTOTUNING) travels
 # between calls: restored from .tcache/ (carry it) at the start, saved as $OUT/tcache.tgz.* (15 MB parts) at
-# the end; copy those into .tcache/ here for the next call. A cold machine otherwise spends ~180 s compiling.
+# the end (gzip: fast there); `bash scripts/tcache_repack.sh DIR` here turns DIR's parts into .tcache/tcache.txz.*
+# for the next call (xz: 369 MB of cache in 24 MB where gzip took 56, so it fits beside .whl under the carry limit). A cold machine otherwise spends ~180 s compiling.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache} TRITON_CACHE_AUTOTUNING=1
 save_tcache() {
     rm -f "$OUT"/tcache.tgz.*
@@ -75,7 +80,11 @@ save_tcache() {
 if [ -z "${K3V_TCACHE_READY:-}" ]; then  # the outermost case only: restore once, save on exit
     export K3V_TCACHE_READY=1
     mkdir -p "$TRITON_CACHE_DIR"
-    if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then
+    if ls .tcache/tcache.txz.* >/dev/null 2>&1; then  # xz (scripts/tcache_repack.sh): less than half the size
+        cat .tcache/tcache.txz.* | python3 -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='fully_trusted')" \
+            "$TRITON_CACHE_DIR" && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
+    elif ls .tcache/tcache.tgz.* >/dev/null 2>&1; then
         cat .tcache/tcache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
             && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
     fi
@@ -173,10 +182,23 @@ moe)
     step "cuda checks kernel.moe.* kernel.conv.* kernel.kda.* (k3-syn-25)"
     timeout 150 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.moe.*' \
         --only 'kernel.conv.*' --only 'kernel.kda.*' --report-dir "$OUT/parity-kernels" 2>&1 | quiet | tail -14
-    SESSION_S=0 BENCH_S=${BENCH_S:-300} bash "$0" bench
+    SESSION_S=0 BENCH_S=${BENCH_S:-300} THEN= bash "$0" bench
+    THEN= bash "$0" mutate-moe
+    ;;
+mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
     timeout "${MUTANTS_S:-150}" python3 -m k3verify mutate --device cuda --jobs 4 --timeout 140 \
         --report-dir "$OUT/mutate-moe" --only 'kernel.moe.decode*' 'kernel.conv.triton_prefill*' 2>&1 | quiet | tail -12
+    ;;
+engine)
+    # Where a served engine step's time goes (scripts/engine_step_diag.py: the bare prefill, the runner's, a whole
+    # launcher step with prefill, decode-only and mixed, each timed alone with its host syncs and MoE paths),
+    # the MoE combine at 1, 2 and 4 tokens (the compact grid's crossover)
+    step "engine step pieces (kl-48b-8l: 32 prompts x 128 tokens beside 64 running rows)"
+    timeout "${DIAG_S:-150}" python3 scripts/engine_step_diag.py --prompts 32 --running 64 >"$OUT/engine-diag.log" 2>&1
+    echo "engine_step_diag exit $?"; grep -E "^=====" "$OUT/engine-diag.log"; tail -9 "$OUT/engine-diag.log"
+    step "MoE combine per layer at 1, 2, 4 tokens"
+    timeout 90 python3 scripts/moe_decode_bench.py --tokens 1,2,4 2>&1 | quiet | tail -5
     ;;
 mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
@@ -318,8 +340,11 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|mutate-cuda|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|engine|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac
+if [ -n "${THEN:-}" ]; then  # another case in the same call (THEN=spec, THEN=mutate-moe, ...)
+    next=$THEN; THEN= bash "$0" "$next"
+fi
 step "done"

@@ -3,7 +3,7 @@ trailing "c": the compact grid) against the grouped GEMMs (sort, gather, torch._
 size; microseconds per layer and the touched experts' bytes over that time. A measuring tool for choosing
 decode_path.pick_tiles, not a gate (the combine's parity is kernel.moe.decode_vs_torch).
 
-    python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,4,5,16,64]
+    python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,2,4,5,16,64]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2304)
     ap.add_argument("--inter", type=int, default=1024)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--tokens", default="1,4,5,16,64")
+    ap.add_argument("--tokens", default="1,2,4,5,16,64")
     args = ap.parse_args()
     E, D, I, k = args.experts, args.hidden, args.inter, args.top_k
     g = torch.Generator(device="cuda").manual_seed(0)

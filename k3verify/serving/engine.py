@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -52,6 +53,13 @@ if TYPE_CHECKING:
     from k3verify.serving.spec.step import SpeculativeStep
 
 log = logging.getLogger(__name__)
+
+# The longest a thread that wants the GIL waits before the holder is made to drop it (CPython's default: 5 ms).
+# The engine thread gives the GIL up while it waits for a step's results; the HTTP thread then renders and sends
+# the previous step's tokens and, at the default, kept the engine from launching the next step for up to 5 ms
+# after the GPU was done: a kl-48b-8l step of 64 streams went from launch to launch in 8.2 ms served against
+# 4.6 ms in process (H200, 2026-12-02). Engine.start lowers the interval to this (never raises it).
+GIL_SWITCH_S = 0.0005
 
 __all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "InjectedFault"]
 
@@ -107,6 +115,10 @@ class Engine:
                          reserve_extra=extra, max_reserve=self.max_context)
 
     def start(self) -> Engine:
+        if sys.getswitchinterval() > GIL_SWITCH_S:
+            log.info("GIL switch interval %.4f s -> %.4f s (the engine thread waits less for the HTTP thread)",
+                     sys.getswitchinterval(), GIL_SWITCH_S)
+            sys.setswitchinterval(GIL_SWITCH_S)
         self._thread.start()
         return self
 

@@ -3,6 +3,7 @@ the overlapped engine loop against offline greedy decoding, and the staging copi
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
-from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.engine import GIL_SWITCH_S, Engine, EngineEvent
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.runner import ModelRunner, build_runner, generate_greedy
 from k3verify.serving.sampler import SamplingParams, nonfinite_mask
@@ -158,3 +159,25 @@ def test_cuda_decode_launch_never_waits_for_the_gpu() -> None:
         flight = nxt
     for sid in reqs:
         sched.finish(sid)
+
+
+def test_engine_start_lowers_the_gil_switch_interval_and_never_raises_it() -> None:
+    """The engine thread must not wait CPython's default 5 ms for the HTTP thread to drop the GIL."""
+    from k3verify.tokenizer import default_tokenizer
+
+    before = sys.getswitchinterval()
+    runner = _runner()
+    cfg = runner.model.cfg
+    try:
+        sys.setswitchinterval(0.005)
+        eng = Engine(runner, default_tokenizer(), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
+                     max_step_tokens=64).start()
+        eng.stop()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S)
+        sys.setswitchinterval(0.0001)
+        eng = Engine(runner, default_tokenizer(), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
+                     max_step_tokens=64).start()
+        eng.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
