@@ -9,5 +9,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     fla-core==0.6.0 flash-linear-attention==0.6.0 transformers==5.24.0 \
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0 \
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 \
-    annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 typing_extensions==4.16.0
+    annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 typing_extensions==4.16.0 \
+    uvloop==0.23.0 httptools==0.9.0
 ls .whl

@@ -37,7 +37,7 @@ from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
-from k3verify.server.thread import ServerThread
+from k3verify.server.thread import ServerThread, server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.runner import ModelRunner
@@ -292,5 +292,5 @@ def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_
 
     warm = _timed_waves(stack, waves(seed + 10_000, 1), new_tokens)
     row = _timed_waves(stack, waves(seed, requests_per_client), new_tokens)
-    return {"concurrency": concurrency, **row,
+    return {"concurrency": concurrency, **row, "server": server_impl(),
             "warmup": {k: warm[k] for k in ("requests", "wall_s", "ttft_p99_ms", "engine_steps")}}

@@ -46,7 +46,9 @@ def markdown_table(data: dict[str, Any]) -> str:
             warm = f"{w['wall_s']:.2f} s, {w['ttft_p99_ms']:.1f} ms" if w else "none (older run)"
             procs = r.get("client_processes")
             where = f" in {procs} client process{'es' if procs > 1 else ''}" if procs else ""
-            srows.append(f"| {data['preset']}, {r['concurrency']} streaming clients{where}, {r['requests']} requests | "
+            server = f", server {r['server']}" if r.get("server") else ""
+            srows.append(f"| {data['preset']}, {r['concurrency']} streaming clients{where}, {r['requests']} requests"
+                         f"{server} | "
                          f"{r['tok_s']:,.0f} | {_num(r.get('bench_tok_s'), ',.0f')} | "
                          f"{_num(r.get('served_over_bench'), '.2f')} | {r['ttft_p50_ms']:.1f} / "
                          f"{r['ttft_p99_ms']:.1f} ms | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} ms | {warm} |")

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import uvicorn
 from fastapi import FastAPI
+
+
+def server_impl() -> str:
+    """The event loop and HTTP implementation uvicorn's "auto" picks here (uvloop / httptools when importable)."""
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return f"{loop}+{http}"
 
 
 class ServerThread:

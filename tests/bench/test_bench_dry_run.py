@@ -113,7 +113,7 @@ def test_readme_table_from_the_json(dry_run, tmp_path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "| hardware | workload | ours | baseline" in out
     assert "decode batch 3" in out and "prefill 64 tokens" in out and "% (floor" in out
-    assert "3 streaming clients in 1 client process, 6 requests" in out and "ITL p50 / p99" in out
+    assert "3 streaming clients in 1 client process, 6 requests, server " in out and "ITL p50 / p99" in out
     withheld = {**dry_run.to_dict(), "speeds_reported": False, "notes": ["parity is not green"]}
     path.write_text(json.dumps(withheld))
     assert main(["bench", "--table", str(path)]) == 1
