@@ -17,6 +17,7 @@ CONV_PREFILL = "k3verify.kernels.conv.prefill_kernel"
 ROUTER = "k3verify.kernels.router.triton_kernels"
 MXFP4 = "k3verify.kernels.mxfp4.grouped_kernel"
 MOE_DECODE = "k3verify.kernels.moe.decode_kernel"
+MOE_TAIL = "k3verify.kernels.moe.tail_kernel"
 MXFP4_KILLERS = ["kernel.mxfp4.*", "moe.module.packed"]
 
 MUTANTS = [
@@ -120,6 +121,23 @@ MUTANTS = [
         target=f"{MOE_DECODE}:moe_down_kernel",
         old="* route_w[:, None]",
         new="* 1.0",
+        killers=["kernel.moe.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.moe.tail_route_weight_dropped", devices=("cuda",),
+        fault="the grouped MoE combine's Triton tail sums the expert outputs without their route weights",
+        target=f"{MOE_TAIL}:moe_sorted_sum_kernel",
+        old="* tl.load(w_ptr + pair)",
+        new="* 1.0",
+        killers=["kernel.moe.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.moe.tail_rows_not_unsorted", devices=("cuda",),
+        fault="the grouped MoE combine's Triton tail reads each pair's row at the pair's own index, not where the "
+              "expert sort put it",
+        target=f"{MOE_TAIL}:moe_sorted_sum_kernel",
+        old="row = tl.load(inv_ptr + pair).to(tl.int64)",
+        new="row = pair",
         killers=["kernel.moe.*", "serving.*"],
     ),
     Mutant(

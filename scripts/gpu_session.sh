@@ -14,8 +14,8 @@
 #   bash scripts/gpu_session.sh prefill  the Triton prefill conv: its gpu test, CUDA checks kernel.conv.* and
 #                                        kernel.kda.* (fla's varlen and one-sequence dense chunk_kda calls),
 #                                        scripts/prefill_diag.py (host time and syncs), the kl-48b-8l bench
-#   bash scripts/gpu_session.sh moe      the MoE decode kernels: gpu tests, per-layer microbenchmark, CUDA checks
-#                                        kernel.moe/conv/kda.* (k3-syn-25), then the kl-48b-8l bench
+#   bash scripts/gpu_session.sh moe      the MoE kernels: gpu tests, (MICRO=1) the per-layer microbenchmark, CUDA checks
+#                                        kernel.moe/conv/kda.* (k3-syn-25), the kl-48b-8l bench, then mutate-moe
 #   bash scripts/gpu_session.sh engine   where a served engine step's time goes (scripts/engine_step_diag.py) and the MoE
 #                                        combine at 1/2/4 tokens
 #   bash scripts/gpu_session.sh mutate-cuda   k3verify mutate --device cuda on the CUDA-path mutants (the
@@ -174,11 +174,13 @@ moe)
     # The MoE decode kernels (one call, ~6 min on a carried Triton cache): their gpu test and the conv prefill's,
     # the per-layer microbenchmark (tile choices against the grouped GEMMs), the CUDA checks kernel.moe.*,
     # kernel.conv.*, kernel.kda.* on k3-syn-25, then the kl-48b-8l bench (no k3 slice)
-    step "gpu tests: MoE decode kernels, conv prefill"
+    step "gpu tests: MoE decode kernels, the grouped combine's tail, conv prefill"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_moe_decode.py \
-        tests/kernels/test_kernels_conv_prefill.py 2>&1 | tail -3
-    step "MoE combine per layer, kl-48b shapes"
-    timeout 90 python3 scripts/moe_decode_bench.py 2>&1 | quiet | tail -8
+        tests/kernels/test_kernels_moe_tail.py tests/kernels/test_kernels_conv_prefill.py 2>&1 | tail -3
+    if [ -n "${MICRO:-}" ]; then
+        step "MoE combine per layer, kl-48b shapes"
+        timeout 90 python3 scripts/moe_decode_bench.py 2>&1 | quiet | tail -8
+    fi
     step "cuda checks kernel.moe.* kernel.conv.* kernel.kda.* (k3-syn-25)"
     timeout 150 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.moe.*' \
         --only 'kernel.conv.*' --only 'kernel.kda.*' --report-dir "$OUT/parity-kernels" 2>&1 | quiet | tail -14
@@ -188,7 +190,7 @@ moe)
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
     timeout "${MUTANTS_S:-150}" python3 -m k3verify mutate --device cuda --jobs 4 --timeout 140 \
-        --report-dir "$OUT/mutate-moe" --only 'kernel.moe.decode*' 'kernel.conv.triton_prefill*' 2>&1 | quiet | tail -12
+        --report-dir "$OUT/mutate-moe" --only 'kernel.moe.decode*' 'kernel.moe.tail*' 'kernel.conv.triton_prefill*' 2>&1 | quiet | tail -12
     ;;
 engine)
     # Where a served engine step's time goes (scripts/engine_step_diag.py: the bare prefill, the runner's, a whole
@@ -204,7 +206,7 @@ mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
     timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout 300 \
         --report-dir "$OUT/mutate-cuda" --only 'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
-        'kernel.router.triton*' 'kernel.mxfp4.triton*' 'kernel.moe.decode*' 'kernel.attn.*' 'serving.graph.*' \
+        'kernel.router.triton*' 'kernel.mxfp4.triton*' 'kernel.moe.decode*' 'kernel.moe.tail*' 'kernel.attn.*' 'serving.graph.*' \
         'serving.step.*' 'serving.sched.*' 2>&1 | quiet | tail -40
     ;;
 plan)

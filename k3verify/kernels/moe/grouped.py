@@ -2,8 +2,9 @@
 
 The torch reference (`kernels/moe/torch_ref.py`) loops over experts with host-side
 counts. This path sorts the T·k (token, expert) pairs by expert on the device, gathers the rows,
-runs one grouped GEMM against the experts' gate|up rows and one against their down rows, un-sorts the
-rows and sums each token's k terms in fp32 without atomics (deterministic). Same math, other GEMM
+runs one grouped GEMM against the experts' gate|up rows and one against their down rows, then sums each
+token's k weighted rows in fp32 without atomics (deterministic): on CUDA one Triton launch reading the rows
+where they lie (kernels/moe/tail_kernel.py), elsewhere multiply, un-sort and sum in torch. Same math, other GEMM
 kernels: compared with the reference by an RMS gate, never bit-exactly.
 
 Two sets of grouped GEMMs share that routing: `torch._grouped_mm` over bf16 experts stacked as
@@ -17,13 +18,17 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
 from k3verify.kernels.moe import decode_path
 from k3verify.kernels.mxfp4 import grouped_mm
 from k3verify.kernels.registry import REGISTRY
+
+OP = "moe.combine"  # kernels.moe.COMBINE (that package imports this module)
 
 # (rows sorted by expert [M, K], offs [E] int32 ends of each expert's rows) -> [M, N]: rows times their expert
 GroupedMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,6 +91,13 @@ def sorted_combine(x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
     h = gate_up(xs, offs)  # [T*k, 2I]
     g, u = h.split(h.shape[-1] // 2, dim=-1)
     y = down(act(g, u).contiguous(), offs)  # [T*k, D]
+    return sorted_sum(y, order, weights)
+
+
+def sorted_sum_torch(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T*k, D] expert outputs in sorted order (`order`: sorted position -> pair t*k + j); weights [T, k] fp32
+    -> [T, D] fp32, each token's k terms summed over k."""
+    T, k = weights.shape
     w_sorted = weights.reshape(-1).index_select(0, order)
     # bf16 y times fp32 weights promotes to fp32 in one kernel (the same products as y.float() * w).
     # Un-sort with a permutation (unique targets) and reduce over k: deterministic. An index_add_ over
@@ -93,6 +105,52 @@ def sorted_combine(x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
     # so a CUDA-graph replay and the same step run eagerly could differ in the last bits.
     terms = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, torch.mul(y, w_sorted[:, None]))
     return terms.view(T, k, -1).sum(dim=1)
+
+
+_tail = lazy_module("k3verify.kernels.moe.tail_kernel", "Triton MoE combine tail")
+TAIL = "tail kernel"  # the Triton tail's name in the registry's refusals and disabled paths
+TAIL_BLOCK_D = 512
+
+
+def sorted_sum_triton(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, mod: ModuleType | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """sorted_sum_torch in one Triton launch (kernels/moe/tail_kernel.py): each token's k rows read where they
+    lie, weighted and summed in route order. `mod` runs a test's variant of the kernel module; `out` (fp32
+    [T, D], contiguous) receives the result (a test's poisoned buffer: every element must be written)."""
+    mod = loaded(_tail) if mod is None else mod
+    T, k = weights.shape
+    if y.shape[0] != T * k or y.stride(-1) != 1:
+        raise ValueError(f"tail kernel: expert outputs {tuple(y.shape)} (strides {y.stride()}) for {T} tokens x "
+                         f"{k} routes; wants [T*k, D] with unit column stride")
+    inv = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    w = weights.contiguous()
+    if out is None:
+        out = torch.empty(T, y.shape[1], dtype=torch.float32, device=y.device)
+    elif out.shape != (T, y.shape[1]) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"tail kernel: out {tuple(out.shape)} {out.dtype}; wants contiguous fp32 {(T, y.shape[1])}")
+    if T:
+        grid = (T, -(-y.shape[1] // TAIL_BLOCK_D))
+        mod.moe_sorted_sum_kernel[grid](y, inv, w, out, y.shape[1], y.stride(0), out.stride(0),
+                                        TOP_K=k, BLOCK_D=TAIL_BLOCK_D, num_warps=4)
+    return out
+
+
+def sorted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The Triton tail on CUDA, else (or when it is unavailable, or after it raised once) the torch tail, with
+    the reason logged once (registry.refused_inside)."""
+    if not y.is_cuda:
+        return sorted_sum_torch(y, order, weights)
+    reason = REGISTRY.broken_inside(OP, TAIL) or cuda_reason(_tail)
+    if reason is None:
+        try:
+            return sorted_sum_triton(y, order, weights)
+        except Exception as exc:
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
+            REGISTRY.disable_inside(OP, TAIL, reason)
+    REGISTRY.refused_inside(OP, TAIL, reason, "the torch tail (multiply, un-sort, sum)")
+    return sorted_sum_torch(y, order, weights)
 
 
 def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -146,7 +204,6 @@ def forced_path(path: str) -> Iterator[None]:
         _FORCED.pop()
 
 
-OP = "moe.combine"  # kernels.moe.COMBINE (that package imports this module)
 DECODE = "decode kernels"  # the path's name in the registry's refusals and disabled paths
 
 
