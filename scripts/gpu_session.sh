@@ -52,8 +52,9 @@
 #   bash scripts/gpu_session.sh endpoint parity --endpoint self on cuda: our server (Triton/fla fast paths) over
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
+#   bash scripts/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
-# THEN=case runs a second case after any case, in the same call (one Triton cache restore and save).
+# THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
 # carry .tcache/ (the previous call's $OUT/tcache.tgz.* copied there): a cold `moe` call took 168 s with it
 # (2026-12-02) where the same work had run out of 600 s without. .whl + .tcache + the tree must stay under 64 MiB.
@@ -186,6 +187,13 @@ moe)
         --only 'kernel.conv.*' --only 'kernel.kda.*' --report-dir "$OUT/parity-kernels" 2>&1 | quiet | tail -14
     SESSION_S=0 BENCH_S=${BENCH_S:-300} THEN= bash "$0" bench
     THEN= bash "$0" mutate-moe
+    ;;
+tail)
+    # The grouped MoE combine's Triton tail: its gpu test and the CUDA checks of the MoE combine and module
+    step "gpu test: the grouped combine's tail; cuda checks kernel.moe.* moe.module.* (k3-syn-25)"
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_moe_tail.py 2>&1 | tail -3
+    timeout 120 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.moe.*' --only 'moe.module.*' \
+        --report-dir "$OUT/parity-moe" 2>&1 | quiet | tail -12
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
@@ -342,11 +350,11 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|engine|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac
-if [ -n "${THEN:-}" ]; then  # another case in the same call (THEN=spec, THEN=mutate-moe, ...)
-    next=$THEN; THEN= bash "$0" "$next"
-fi
+for next in ${THEN:-}; do  # more cases in the same call, in order (THEN=spec, THEN="bench mutate-moe", ...)
+    THEN= bash "$0" "$next"
+done
 step "done"
