@@ -197,8 +197,11 @@ tail)
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
+    set -f  # MUTANTS_ONLY: patterns, not file globs
     timeout "${MUTANTS_S:-150}" python3 -m k3verify mutate --device cuda --jobs 4 --timeout 140 \
-        --report-dir "$OUT/mutate-moe" --only 'kernel.moe.decode*' 'kernel.moe.tail*' 'kernel.conv.triton_prefill*' 2>&1 | quiet | tail -12
+        --report-dir "$OUT/mutate-moe" --only ${MUTANTS_ONLY:-kernel.moe.decode* kernel.moe.tail* kernel.conv.triton_prefill*} \
+        2>&1 | quiet | tail -12
+    set +f
     ;;
 engine)
     # Where a served engine step's time goes (scripts/engine_step_diag.py: the bare prefill, the runner's, a whole
