@@ -174,8 +174,8 @@ async def sse_stream(state: ServerState, events: EventStream, renderer: Renderer
             yield sse_event(engine_error(state.engine, event).envelope())
             break
         state.metrics.generation_tokens.inc(len(event.token_ids))
-        for chunk in renderer.chunks(event):
-            yield sse_event(chunk)
+        for sse in renderer.sse_chunks(event):
+            yield sse
         if event.finished:
             break
     yield SSE_DONE
