@@ -18,19 +18,17 @@ top functions by own host time (cProfile).
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import pstats
 import statistics
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from k3verify.bench.host_syncs import sync_sites
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.kernels.moe import grouped
 from k3verify.presets import get_preset
@@ -42,27 +40,6 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.scheduler import PrefillChunk, StepPlan
 from k3verify.serving.step_loop import StepLauncher
-
-
-def sync_sites(fn: Callable[[], Any]) -> collections.Counter[str]:
-    sites: collections.Counter[str] = collections.Counter()
-    if not torch.cuda.is_available():
-        fn()
-        return sites
-
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
-        frames = [f for f in traceback.extract_stack()[:-1] if "k3verify" in f.filename or "/fla/" in f.filename]
-        sites[" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sites
 
 
 def sync() -> None:

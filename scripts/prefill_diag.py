@@ -8,40 +8,18 @@ tokens, or B sequences of T tokens): wall time per prefill (model.prefill, no ca
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import pstats
 import time
-import traceback
-import warnings
 
 import torch
 
+from k3verify.bench.host_syncs import sync_sites
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.model import ServingModel
-
-
-def sync_sites(model: ServingModel, pack: PackedBatch) -> collections.Counter[str]:
-    """One prefill under torch.cuda.set_sync_debug_mode("warn"): each host sync, named by its innermost three
-    frames in k3verify or fla."""
-    sites: collections.Counter[str] = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
-        frames = [f for f in traceback.extract_stack()[:-1] if "k3verify" in f.filename or "/fla/" in f.filename]
-        sites[" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            model.prefill(pack)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sites
 
 
 def main() -> None:
@@ -66,7 +44,7 @@ def main() -> None:
             model.prefill(pack)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / 5 * 1e3
-        stack_sites = sync_sites(model, pack)
+        stack_sites = sync_sites(lambda pack=pack: model.prefill(pack))
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
