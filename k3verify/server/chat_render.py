@@ -39,6 +39,9 @@ class ChatRenderer(Renderer):
         self.tool_parser = tool_parser
         self.shown = ""  # content text sent so far (streaming)
 
+    def plain_deltas(self) -> bool:
+        return not self.want_logprobs and self.tool_parser is None
+
     def _logprobs(self, start: int = 0) -> ChatLogprobs | None:
         if not self.want_logprobs:
             return None

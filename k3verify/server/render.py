@@ -201,9 +201,30 @@ class Renderer:
             out.append(self._envelope([], self.usage))
         return out
 
+    _text_frame: tuple[str, str] | None = None
+
+    def plain_deltas(self) -> bool:
+        """Whether this stream's text deltas are chunks that differ only in their text (no logprobs asked, no
+        tool-call parsing): sse_chunks then frames them from a template."""
+        return False
+
     def sse_chunks(self, event: EngineEvent) -> list[str]:
-        """The event's chunks as server-sent events (what a stream sends)."""
-        return [sse_event(c) for c in self.chunks(event)]
+        """The event's chunks as server-sent events (what a stream sends). A plain text delta (plain_deltas, not
+        the last event) is the same event for every token but its text: framed from a template rendered once
+        through the models (`_chunk`), so its bytes are the slow path's by construction (and by test). A stream
+        sends one per token, and rendering each through pydantic and json.dumps was ~30 us of the server's ~85 us
+        per streamed token on the CPU machine: GIL time the engine thread waits for (bench --served, 64 streams)."""
+        if not self.plain_deltas() or event.logprobs or event.finished or self.finish_reason is not None:
+            return [sse_event(c) for c in self.chunks(event)]
+        self.add(event)
+        if not event.text:
+            return []
+        if self._text_frame is None:
+            framed = sse_event(self._chunk(_TEMPLATE_TEXT, len(self.logprobs)))
+            head, tail = framed.split(json.dumps(_TEMPLATE_TEXT))
+            self._text_frame = (head, tail)
+        head, tail = self._text_frame
+        return [head + json.dumps(event.text) + tail]
 
     def response(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -261,25 +282,8 @@ class CompletionRenderer(Renderer):
         choice = CompletionChoice(text=text, finish_reason=self.finish_reason, logprobs=self._logprobs(first_logprob))
         return self._envelope([choice], None)
 
-    _text_frame: tuple[str, str] | None = None
-
-    def sse_chunks(self, event: EngineEvent) -> list[str]:
-        """A plain text delta (no logprobs asked, not the last event) is the same event for every token but its
-        text: framed from a template rendered once through the models (`_chunk`), so the bytes are the slow path's
-        by construction. A stream sends one such event per token, and rendering each through pydantic and
-        json.dumps was ~30 us of the server's ~85 us per streamed token on the CPU machine: GIL time the engine
-        thread waits for (bench --served, 64 streams)."""
-        if self.want_logprobs or event.logprobs or event.finished or self.finish_reason is not None:
-            return super().sse_chunks(event)
-        self.add(event)
-        if not event.text:
-            return []
-        if self._text_frame is None:
-            framed = sse_event(self._chunk(_TEMPLATE_TEXT, len(self.logprobs)))
-            head, tail = framed.split(json.dumps(_TEMPLATE_TEXT))
-            self._text_frame = (head, tail)
-        head, tail = self._text_frame
-        return [head + json.dumps(event.text) + tail]
+    def plain_deltas(self) -> bool:
+        return not self.want_logprobs
 
     def response(self) -> dict[str, Any]:
         choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason, logprobs=self._logprobs())
