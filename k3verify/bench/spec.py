@@ -16,6 +16,7 @@ bench.run's prefill parity).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +27,7 @@ from k3verify.bench import spec_parity
 from k3verify.bench.parity import gold_logits, load_baseline, model_parity
 from k3verify.bench.run import progress
 from k3verify.bench.spec_ref import SpecReference, continuation_match, converge_reference, expected_acceptance
-from k3verify.bench.speeds import generate_ours
+from k3verify.bench.speeds import DeviceMarks, generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
@@ -81,11 +82,13 @@ class SpecBenchResult:
         return {"spec": True, **asdict(self)}
 
 
-def _timed(fn: Any) -> tuple[Any, float]:
-    """Run fn once as warm-up (captures, compiles), then twice timed; (last result, median seconds)."""
+def _timed(fn: Any, spans: list[float]) -> tuple[Any, float, float]:
+    """Run fn once as warm-up (captures, compiles), then twice timed; (last result, median seconds, median of the
+    decode-phase seconds fn appended to `spans` in the timed calls)."""
     out: list[Any] = [fn()]
+    spans.clear()  # the warm-up's
     t = cuda_time(lambda: out.append(fn()), warmup=0, repeats=2)
-    return out[-1], t.median_s
+    return out[-1], t.median_s, statistics.median(spans)
 
 
 def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | None, dgraphs: GraphDecoder | None,
@@ -95,15 +98,22 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
     runner, cfg = verifier.runner, verifier.runner.model.cfg
     prompt_ids = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
     prompts = prompt_ids.tolist()
-    plain, plain_s = _timed(lambda: generate_ours(runner, dgraphs, prompt_ids, plan.new_tokens).tolist())
+    plain_spans: list[float] = []
+    plain, plain_s, plain_decode_s = _timed(
+        lambda: generate_ours(runner, dgraphs, prompt_ids, plan.new_tokens, plain_spans).tolist(), plain_spans)
     plain_refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
     tokens = B * plan.new_tokens
     rows = []
     for accept in plan.accept if plan.drafter == "controlled" else (float("nan"),):
-        def generate(drafter: Drafter) -> SpecRun:
-            return generate_speculative(verifier, drafter, prompts, plan.new_tokens,
-                                        policy=SpecPolicy(min_mean_accepted=plan.min_mean_accepted),
-                                        verify_graphs=vgraphs, decode_graphs=dgraphs)
+        def generate(drafter: Drafter, spans: list[float] | None = None) -> SpecRun:
+            marks = DeviceMarks(runner.device)
+            run = generate_speculative(verifier, drafter, prompts, plan.new_tokens,
+                                       policy=SpecPolicy(min_mean_accepted=plan.min_mean_accepted),
+                                       verify_graphs=vgraphs, decode_graphs=dgraphs, after_prefill=marks.mark)
+            marks.mark()
+            if spans is not None:
+                spans.append(marks.seconds(0, 1))
+            return run
 
         def controlled(refs: dict[int, list[int]], accept: float = accept) -> ControlledDrafter:
             return ControlledDrafter(plan.num_draft, refs, 1.0 - accept, cfg.vocab_size, plan.seed)
@@ -116,9 +126,14 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
                      f"after {ref.iterations} untimed runs")
         drafter: Drafter = NgramDrafter(plan.num_draft) if ref is None else controlled(ref.references)
         paths = grouped.PATHS.copy()
-        run, spec_s = _timed(lambda d=drafter: generate(d))
+        spec_spans: list[float] = []
+        run, spec_s, spec_decode_s = _timed(lambda d=drafter, s=spec_spans: generate(d, s), spec_spans)
         row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
                "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
+               # the decode phase alone (after the prefill's work is issued, both sides): the whole call holds a
+               # host-bound prefill of ~20-30 ms that neither side's decoding changes
+               "decode_speedup": plain_decode_s / spec_decode_s, "plain_decode_ms": 1e3 * plain_decode_s,
+               "spec_decode_ms": 1e3 * spec_decode_s,
                "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
                "turned_off": sum(s.off for s in run.stats), "rider_rows": run.rider_rows,
                "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs),
@@ -255,9 +270,9 @@ def markdown_table(data: dict[str, Any]) -> str:
     if not data.get("speeds_reported"):
         return (f"No speeds for {data['preset']} on {hw} (KDA verify path: {data['kda_verify_path']}): "
                 + "; ".join(data.get("notes", ["parity not green"])))
-    rows = ["| hardware | workload | plain decode | speculative | speedup | acceptance measured / expected | drafter "
-            "reference | tokens equal to reference / plain | verify / decode steps, auto-off |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| hardware | workload | plain decode | speculative | speedup | decode phase: plain / speculative, "
+            "speedup | acceptance measured / expected | drafter reference | tokens equal to reference / plain | "
+            "verify / decode steps, auto-off |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [_speed_line(hw, data, r) for r in data["speed"]]
     rows += ["", "| KDA layer verify, rows x positions | unfused (3 launches) | fused (1 launch) | fused speedup |",
              "|---|---|---|---|"]
@@ -274,6 +289,8 @@ def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
     def pct(key: str, fmt: str = ".0%") -> str:
         return "-" if r.get(key) is None else format(r[key], fmt)
 
+    phase = (f"{r['plain_decode_ms']:.1f} / {r['spec_decode_ms']:.1f} ms, {r['decode_speedup']:.2f}x"
+             if "decode_speedup" in r else "- (older run)")
     if "ref_converged" in r:
         ref = (f"converged in {r['ref_iterations']}" if r["ref_converged"]
                else f"NOT converged in {r['ref_iterations']}: not nominal")
@@ -281,7 +298,7 @@ def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
         ref = "plain (not iterated)" if r["drafter"] == "controlled" else "-"
     return (f"| {hw} | {data['preset']} batch {r['batch']}, k={data['num_draft']}, {r['drafter']} "
             f"{r['accept_nominal']:.0%} | {r['plain_tok_s']:,.0f} tok/s | {r['spec_tok_s']:,.0f} tok/s | "
-            f"{r['speedup']:.2f}x | {pct('accept_measured')} / {pct('accept_expected')} | {ref} | "
+            f"{r['speedup']:.2f}x | {phase} | {pct('accept_measured')} / {pct('accept_expected')} | {ref} | "
             f"{pct('tokens_equal_to_reference', '.2f')} / {pct('tokens_equal_to_plain', '.2f')} | "
             f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off"
             f"{', ' + str(r['rider_rows']) + ' rider rows' if r.get('rider_rows') else ''} |")

@@ -16,7 +16,7 @@ from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.runner import ModelRunner
 
 
-class _Marks:
+class DeviceMarks:
     """Points on the device's timeline (CUDA events; wall clock on CPU), read only at the end."""
 
     def __init__(self, device: torch.device) -> None:
@@ -47,7 +47,7 @@ def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: tor
     ids = list(range(B))
     for sid in ids:
         runner.admit(sid, T + new_tokens)
-    marks = _Marks(runner.device)
+    marks = DeviceMarks(runner.device)
     try:
         logits = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids])
         out = [logits.argmax(-1)]

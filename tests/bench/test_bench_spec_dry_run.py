@@ -41,6 +41,10 @@ def test_spec_bench_gates_then_times_every_batch_and_acceptance(dry_run: Any) ->
     assert [(r["batch"], r["accept_nominal"]) for r in dry_run.speed] == [(1, 0.0), (1, 0.8), (3, 0.0), (3, 0.8)]
     for r in dry_run.speed:
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["verify_steps"] > 0
+        # the decode phase (after the prefill) is timed apart: shorter than the whole call on each side
+        whole_ms = {side: 1e3 * r["batch"] * 24 / r[f"{side}_tok_s"] for side in ("plain", "spec")}
+        assert 0 < r["plain_decode_ms"] < whole_ms["plain"] and 0 < r["spec_decode_ms"] < whole_ms["spec"], r
+        assert r["decode_speedup"] == pytest.approx(r["plain_decode_ms"] / r["spec_decode_ms"])
         assert r["tokens_equal_to_plain"] == 1.0, "on CPU speculative greedy equals plain greedy"
         # so plain's continuation is already the speculative path's own: the first untimed run confirms it
         assert r["ref_converged"] and r["ref_iterations"] == 1 and r["tokens_equal_to_reference"] == 1.0, r
@@ -62,6 +66,7 @@ def test_spec_table_renders_from_the_json(dry_run: Any, tmp_path: Path, capsys: 
     assert "KDA layer verify" in out and "KDA verify path of the speed rows: unfused" in out
     assert "| acceptance measured / expected | drafter reference | tokens equal to reference / plain |" in out
     assert "| converged in 1 | 1.00 / 1.00 |" in out and "NOT converged" not in out
+    assert "| decode phase: plain / speculative, speedup |" in out and " ms, " in out
 
 
 def test_spec_table_says_which_rows_are_not_nominal_and_prints_old_json(dry_run: Any) -> None:
@@ -75,7 +80,9 @@ def test_spec_table_says_which_rows_are_not_nominal_and_prints_old_json(dry_run:
     out = markdown_table(data)
     assert "NOT converged in 12: not nominal" in out and "Note: batch 1 nominal 80%: did not converge" in out
     for r in data["speed"]:
-        for key in ("accept_expected", "ref_converged", "ref_iterations", "tokens_equal_to_reference", "note"):
+        for key in ("accept_expected", "ref_converged", "ref_iterations", "tokens_equal_to_reference", "note",
+                    "decode_speedup", "plain_decode_ms", "spec_decode_ms"):
             r.pop(key, None)
     old = markdown_table(data)
     assert old.count("| plain (not iterated) | - / 1.00 |") == len(data["speed"]), old
+    assert old.count("| - (older run) |") == len(data["speed"]), old

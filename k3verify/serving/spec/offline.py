@@ -12,7 +12,7 @@ max_new_tokens are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,9 +70,11 @@ def filler_drafts(last: int, k: int) -> list[int]:
 def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, *, policy: SpecPolicy | None = None,
                          verify_graphs: VerifyGraphs | None = None,
-                         decode_graphs: GraphDecoder | None = None) -> SpecRun:
+                         decode_graphs: GraphDecoder | None = None,
+                         after_prefill: Callable[[], None] | None = None) -> SpecRun:
     """Greedy generation of max_new_tokens per prompt, all prompts admitted at once. The drafter is asked
-    with the prompt's index as its key."""
+    with the prompt's index as its key. `after_prefill` is called once the prefill's work is issued (the bench
+    marks the device timeline there, to time the decode phase alone)."""
     runner = verifier.runner
     if max_new_tokens < 1 or not prompts or len(prompts) > verifier.max_rows:
         raise ValueError(f"need max_new_tokens >= 1 and 1..{verifier.max_rows} prompts; got {max_new_tokens}, "
@@ -89,6 +91,8 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
     run = SpecRun([[] for _ in prompts], [SpecStats() for _ in prompts])
     try:
         first = runner.prefill([(sid, list(p)) for sid, p in zip(ids, prompts, strict=True)]).argmax(-1).tolist()
+        if after_prefill is not None:
+            after_prefill()
         for out, tok in zip(run.tokens, first, strict=True):
             out.append(tok)
         while live := [i for i in range(len(prompts)) if len(run.tokens[i]) < max_new_tokens]:
