@@ -53,6 +53,8 @@
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
 #   bash scripts/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
+#   bash scripts/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the verify's device
+#                                        time (scripts/spec_round_diag.py), unfused and fused
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
@@ -194,6 +196,14 @@ tail)
     timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_moe_tail.py 2>&1 | tail -3
     timeout 120 python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.moe.*' --only 'moe.module.*' \
         --report-dir "$OUT/parity-moe" 2>&1 | quiet | tail -12
+    ;;
+spec-round)
+    # Where a batch-1 speculative round's time goes (scripts/spec_round_diag.py): host time of drafting, verify
+    # launch, readback, acceptance and commit beside the verify's device time, unfused and fused KDA verify
+    for fused in "" "--fused"; do
+        step "speculative round at batch 1 (kl-48b-8l) ${fused:-unfused}"
+        timeout "${DIAG_S:-120}" python3 scripts/spec_round_diag.py $fused 2>&1 | quiet | tail -9
+    done
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
@@ -353,7 +363,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,104 @@
+"""Where does a speculative round's time go at batch 1? (diagnostic, CUDA)
+
+The speculative bench's batch-1 rows moved 1.33x-1.71x between lent H200s with the same GPU work per round (18
+verify steps against 17), while host-only phases of the same bench took 1.3-1.7x longer on the slower machines
+(2026-12-02). Every round ends in a host sync (the accepted tokens decide the next drafts), so its host work runs
+with the GPU idle. This script runs the offline loop's pieces for `--rounds` rounds of one sequence and times each
+on the host (perf_counter), with the verify's device time (CUDA events) beside them:
+
+  propose   the controlled drafter (its reference: this model's own plain greedy continuation)
+  verify    staging + the verify graph's replay (launch only: host time)
+  readback  argmax + .tolist(): waits for the verify (its wait is the GPU's time, not host work)
+  accept    greedy acceptance on the host
+  commit    the accepted prefix's states committed (launches)
+
+and prints the medians per round: host work between two verifies is the GPU's idle time at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from k3verify.bench.speeds import DeviceMarks, generate_ours
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+from k3verify.presets import get_preset
+from k3verify.serving.model import ServingModel
+from k3verify.serving.runner import ModelRunner
+from k3verify.serving.spec.accept import accept_greedy_ids
+from k3verify.serving.spec.drafter import ControlledDrafter
+from k3verify.serving.spec.offline import pad_drafts
+from k3verify.serving.spec.verifier import SpecVerifier
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kl-48b-8l")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--accept", type=float, default=0.8, help="the controlled drafter's nominal acceptance")
+    ap.add_argument("--fused", action="store_true", help="the one-launch KDA verify")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs)")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = get_preset(a.preset)
+    model = ServingModel(cfg, dtype, dev).load(synthetic_tensors(cfg, 0, device=dev))
+    k, new = a.num_draft, a.rounds * (a.num_draft + 1) + 8
+    ctx = a.prompt_len + new + 2 * k + 64
+    runner = ModelRunner(model, num_pages=2 * (-(-ctx // 64)) + 8, page_size=64, num_slots=2, max_context=ctx)
+    verifier = SpecVerifier(runner, k, 1, fused=a.fused)
+    graphs = verifier.make_graphs(ctx, (1,)) if dev.type == "cuda" else None
+    prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
+    reference = prompt[0].tolist() + generate_ours(runner, None, prompt.to(dev), new).tolist()[0]
+    drafter = ControlledDrafter(k, {0: reference}, 1.0 - a.accept, cfg.vocab_size, 0)
+    host: dict[str, list[float]] = defaultdict(list)
+    gpu_ms: list[float] = []
+    rounds_ms: list[float] = []
+    accepted: list[int] = []
+    for attempt in range(2):  # the first pass warms up (captures, compiles); the second is timed
+        sid = 10 + attempt
+        runner.admit(sid, a.prompt_len + new + k)
+        tokens = runner.prefill([(sid, prompt[0].tolist())]).argmax(-1).tolist()
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            drafts = pad_drafts(drafter.propose(0, prompt[0].tolist() + tokens) or [tokens[-1]], k)
+            t1 = time.perf_counter()
+            marks = DeviceMarks(dev)
+            marks.mark()
+            logits = verifier.verify([(sid, [tokens[-1], *drafts])], graphs)
+            marks.mark()
+            t2 = time.perf_counter()
+            best = logits.argmax(dim=-1).tolist()[0]
+            t3 = time.perf_counter()
+            result = accept_greedy_ids(best, drafts)
+            t4 = time.perf_counter()
+            verifier.commit([result.num_accepted])
+            t5 = time.perf_counter()
+            tokens += result.tokens
+            if attempt:
+                for name, dt in (("propose", t1 - t0), ("verify", t2 - t1), ("readback", t3 - t2),
+                                 ("accept", t4 - t3), ("commit", t5 - t4)):
+                    host[name].append(1e3 * dt)
+                gpu_ms.append(1e3 * marks.seconds(0, 1))
+                rounds_ms.append(1e3 * (t5 - t0))
+                accepted.append(result.num_accepted)
+        runner.release(sid)
+    med = {name: statistics.median(v) for name, v in host.items()}
+    work = sum(v for name, v in med.items() if name != "readback")
+    print(f"{a.preset} batch 1, k={k}, nominal acceptance {a.accept:.0%}, {a.rounds} rounds "
+          f"(mean accepted {statistics.mean(accepted):.2f}), KDA verify {'fused' if a.fused else 'unfused'}")
+    print(f"{'piece':10s} {'host ms (median)':>17s}")
+    for name, v in med.items():
+        print(f"{name:10s} {v:17.3f}")
+    print(f"round {statistics.median(rounds_ms):.3f} ms; verify on the device {statistics.median(gpu_ms):.3f} ms; "
+          f"host work outside the readback wait {work:.3f} ms a round (the GPU's idle time at batch 1)")
+
+
+if __name__ == "__main__":
+    main()
