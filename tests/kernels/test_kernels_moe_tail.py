@@ -93,11 +93,15 @@ def test_interpreter_comparison_catches_broken_tail_kernels(interpreter_report: 
         assert not rel <= 1e-2, (name, rel)
 
 
-def test_cpu_tensors_take_the_torch_tail() -> None:
-    case = _case(*SHAPES["ragged"], seed=3)
-    assert torch.equal(grouped.sorted_sum(*case), grouped.sorted_sum_torch(*case))
-    with pytest.raises(ValueError, match="tail kernel"):
-        grouped.sorted_sum_triton(case[0][:-1], *case[1:])
+def test_cpu_tensors_take_the_torch_tail_and_refusals_name_the_operand() -> None:
+    y, order, weights = _case(*SHAPES["ragged"], seed=3)
+    assert torch.equal(grouped.sorted_sum(y, order, weights), grouped.sorted_sum_torch(y, order, weights))
+    assert grouped.tail_refusal(y, order, weights) is None
+    assert "[T*k, D]" in str(grouped.tail_refusal(y[:-1], order, weights))
+    assert "[T*k, D]" in str(grouped.tail_refusal(y.t(), order, weights))
+    assert "bfloat16" in str(grouped.tail_refusal(y, order, weights.bfloat16()))
+    with pytest.raises(ValueError, match="tail kernel: expert outputs"):
+        grouped.sorted_sum_triton(y[:-1], order, weights)
 
 
 @pytest.mark.gpu

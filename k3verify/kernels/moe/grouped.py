@@ -119,9 +119,9 @@ def sorted_sum_triton(y: torch.Tensor, order: torch.Tensor, weights: torch.Tenso
     [T, D], contiguous) receives the result (a test's poisoned buffer: every element must be written)."""
     mod = loaded(_tail) if mod is None else mod
     T, k = weights.shape
-    if y.shape[0] != T * k or y.stride(-1) != 1:
-        raise ValueError(f"tail kernel: expert outputs {tuple(y.shape)} (strides {y.stride()}) for {T} tokens x "
-                         f"{k} routes; wants [T*k, D] with unit column stride")
+    reason = tail_refusal(y, order, weights)
+    if reason is not None:
+        raise ValueError(f"tail kernel: {reason}")
     inv = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     w = weights.contiguous()
     if out is None:
@@ -135,12 +135,24 @@ def sorted_sum_triton(y: torch.Tensor, order: torch.Tensor, weights: torch.Tenso
     return out
 
 
+def tail_refusal(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> str | None:
+    """Why the Triton tail does not take these operands (None: it does). Its products are fp32 (the torch tail
+    promotes bf16 outputs times fp32 weights the same way); other weight dtypes would round elsewhere."""
+    T, k = weights.shape
+    if y.dim() != 2 or y.shape[0] != T * k or y.stride(-1) != 1 or order.shape != (T * k,):
+        return (f"expert outputs {tuple(y.shape)} (strides {y.stride()}) and order {tuple(order.shape)} for {T} "
+                f"tokens x {k} routes; wants [T*k, D] with unit column stride")
+    if weights.dtype != torch.float32:
+        return f"route weights in {weights.dtype}; wants float32"
+    return None
+
+
 def sorted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The Triton tail on CUDA, else (or when it is unavailable, or after it raised once) the torch tail, with
-    the reason logged once (registry.refused_inside)."""
+    """The Triton tail on CUDA, else (or when it is unavailable or refuses the operands, or after it raised once)
+    the torch tail, with the reason logged once (registry.refused_inside)."""
     if not y.is_cuda:
         return sorted_sum_torch(y, order, weights)
-    reason = REGISTRY.broken_inside(OP, TAIL) or cuda_reason(_tail)
+    reason = REGISTRY.broken_inside(OP, TAIL) or cuda_reason(_tail) or tail_refusal(y, order, weights)
     if reason is None:
         try:
             return sorted_sum_triton(y, order, weights)
