@@ -77,15 +77,16 @@ def accepts(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     return None
 
 
-COMPACT_MAX_PAIRS = 8
+COMPACT_MAX_PAIRS = 16
 
 
 def pick_tiles(pairs: int) -> Tiles:
     """64-column blocks at every size: on the H200 (2026-12-02, scripts/moe_decode_bench.py, kl-48b shapes) they
     beat 32 and 16 columns from 1 to 64 tokens (1 token: 51 us a layer against 58 with 32 columns, 91 with 16);
     4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact grid at
-    up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at four (32 pairs)
-    117.5 against 112.8, and lost at every larger size (the second H200 run of 2026-12-02)."""
+    up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at two (16 pairs)
+    65.4 against 68.7, at four (32 pairs) 114.8-117.5 against 112.8-113.1, and lost at every larger size (two H200
+    runs of 2026-12-02, moe-combine-microbench.txt)."""
     return Tiles(block_n=64, num_warps=4, num_stages=4 if pairs <= 64 else 3, compact=pairs <= COMPACT_MAX_PAIRS)
 
 
