@@ -1,0 +1,33 @@
+"""The GPU diagnostic scripts run end to end on CPU (their smoke mode) before a device call spends time on them:
+scripts/engine_step_diag.py and scripts/spec_round_diag.py on kl-tiny."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--device", "cpu", "--preset", "kl-tiny",
+                           *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_engine_step_diag_smoke() -> None:
+    out = _run("engine_step_diag.py", "--prompts", "2", "--prompt-len", "8", "--running", "2", "--reps", "1",
+               "--top", "3")
+    table = out[out.index("case "):]
+    for case in ("model.prefill (no caches)", "runner.prefill", "launch+collect (prefill only)",
+                 "decode graph (running rows)", "launch+collect (decode only)", "launch+collect (mixed)"):
+        assert case in table, out[-2000:]
+
+
+def test_spec_round_diag_smoke() -> None:
+    out = _run("spec_round_diag.py", "--prompt-len", "8", "--rounds", "3")
+    for piece in ("propose", "verify", "readback", "accept", "commit"):
+        assert f"\n{piece} " in out, out
+    assert "round " in out and "verify on the device" in out
