@@ -23,6 +23,7 @@ from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
 from k3verify.server.metrics import ServerMetrics
+from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
@@ -243,7 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     engine.observer = metrics
     app = create_app(engine.start(), tokenizer, model_name=target.name, api_key=args.api_key, metrics=metrics)
-    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {target.name!r})", flush=True)
+    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {target.name!r}); {describe_server_impl()}",
+          flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
