@@ -103,12 +103,25 @@ class KernelRegistry:
         per reason, counted in `fallbacks` like a registry refusal)."""
         self._refused(op, f"{path}: {reason}", instead)
 
-    def disable_inside(self, op: str, path: str, reason: str) -> None:
-        """A kernel path inside a fast path raised: disabled for the process, as `call` disables a backend."""
-        self._broken[(op, path)] = reason
-
     def broken_inside(self, op: str, path: str) -> str | None:
         return self._broken.get((op, path))
+
+    def run_inside(self, op: str, path: str, refusal: str | None, fn: Callable[[], Any], instead: str) -> Any | None:
+        """A fast path's own kernel choice: fn() (kernel path `path` of `op`) unless `refusal` says why not or the
+        path was disabled; a raise outside CUDA-graph capture disables it for the process, as `call` disables a
+        backend. None after the refusal was logged (once per reason, counted in `fallbacks`): the caller runs
+        `instead`. fn must not return None."""
+        reason = self.broken_inside(op, path) or refusal
+        if reason is None:
+            try:
+                return fn()
+            except Exception as exc:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
+                self._broken[(op, path)] = reason
+        self.refused_inside(op, path, reason, instead)
+        return None
 
     def call(self, op: str, *args: Any, device: torch.device, **kwargs: Any) -> Any:
         impl = self.select(op, device, *args, **kwargs)

@@ -141,3 +141,21 @@ def test_fast_path_check_helpers_skip_with_reason_and_refuse_an_unrouted_run() -
     fx.assert_routed(kda_ops.PREFILL, backend=TORCH)
     with pytest.raises(RuntimeError, match="not triton"):
         fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
+
+
+def test_run_inside_refuses_runs_and_disables_a_raising_path(caplog: pytest.LogCaptureFixture) -> None:
+    """A fast path's own kernel choice (the MoE combine's decode kernels and Triton tail): a refusal and a raise
+    each fall back with the reason logged once and counted; after a raise the path stays off for the process."""
+    reg = KernelRegistry()
+    assert reg.run_inside("op.x", "inner", "too wide", lambda: 1, "the other kernels") is None
+    assert reg.fallbacks == [("op.x", "inner: too wide")] and "falling back to the other kernels" in caplog.text
+    assert reg.run_inside("op.x", "inner", None, lambda: 2, "the other kernels") == 2
+
+    def boom() -> int:
+        raise RuntimeError("bad launch")
+
+    assert reg.run_inside("op.x", "inner", None, boom, "the other kernels") is None
+    reason = reg.broken_inside("op.x", "inner")
+    assert reason is not None and "bad launch" in reason and "disabled" in reason
+    assert reg.run_inside("op.x", "inner", None, lambda: 3, "the other kernels") is None, "stays disabled"
+    assert reg.fallbacks[-1] == ("op.x", f"inner: {reason}") and caplog.text.count("bad launch") == 1

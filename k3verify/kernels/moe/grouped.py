@@ -152,17 +152,9 @@ def sorted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
     the torch tail, with the reason logged once (registry.refused_inside)."""
     if not y.is_cuda:
         return sorted_sum_torch(y, order, weights)
-    reason = REGISTRY.broken_inside(OP, TAIL) or cuda_reason(_tail) or tail_refusal(y, order, weights)
-    if reason is None:
-        try:
-            return sorted_sum_triton(y, order, weights)
-        except Exception as exc:
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
-            REGISTRY.disable_inside(OP, TAIL, reason)
-    REGISTRY.refused_inside(OP, TAIL, reason, "the torch tail (multiply, un-sort, sum)")
-    return sorted_sum_torch(y, order, weights)
+    out = REGISTRY.run_inside(OP, TAIL, cuda_reason(_tail) or tail_refusal(y, order, weights),
+                              lambda: sorted_sum_triton(y, order, weights), "the torch tail (multiply, un-sort, sum)")
+    return out if out is not None else sorted_sum_torch(y, order, weights)
 
 
 def moe_grouped_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -219,10 +211,6 @@ def forced_path(path: str) -> Iterator[None]:
 DECODE = "decode kernels"  # the path's name in the registry's refusals and disabled paths
 
 
-def _decode_reason(moe: Any, x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                   idx: torch.Tensor) -> str | None:
-    return (REGISTRY.broken_inside(OP, DECODE) or decode_path.available()
-            or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None)))
 
 
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -234,19 +222,14 @@ def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: to
         return moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act)
     forced = _FORCED[-1] if _FORCED else None
     if forced == "decode" or (forced is None and not decode_path.too_large(idx.numel())):
-        reason = _decode_reason(moe, x_in, w13, w2, weights, idx)
-        if forced == "decode" and reason is not None:
-            raise RuntimeError(f"moe.combine pinned to the decode kernels, which refused: {reason}")
-        if reason is None:
-            try:
-                out = decode_path.combine(x_in, w13, w2, weights, idx, moe.glu)
-                PATHS["decode"] += 1
-                return out
-            except Exception as exc:
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise
-                reason = f"raised {type(exc).__name__}: {exc}; disabled for this process"
-                REGISTRY.disable_inside(OP, DECODE, reason)
-        REGISTRY.refused_inside(OP, DECODE, reason, "the grouped GEMMs")
+        refusal = (REGISTRY.broken_inside(OP, DECODE) or decode_path.available()
+                   or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None)))
+        if forced == "decode" and refusal is not None:
+            raise RuntimeError(f"moe.combine pinned to the decode kernels, which refused: {refusal}")
+        out = REGISTRY.run_inside(OP, DECODE, refusal, lambda: decode_path.combine(x_in, w13, w2, weights, idx,
+                                                                                   moe.glu), "the grouped GEMMs")
+        if out is not None:
+            PATHS["decode"] += 1
+            return out
     PATHS["grouped"] += 1
     return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)
