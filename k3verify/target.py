@@ -13,8 +13,9 @@ table because there is no data to write.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class Target:
         except (OSError, ValueError) as exc:
             raise TargetError(f"{self.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint must "
                               "ship its own tokenizer files") from exc
+
+    def tokenizer_loader(self) -> Callable[[], KimiTokenizer]:
+        """A picklable callable that loads the tokenizer again (in the HTTP server's own process)."""
+        return functools.partial(KimiTokenizer.from_dir, self.checkpoint_dir)
 
     def source_flag(self) -> str:
         """The command-line words that name this target again (`--preset k3-tiny`, `--checkpoint DIR`)."""

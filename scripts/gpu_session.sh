@@ -71,14 +71,24 @@ if [ -z "${K3V_SITE_READY:-}" ]; then
 fi
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 # Triton's on-disk cache (compiled kernels, and fla's autotune picks with TRITON_CACHE_AUTOTUNING) travels
-# between calls: restored from .tcache/ (carry it) at the start, saved as $OUT/tcache.tgz.* (15 MB parts) at
-# the end (gzip: fast there); `bash scripts/tcache_repack.sh DIR` here turns DIR's parts into .tcache/tcache.txz.*
-# for the next call (xz: 369 MB of cache in 24 MB where gzip took 56, so it fits beside .whl under the carry limit). A cold machine otherwise spends ~180 s compiling.
+# between calls: restored from .tcache/ (carry it) at the start, saved as $OUT/tcache.txz.* (xz, 15 MB parts) at
+# the end; copy those parts into .tcache/ here for the next call (xz: 428 MB of cache in ~28 MB where gzip took
+# 65, which came back only in part: a call returns at most 8 files and 64 MB). A cold machine otherwise spends
+# ~180 s compiling. Everything else under $OUT but x.out and the top-level JSON goes into $OUT/logs.tgz on exit,
+# for the same 8-file limit.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache} TRITON_CACHE_AUTOTUNING=1
 save_tcache() {
-    rm -f "$OUT"/tcache.tgz.*
-    tar -czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M - "$OUT/tcache.tgz."
-    echo "triton cache saved: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) -> $(cat "$OUT"/tcache.tgz.* | wc -c) bytes"
+    rm -f "$OUT"/tcache.t?z.*
+    if command -v xz >/dev/null; then
+        tar -cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -6 | split -b 15M - "$OUT/tcache.txz."
+    else
+        tar -cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | python3 -c "import lzma, shutil, sys
+with lzma.open(sys.stdout.buffer, 'wb', preset=3) as out: shutil.copyfileobj(sys.stdin.buffer, out)" | split -b 15M - "$OUT/tcache.txz."
+    fi
+    echo "triton cache saved: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) -> $(cat "$OUT"/tcache.txz.* | wc -c) bytes"
+    (cd "$OUT" && ls -A | grep -vE '^(\.bundle|x\.out|tcache\.txz\..*|logs\.tgz|[^/]*\.json)$' >"$OUT/.bundle" || true
+     if [ -s "$OUT/.bundle" ]; then tar -czf logs.tgz -T .bundle && xargs -d '\n' rm -rf <.bundle; fi
+     rm -f .bundle)
 }
 if [ -z "${K3V_TCACHE_READY:-}" ]; then  # the outermost case only: restore once, save on exit
     export K3V_TCACHE_READY=1

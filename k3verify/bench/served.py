@@ -19,6 +19,7 @@ tokens per second of wall time, time to first token and inter-token latency (per
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import subprocess
@@ -36,7 +37,8 @@ from k3verify.bench.speeds import generate_ours
 from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial
 from k3verify.server.app import create_app
-from k3verify.server.metrics import ServerMetrics
+from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import ServerThread, server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
@@ -85,7 +87,7 @@ def no_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None =
 class ServedStack:
     url: str
     engine: Engine
-    metrics: ServerMetrics
+    layout: str  # where the HTTP server runs: "api_process" (as `serve` runs it) or "in_process"
 
 
 def engine_graphs(runner: ModelRunner, bench_graphs: GraphDecoder, concurrencies: tuple[int, ...]) -> GraphDecoder:
@@ -98,19 +100,28 @@ def engine_graphs(runner: ModelRunner, bench_graphs: GraphDecoder, concurrencies
 
 
 @contextlib.contextmanager
-def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int, step_tokens: int
-                 ) -> Iterator[ServedStack]:
-    """Engine (graph decode, overlap, chunked prefill) + app + uvicorn on 127.0.0.1; stopped on exit."""
+def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int, step_tokens: int,
+                 api_process: bool = True) -> Iterator[ServedStack]:
+    """Engine (graph decode, overlap, chunked prefill) here + app + uvicorn on 127.0.0.1, in a process of its own
+    linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit."""
     cfg = runner.model.cfg
-    metrics = ServerMetrics()
     warm_up(runner, graphs, step_tokens)  # as `k3verify serve` does before its port opens
+    observer = EngineMetrics() if api_process else ServerMetrics()
     engine = Engine(runner, IdTokenizer(cfg.vocab_size), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
-                    max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=metrics)
+                    max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=observer)
     engine.start()
-    app = create_app(engine, IdTokenizer(cfg.vocab_size), model_name=MODEL_NAME, metrics=metrics, encode_chat=no_chat)
     try:
-        with ServerThread(app) as server:
-            yield ServedStack(server.url, engine, metrics)
+        if api_process:
+            config = api_config(engine, functools.partial(IdTokenizer, cfg.vocab_size), MODEL_NAME,
+                                encode_chat=no_chat)
+            with ApiProcess(engine, config, observer.render) as api:
+                yield ServedStack(api.url, engine, "api_process")
+        else:
+            assert isinstance(observer, ServerMetrics)
+            app = create_app(engine, IdTokenizer(cfg.vocab_size), model_name=MODEL_NAME, metrics=observer,
+                             encode_chat=no_chat)
+            with ServerThread(app) as server:
+                yield ServedStack(server.url, engine, "in_process")
     finally:
         engine.stop()
     if engine.health() not in (None, "engine stopped"):
@@ -148,15 +159,15 @@ def held_wave(stack: ServedStack, prompts: list[list[int]], new_tokens: int, tim
               ) -> dict[str, Any]:
     """Send one request per prompt while the engine waits, each once the previous one was accepted (so the
     engine admits them in the prompts' order, as the bench path packs them), then let one step admit them all."""
-    def accepted() -> float:
-        return stack.metrics.registry.get_sample_value("k3v_prompt_tokens_total") or 0.0
+    def accepted() -> int:
+        return stack.engine.num_submitted
 
     release = threading.Event()
     holder = threading.Thread(target=stack.engine.call, args=(lambda: release.wait(timeout_s),),
                               kwargs={"timeout": timeout_s + 10}, daemon=True)
     holder.start()
-    # The counter is cumulative over the server's life: earlier waves already count.
-    want = accepted() + sum(len(p) for p in prompts)
+    # The counter is cumulative over the engine's life: earlier waves already count.
+    want = accepted() + len(prompts)
     proc = _client_process(stack.url, [prompts], new_tokens, ordered=True)
     deadline = time.monotonic() + timeout_s
     try:
@@ -292,5 +303,5 @@ def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_
 
     warm = _timed_waves(stack, waves(seed + 10_000, 1), new_tokens)
     row = _timed_waves(stack, waves(seed, requests_per_client), new_tokens)
-    return {"concurrency": concurrency, **row, "server": server_impl(),
+    return {"concurrency": concurrency, **row, "server": server_impl(), "server_layout": stack.layout,
             "warmup": {k: warm[k] for k in ("requests", "wall_s", "ttft_p99_ms", "engine_steps")}}

@@ -47,6 +47,8 @@ def markdown_table(data: dict[str, Any]) -> str:
             procs = r.get("client_processes")
             where = f" in {procs} client process{'es' if procs > 1 else ''}" if procs else ""
             server = f", server {r['server']}" if r.get("server") else ""
+            if r.get("server_layout"):
+                server += " in its own process" if r["server_layout"] == "api_process" else " in the engine's process"
             srows.append(f"| {data['preset']}, {r['concurrency']} streaming clients{where}, {r['requests']} requests"
                          f"{server} | "
                          f"{r['tok_s']:,.0f} | {_num(r.get('bench_tok_s'), ',.0f')} | "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from k3verify.commands import parity, serve_parallel
 from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
-from k3verify.server.metrics import ServerMetrics
+from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
@@ -80,6 +82,9 @@ def register(subparsers: Subparsers) -> None:
                    help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
     p.add_argument("--kda-fused-verify", action="store_true",
                    help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
+    p.add_argument("--api-in-process", action="store_true",
+                   help="run the HTTP server in the engine's process (default: a process of its own, so that "
+                        "request parsing and streaming do not take the engine thread's GIL)")
     serve_parallel.add_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -230,9 +235,42 @@ def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeSte
     return step
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def serve_from_api_process(args: argparse.Namespace, engine: Engine, target: Target) -> None:
+    """The engine here, uvicorn and the app in a process of their own (server/engine_link.py), until that process
+    exits (SIGINT / SIGTERM) or this one is interrupted."""
+    observer = EngineMetrics()
+    engine.observer = observer
+    config = api_config(engine.start(), target.tokenizer_loader(),
+                        target.name, host=args.host, port=args.port, api_key=args.api_key, log_level="info")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the API process on the way out, as on SIGINT
+    with ApiProcess(engine, config, observer.render) as api:
+        print(f"k3verify serve: {api.url}/v1 (model {target.name!r}); {describe_server_impl()}, in its own "
+              "process", flush=True)
+        try:
+            code = api.wait()
+        except KeyboardInterrupt:  # the API process got the terminal's SIGINT too; leaving the block stops it
+            return
+        if code not in (0, -signal.SIGINT, -signal.SIGTERM):
+            log.error("the API server process exited with code %d", code)
+
+
+def serve_in_process(args: argparse.Namespace, engine: Engine, tokenizer: KimiTokenizer, model_name: str) -> None:
+    """Engine and uvicorn in this process (--api-in-process): one GIL for both."""
     import uvicorn
 
+    metrics = ServerMetrics()
+    engine.observer = metrics
+    app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=args.api_key, metrics=metrics)
+    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {model_name!r}); {describe_server_impl()}, "
+          "in the engine's process", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def run_serve(args: argparse.Namespace) -> int:
     gated = require_gate(args)
     target = gated.target
     print(f"k3verify serve: gate report {gated.report} vouches for {target.name} ({target.digest})", flush=True)
@@ -241,13 +279,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
         print(f"k3verify serve: {warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens).describe()}",
               flush=True)
-    metrics = ServerMetrics()
-    engine.observer = metrics
-    app = create_app(engine.start(), tokenizer, model_name=target.name, api_key=args.api_key, metrics=metrics)
-    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {target.name!r}); {describe_server_impl()}",
-          flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        if args.api_in_process:
+            serve_in_process(args, engine, tokenizer, target.name)
+        else:
+            serve_from_api_process(args, engine, target)
     finally:
         engine.stop()
         if getattr(args, "serving_world", None) is not None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from k3verify.server.app import create_app
-from k3verify.server.thread import ServerThread
+from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.metrics import EngineMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.runner import build_runner
@@ -30,9 +30,11 @@ def serve_locally(target: Target, dtype: torch.dtype, device: torch.device, *, n
     graphs = graphs_for(runner.model, runner.max_context, num_slots)  # on CUDA, the graph decode `serve` runs
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     graphs=graphs)
-    app = create_app(engine.start(), tokenizer, model_name=target.name)
+    observer = EngineMetrics()
+    engine.observer = observer
+    config = api_config(engine.start(), target.tokenizer_loader(), target.name)
     try:
-        with ServerThread(app) as server:
-            yield server.url
+        with ApiProcess(engine, config, observer.render) as api:  # the HTTP server in its own process, as serve runs
+            yield api.url
     finally:
         engine.stop()

@@ -22,9 +22,8 @@ from k3verify.server.middleware import CountRequests
 from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
 from k3verify.server.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
 from k3verify.server.scoring import prompt_logprobs
-from k3verify.server.state import ChatEncoder, ServerState, state_of, template_chat_encoder
+from k3verify.server.state import ChatEncoder, ServedEngine, ServerState, state_of, template_chat_encoder
 from k3verify.server.tokenize import detokenize, tokenize
-from k3verify.serving.engine import Engine
 from k3verify.tokenizer.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -91,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
 async def list_models(request: Request) -> JSONResponse:
     """GET /v1/models: the one model this server serves."""
     state = state_of(request)
-    card = ModelCard(id=state.model_name, created=unix_time(), max_model_len=state.engine.runner.max_context)
+    card = ModelCard(id=state.model_name, created=unix_time(), max_model_len=state.engine.limits.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 
@@ -109,10 +108,10 @@ async def health(request: Request) -> JSONResponse:
 async def prometheus_metrics(request: Request) -> Response:
     """GET /metrics: Prometheus text exposition."""
     metrics = state_of(request).metrics
-    return Response(metrics.render(), media_type=metrics.content_type)
+    return Response(await asyncio.to_thread(metrics.render), media_type=metrics.content_type)
 
 
-def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+def create_app(engine: ServedEngine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
                metrics: ServerMetrics | None = None, default_max_tokens: int = 1024,
                encode_chat: ChatEncoder | None = None) -> FastAPI:
     """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).

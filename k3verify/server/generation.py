@@ -18,8 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from k3verify.server.errors import APIError, engine_unavailable
 from k3verify.server.render import SSE_DONE, Renderer, sse_event
-from k3verify.server.state import ServerState
-from k3verify.serving.engine import ContextLengthError, Engine, EngineDeadError, EngineEvent
+from k3verify.server.state import ServedEngine, ServerState
+from k3verify.serving.engine import ContextLengthError, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams, VocabError
 
 POLL_S = 0.25
@@ -67,7 +67,7 @@ def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
 class EventStream:
     """Engine-thread events handed to the event loop; waiting re-checks engine health so nobody hangs."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: ServedEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine, self.loop = engine, loop
         self.queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.next_check = loop.time() + POLL_S
@@ -109,7 +109,7 @@ class AbortOnClose(StreamingResponse):
             self.on_close()
 
 
-def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, events: EventStream,
+def submit(engine: ServedEngine, prompt_ids: list[int], params: SamplingParams, events: EventStream,
            prompt_param: str) -> int:
     """Hand the request to the engine; its refusals become 400 (naming `prompt_param`) or 503."""
     try:
@@ -126,7 +126,7 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, events
         raise APIError(400, str(exc), param=prompt_param) from None
 
 
-def engine_error(engine: Engine, event: EngineEvent) -> APIError:
+def engine_error(engine: ServedEngine, event: EngineEvent) -> APIError:
     """A failed event as an error: 503 when the engine is down or restarted under the request, else 500 (the
     request alone failed: non-finite logits, a sampling or detokenization error) with the engine's code."""
     if event.code == "engine_unavailable" or engine.health() is not None:

@@ -1,6 +1,14 @@
-"""Prometheus metrics for the server, on a registry of its own (several servers can share a process)."""
+"""Prometheus metrics, on registries of their own (several servers can share a process).
+
+EngineMetrics is what the engine observes (load, TTFT, inter-token latency, restarts, non-finite failures), kept
+where the engine runs; ServerMetrics is what the HTTP side counts (requests, tokens), and renders both: the
+engine's from its own EngineMetrics in one process, or as text fetched from the engine's process when the HTTP
+server runs in a process of its own (server/engine_link.py).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -8,20 +16,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class ServerMetrics:
-    """Request counts by endpoint and status, token counts, engine load, restarts, non-finite failures, TTFT and
-    inter-token latency."""
-
-    content_type = CONTENT_TYPE_LATEST
+class EngineMetrics:
+    """Engine load, restarts, non-finite failures, TTFT and inter-token latency (the engine's Observer)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("k3v_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("k3v_prompt_tokens", "Prompt tokens of requests accepted by the engine",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("k3v_generation_tokens", "Generated tokens delivered to clients",
-                                         registry=self.registry)
         self.queue_depth = Gauge("k3v_queue_depth", "Requests waiting for admission", registry=self.registry)
         self.running = Gauge("k3v_running_batch_size", "Sequences in the running batch", registry=self.registry)
         self.ttft = Histogram("k3v_time_to_first_token_seconds", "Arrival to first generated token",
@@ -49,8 +48,54 @@ class ServerMetrics:
     def count_nonfinite(self) -> None:
         self.nonfinite.inc()
 
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics:
+    """Request counts by endpoint and status and token counts; with the engine's metrics when they live here (an
+    in-process engine observes `self.engine`, through the Observer methods below) or `engine_text`, the engine's
+    exposition fetched from wherever it runs."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_text: Callable[[], bytes] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("k3v_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("k3v_prompt_tokens", "Prompt tokens of requests accepted by the engine",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("k3v_generation_tokens", "Generated tokens delivered to clients",
+                                         registry=self.registry)
+        self.engine: EngineMetrics | None = EngineMetrics() if engine_text is None else None
+        self.engine_text = engine_text if engine_text is not None else self._local_engine_text
+
+    def _local_engine_text(self) -> bytes:
+        assert self.engine is not None
+        return self.engine.render()
+
+    def _observer(self) -> EngineMetrics:
+        if self.engine is None:
+            raise RuntimeError("these ServerMetrics render a remote engine's metrics; observe on its EngineMetrics")
+        return self.engine
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._observer().observe_ttft(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._observer().observe_inter_token(seconds)
+
+    def set_load(self, num_waiting: int, num_running: int) -> None:
+        self._observer().set_load(num_waiting, num_running)
+
+    def count_restart(self) -> None:
+        self._observer().count_restart()
+
+    def count_nonfinite(self) -> None:
+        self._observer().count_nonfinite()
+
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self.engine_text()

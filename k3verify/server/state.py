@@ -10,7 +10,10 @@ from fastapi import Request
 
 from k3verify.server.errors import APIError
 from k3verify.server.metrics import ServerMetrics
-from k3verify.serving.engine import Engine
+from k3verify.serving.admission import RequestLimits
+from k3verify.serving.events import EngineEvent, TokenText
+from k3verify.serving.health import HealthStatus
+from k3verify.serving.sampler import SamplingParams, TokenLogprob
 from k3verify.tokenizer.tool_calls import ToolCallParser
 
 ChatEncoder = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]  # (messages, tools) -> ids
@@ -31,11 +34,32 @@ def template_chat_encoder(tokenizer: Any) -> ChatEncoder:
     return encode
 
 
+class ServedEngine(Protocol):
+    """What the HTTP layer needs of an engine: the Engine itself (serving/engine.py) in one process, or a
+    RemoteEngine (server/engine_link.py) when the engine runs in a process of its own."""
+
+    limits: RequestLimits
+    vocab_size: int
+    token_text: TokenText
+
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int: ...
+    def abort(self, seq_id: int) -> None: ...
+    def health(self) -> str | None: ...
+    def status(self) -> HealthStatus: ...
+    def validate(self, prompt_ids: list[int], max_tokens: int) -> None: ...
+    def max_new_tokens_for(self, prompt_len: int) -> int: ...
+    def score_prompt(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob | None]: ...
+
+
 @dataclass(frozen=True)
 class ServerState:
     """One app's shared state, kept on `app.state.server` (default_max_tokens: see create_app)."""
 
-    engine: Engine
+    engine: ServedEngine
     tokenizer: PromptTokenizer
     encode_chat: ChatEncoder
     model_name: str

@@ -64,7 +64,7 @@ async def tokenize(request: Request) -> JSONResponse:
         ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt)
     if req.model is not None:
         state.check_model(req.model)
-    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.runner.max_context, "tokens": ids,
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.limits.max_model_len, "tokens": ids,
                             "token_strs": _token_strs(state, ids) if req.return_token_strs else None}
     return JSONResponse(body)
 

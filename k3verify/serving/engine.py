@@ -19,6 +19,7 @@ speculator, steps run in order (the drafter proposes from the tokens the host ho
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -30,7 +31,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from k3verify.serving.admission import check_request_fits, longest_completion
+from k3verify.serving.admission import RequestLimits
 from k3verify.serving.events import (
     ContextLengthError,
     EngineDeadError,
@@ -46,6 +47,7 @@ from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
 from k3verify.serving.scheduler import Scheduler, StepPlan
+from k3verify.serving.scoring import score_prompt
 from k3verify.serving.step_loop import LaunchedStep, RowResult, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
@@ -79,6 +81,7 @@ class Engine:
         self.runner = runner
         # Decoding through graphs, a sequence's whole budget must fit their (possibly shorter) context.
         self.max_context = runner.max_context if graphs is None else min(runner.max_context, graphs.max_context)
+        self.limits = RequestLimits.of(runner, vocab_size, self.max_context)
         self.token_text = TokenText(tokenizer)
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.vocab_size = vocab_size
@@ -94,6 +97,7 @@ class Engine:
         self.num_waiting = 0
         self.num_running = 0
         self.num_steps = 0
+        self.num_submitted = 0  # requests queued by submit since start (the served bench waits on it)
         # (launch time, decode rows, prefill tokens) per step while record_steps() is on: the served bench's
         # breakdown of where a wave's wall time goes (bench/served.step_breakdown)
         self.step_log: deque[tuple[float, int, int]] | None = None
@@ -149,11 +153,11 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
         """Raise ValueError/ContextLengthError for a request that could never be served (serving/admission.py)."""
-        check_request_fits(self.runner, self.vocab_size, prompt_ids, max_tokens, self.max_context)
+        self.limits.check(prompt_ids, max_tokens)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too long)."""
-        return longest_completion(self.runner, prompt_len, self.max_context)
+        return self.limits.longest_completion(prompt_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
@@ -170,6 +174,7 @@ class Engine:
             if self.health() is not None:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
             self._commands.put(("add", req))
+            self.num_submitted += 1
         return req.seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -184,6 +189,13 @@ class Engine:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
             self._commands.put(("call", fn, fut))
         return fut.result(timeout)
+
+    def score_prompt(self, prompt_ids: list[int], num_top: int, timeout: float = 60.0) -> list[TokenLogprob | None]:
+        """Every prompt token's logprob given the tokens before it (None first), by the served model, on the engine
+        thread between steps (serving/scoring.py)."""
+        result: list[TokenLogprob | None] = self.call(functools.partial(score_prompt, self.runner.model, prompt_ids,
+                                                                         num_top), timeout)
+        return result
 
     def check_integrity(self, timeout: float = 60.0) -> None:
         self.call(self.runner.check_integrity, timeout)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from k3verify.server.app import create_app
-from k3verify.server.metrics import ServerMetrics
+from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
 
@@ -129,26 +130,39 @@ class RunningServer:
     url: str
     engine: Engine
     runner: Any
-    metrics: ServerMetrics
+    metrics: Any  # ServerMetrics; the engine's EngineMetrics with api_process
     model: str
+    api: ApiProcess | None = None
 
 
 @contextmanager
 def running_server(runner: Any | None = None, *, api_key: str | None = None, model: str = TINY,
                    tokenizer: Any | None = None, encode_chat: Any = None, eos_ids: Sequence[int] | None = None,
-                   vocab_size: int | None = None, default_max_tokens: int = 1024,
+                   vocab_size: int | None = None, default_max_tokens: int = 1024, api_process: bool = False,
                    **engine_kw: Any) -> Iterator[RunningServer]:
-    """Engine + app + uvicorn on 127.0.0.1 at a free port (k3-tiny unless told otherwise); stopped on exit."""
+    """Engine + app + uvicorn on 127.0.0.1 at a free port (k3-tiny unless told otherwise); stopped on exit.
+    api_process: the app in a process of its own, linked to the engine here (as `serve` runs it); `metrics` is
+    then the engine's EngineMetrics (the app's counters live in the other process)."""
     cfg, _, tiny_tokenizer = tiny_parts()
     runner = runner if runner is not None else RecordingRunner(make_tiny_runner())
+    if api_process and (tokenizer is not None or encode_chat is not None):
+        raise ValueError("api_process serves the default tokenizer and its chat template only")
     tokenizer = tokenizer or tiny_tokenizer
-    metrics = ServerMetrics()
+    metrics: Any = EngineMetrics() if api_process else ServerMetrics()
     engine = Engine(runner, tokenizer, eos_token_ids=eos_ids or cfg.eos_token_ids,
                     vocab_size=vocab_size or cfg.vocab_size, observer=metrics, **engine_kw).start()
-    app = create_app(engine, tokenizer, model_name=model, api_key=api_key, metrics=metrics,
-                     encode_chat=encode_chat, default_max_tokens=default_max_tokens)
     try:
-        with ServerThread(app) as server:
-            yield RunningServer(server.url, engine, runner, metrics, model)
+        if api_process:
+            from k3verify.tokenizer import default_tokenizer
+
+            config = api_config(engine, default_tokenizer, model, api_key=api_key,
+                                default_max_tokens=default_max_tokens)
+            with ApiProcess(engine, config, metrics.render) as api:
+                yield RunningServer(api.url, engine, runner, metrics, model, api)
+        else:
+            app = create_app(engine, tokenizer, model_name=model, api_key=api_key, metrics=metrics,
+                             encode_chat=encode_chat, default_max_tokens=default_max_tokens)
+            with ServerThread(app) as server:
+                yield RunningServer(server.url, engine, runner, metrics, model)
     finally:
         engine.stop()

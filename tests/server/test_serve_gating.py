@@ -256,6 +256,12 @@ def test_serve_starts_behind_a_passing_report(tmp_path: Path, tiny_digest: str) 
     with _serve_process("--report-dir", str(tmp_path), "--port", str(port), "--api-key", "k") as proc:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
         _chat(f"http://127.0.0.1:{port}")
+        proc.terminate()  # SIGTERM: the engine's process stops its API process on the way out, and exits 0
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out and "in its own process" in out, out
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
 @pytest.mark.slow

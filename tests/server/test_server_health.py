@@ -9,9 +9,17 @@ import threading
 import time
 
 import httpx
+import pytest
 from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
 
 from k3verify.serving.health import HealthPolicy
+
+
+@pytest.fixture(params=[False, True], ids=["in_process", "api_process"])
+def api_process(request: pytest.FixtureRequest) -> bool:
+    """Each test twice: the app in the engine's process, and in a process of its own (server/engine_link.py)."""
+    return bool(request.param)
+
 
 BODY = {"model": TINY, "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -30,12 +38,12 @@ def wait_until(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
     return pred()
 
 
-def test_engine_fault_fails_in_flight_request_then_engine_restarts() -> None:
+def test_engine_fault_fails_in_flight_request_then_engine_restarts(api_process: bool) -> None:
     """A runner exception mid-request: that request gets a 503 naming the fault; the supervisor restarts the loop
     with fresh caches, /health is 200 "degraded" counting the restart, /metrics counts it, the next request is
     served and the caches are clean."""
     runner = SlowRunner(0.01)
-    with running_server(runner) as server:
+    with running_server(runner, api_process=api_process) as server:
         assert httpx.get(f"{server.url}/health", timeout=5).json()["status"] == "ok"
         results: list[httpx.Response] = []
         inflight = threading.Thread(target=lambda: results.append(
@@ -57,10 +65,10 @@ def test_engine_fault_fails_in_flight_request_then_engine_restarts() -> None:
         runner.assert_empty()
 
 
-def test_engine_that_keeps_failing_is_given_up() -> None:
+def test_engine_that_keeps_failing_is_given_up(api_process: bool) -> None:
     """Past max_restarts faults in the window the loop stays dead: /health 503 and new requests 503."""
     runner = SlowRunner(0.0)
-    with running_server(runner, health_policy=HealthPolicy(max_restarts=1)) as server:
+    with running_server(runner, api_process=api_process, health_policy=HealthPolicy(max_restarts=1)) as server:
         for _ in range(2):
             server.engine.inject_fault("fault again")
             r = httpx.post(f"{server.url}/v1/completions", json=BODY | {"max_tokens": 3}, timeout=30)
@@ -71,10 +79,10 @@ def test_engine_that_keeps_failing_is_given_up() -> None:
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
 
 
-def test_engine_fault_mid_stream_sends_error_event_then_done() -> None:
+def test_engine_fault_mid_stream_sends_error_event_then_done(api_process: bool) -> None:
     """A stream in flight when the engine dies ends with an SSE error event and [DONE], not a hang."""
     runner = SlowRunner(0.01)
-    with running_server(runner) as server:
+    with running_server(runner, api_process=api_process) as server:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=BODY | {"stream": True}, timeout=30) as r:
             lines = r.iter_lines()
             first = next(ln for ln in lines if ln)
@@ -86,10 +94,10 @@ def test_engine_fault_mid_stream_sends_error_event_then_done() -> None:
         assert len(errors) == 1 and "boom mid-stream" in errors[0]["error"]["message"]
 
 
-def test_stalled_engine_turns_health_red() -> None:
+def test_stalled_engine_turns_health_red(api_process: bool) -> None:
     """A step that makes no progress past stall_timeout_s makes /health 503 while the engine is stuck."""
     gate = threading.Event()
-    with running_server(SlowRunner(0.0, gate), stall_timeout_s=0.3) as server:
+    with running_server(SlowRunner(0.0, gate), api_process=api_process, stall_timeout_s=0.3) as server:
         sender = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions",
                                                             json=BODY | {"max_tokens": 3}, timeout=30))
         sender.start()
@@ -102,10 +110,10 @@ def test_stalled_engine_turns_health_red() -> None:
         assert wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200, 10)
 
 
-def test_stream_disconnect_releases_cache() -> None:
+def test_stream_disconnect_releases_cache(api_process: bool) -> None:
     """Closing a stream mid-generation aborts the request: its slot and pages are free within seconds."""
     runner = SlowRunner(0.02)  # 200 tokens would take 4 s
-    with running_server(runner) as server:
+    with running_server(runner, api_process=api_process) as server:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=BODY | {"stream": True}, timeout=30) as r:
             chunks = 0
             for line in r.iter_lines():
@@ -118,10 +126,10 @@ def test_stream_disconnect_releases_cache() -> None:
         runner.assert_empty()
 
 
-def test_non_stream_disconnect_releases_cache() -> None:
+def test_non_stream_disconnect_releases_cache(api_process: bool) -> None:
     """A non-streaming client that times out and hangs up has its request aborted too."""
     runner = SlowRunner(0.02)  # 400 tokens would take 8 s
-    with running_server(runner) as server:
+    with running_server(runner, api_process=api_process) as server:
         try:
             httpx.post(f"{server.url}/v1/completions", json=BODY | {"max_tokens": 400}, timeout=0.3)
             raise AssertionError("the request finished before the client timed out")
@@ -132,10 +140,10 @@ def test_non_stream_disconnect_releases_cache() -> None:
         runner.assert_empty()
 
 
-def test_waiting_request_is_admitted_when_pages_free() -> None:
+def test_waiting_request_is_admitted_when_pages_free(api_process: bool) -> None:
     """A request that fits only once another finishes waits (no 400, no error) and is then served."""
     runner = SlowRunner(0.0, num_pages=9, page_size=16)  # 8 usable pages = 128 tokens of cache
-    with running_server(runner) as server:
+    with running_server(runner, api_process=api_process) as server:
         body = BODY | {"max_tokens": 70}  # prompt + 70 tokens = 5 pages: two cannot fit at once
         out: list[httpx.Response] = []
         threads = [threading.Thread(target=lambda: out.append(

@@ -1,0 +1,457 @@
+"""The HTTP server in a process of its own, linked to the engine's process by one socket.
+
+Why: in one process the engine thread and the HTTP server share one GIL. On the H200 (2026-12-02) a kl-48b-8l
+engine step of 64 running streams took 4.6 ms from launch to launch in process and twice that while uvicorn
+parsed, rendered and wrote the same streams' tokens: served decode fell to 0.43x the bench path at 64 streams.
+With the link, the engine's process runs the step loop, detokenization and stop strings; the API process runs
+uvicorn, request parsing, prompt tokenization and SSE rendering.
+
+Engine side: EngineHost serves the link (submit, abort, prompt scoring, the engine's metrics) and sends the
+engine's events back batched (one message per burst: an engine step emits one event per running request) with
+the engine's load and health whenever they change. API side: RemoteEngine is what the app holds instead of the
+Engine (server/state.ServedEngine): it checks a request with the engine's own limits before it is sent, so a
+refusal is the same synchronous 400 as in one process, and answers health from the last state the engine
+sent, or with why the link is gone. ApiProcess starts `python -m k3verify.server.api_process` over a socket
+pair and waits until it listens.
+
+Wire: engine -> API ("events", [(rid, text, token_ids, logprobs, finish_reason, error, code, prompt_tokens,
+completion_tokens), ...]), ("state", EngineState), ("reply", call_id, ok, value), ("ready", port) / ("failed",
+why); API -> engine ("submit", rid, prompt_ids, params), ("abort", rid), ("call", call_id, name, args).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from k3verify.serving.admission import RequestLimits
+from k3verify.serving.engine import Engine
+from k3verify.serving.events import ContextLengthError, EngineDeadError, EngineEvent, TokenText
+from k3verify.serving.health import HealthStatus
+from k3verify.serving.sampler import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health with no events to send
+CALL_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # the API process's imports, tokenizer and bind
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine side last reported: health() (None while serving), status(), load."""
+
+    health: str | None
+    status: HealthStatus
+    num_waiting: int
+    num_running: int
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Everything the API process needs to build the app; picklable (factories are module-level callables or
+    functools.partial of them)."""
+
+    limits: RequestLimits
+    state: EngineState
+    tokenizer: Callable[[], Any]
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    default_max_tokens: int = 1024
+    encode_chat: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
+    log_level: str = "warning"
+
+
+def _pack(rid: int, ev: EngineEvent) -> tuple[Any, ...]:
+    return (rid, ev.text, ev.token_ids, ev.logprobs, ev.finish_reason, ev.error, ev.code, ev.prompt_tokens,
+            ev.completion_tokens)
+
+
+def _unpack(item: tuple[Any, ...]) -> tuple[int, EngineEvent]:
+    rid, text, ids, lps, finish, error, code, prompt_tokens, completion_tokens = item
+    return rid, EngineEvent(text=text, token_ids=ids, logprobs=lps, finish_reason=finish, error=error, code=code,
+                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
+
+def engine_state(engine: Engine) -> EngineState:
+    return EngineState(engine.health(), engine.status(), engine.num_waiting, engine.num_running)
+
+
+class _Link:
+    """One end of the socket: sends from any thread (one lock), receives on one thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        """End the link for both sides now: a blocked recv here returns and the peer reads EOF (closing the fd alone
+        does neither while another thread is reading it)."""
+        try:
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        except OSError:
+            return  # already closed
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def send(self, msg: tuple[Any, ...]) -> bool:
+        """False when the other side is gone."""
+        try:
+            with self.send_lock:
+                self.conn.send(msg)
+            return True
+        except (OSError, EOFError, ValueError):
+            return False
+
+
+class EngineHost:
+    """The engine side of the link: requests and calls in, events and state out (two daemon threads)."""
+
+    def __init__(self, engine: Engine, conn: Connection, metrics_text: Callable[[], bytes]) -> None:
+        self.engine, self.link, self.metrics_text = engine, _Link(conn), metrics_text
+        self._cond = threading.Condition()
+        self._out: list[tuple[Any, ...]] = []
+        self._closed = threading.Event()
+        self._seq: dict[int, int] = {}  # rid -> the engine's seq_id while running
+        self._ended_early: set[int] = set()  # finished before submit() returned its seq_id
+        self._map_lock = threading.Lock()
+        self._last_state: EngineState | None = None
+        self._threads = [threading.Thread(target=self._receive, name="k3verify-link-in", daemon=True),
+                         threading.Thread(target=self._send_events, name="k3verify-link-out", daemon=True)]
+
+    def start(self) -> EngineHost:
+        for t in self._threads:
+            t.start()
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify()
+        self.link.shutdown()
+
+    def post(self, rid: int, event: EngineEvent) -> None:
+        """The sink of request rid (called on the engine thread): queued for the next send."""
+        if event.finished:
+            with self._map_lock:
+                if self._seq.pop(rid, None) is None:
+                    self._ended_early.add(rid)
+        with self._cond:
+            self._out.append(_pack(rid, event))
+            if len(self._out) == 1:
+                self._cond.notify()
+
+    def _send_events(self) -> None:
+        while not self.closed:
+            with self._cond:
+                if not self._out:
+                    self._cond.wait(STATE_POLL_S)
+                items, self._out = self._out, []
+            if items and not self.link.send(("events", items)):
+                break
+            state = engine_state(self.engine)
+            if state != self._last_state:
+                self._last_state = state
+                if not self.link.send(("state", state)):
+                    break
+        self._closed.set()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self.link.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._handle(msg)
+            except Exception:  # one bad message must not stop the link
+                log.exception("engine link: failed to handle %r", msg[0] if msg else msg)
+        self.close()
+        with self.link.send_lock:
+            self.link.conn.close()
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            self._submit(msg[1], msg[2], msg[3])
+        elif kind == "abort":
+            with self._map_lock:
+                seq_id = self._seq.pop(msg[1], None)
+            if seq_id is not None:
+                self.engine.abort(seq_id)
+        elif kind == "call":
+            threading.Thread(target=self._call, args=msg[1:], name="k3verify-link-call", daemon=True).start()
+        else:
+            raise ValueError(f"unknown engine link message {kind!r}")
+
+    def _submit(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            seq_id = self.engine.submit(prompt_ids, params, functools.partial(self.post, rid))
+        except Exception as exc:  # checked on the API side first: here only when the engine died meanwhile
+            code = "engine_unavailable" if isinstance(exc, EngineDeadError) else "request_refused"
+            self.post(rid, EngineEvent(error=str(exc), code=code, prompt_tokens=len(prompt_ids)))
+            return
+        with self._map_lock:
+            if rid in self._ended_early:
+                self._ended_early.discard(rid)
+            else:
+                self._seq[rid] = seq_id
+
+    def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            if name == "score_prompt":
+                value: Any = self.engine.score_prompt(*args)
+            elif name == "metrics":
+                value = self.metrics_text()
+            else:
+                raise ValueError(f"unknown engine call {name!r}")
+            self.link.send(("reply", call_id, True, value))
+        except Exception as exc:
+            self.link.send(("reply", call_id, False, exc))
+
+
+class RemoteEngine:
+    """The API side of the link: the ServedEngine the app holds when the engine runs in another process."""
+
+    def __init__(self, conn: Connection, limits: RequestLimits, state: EngineState, tokenizer: Any,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.link = _Link(conn)
+        self.limits, self.vocab_size = limits, limits.vocab_size
+        self.token_text = TokenText(tokenizer)
+        self._state = state
+        self._lost: str | None = None
+        self._on_lost = on_lost
+        self._sinks: dict[int, Callable[[EngineEvent], None]] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._receive, name="k3verify-link-in", daemon=True)
+
+    def start(self) -> RemoteEngine:
+        self._thread.start()
+        return self
+
+    # ---- ServedEngine ----
+    @property
+    def num_waiting(self) -> int:
+        return self._state.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._state.num_running
+
+    def health(self) -> str | None:
+        return self._lost if self._lost is not None else self._state.health
+
+    def status(self) -> HealthStatus:
+        if self._lost is None:
+            return self._state.status
+        s = self._state.status
+        return HealthStatus("unhealthy", (self._lost,), s.restarts, s.nonfinite_failures)
+
+    def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
+        self.limits.check(prompt_ids, max_tokens)
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        return self.limits.longest_completion(prompt_len)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
+        """Checked here with the engine's limits (ValueError / ContextLengthError), then sent; the id is this
+        side's."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams; got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        self.validate(prompt_ids, params.max_tokens)
+        reason = self.health()
+        if reason is not None:
+            raise EngineDeadError(f"engine is not running: {reason}")
+        rid = next(self._ids)
+        with self._lock:
+            self._sinks[rid] = sink
+        if not self.link.send(("submit", rid, list(prompt_ids), params)):
+            with self._lock:
+                self._sinks.pop(rid, None)
+            raise EngineDeadError(f"engine is not running: {self.health() or 'the engine link is closed'}")
+        return rid
+
+    def abort(self, seq_id: int) -> None:
+        with self._lock:
+            running = self._sinks.pop(seq_id, None) is not None
+        if running:
+            self.link.send(("abort", seq_id))
+
+    def score_prompt(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
+        result: list[TokenLogprob | None] = self.call("score_prompt", list(prompt_ids), num_top)
+        return result
+
+    def metrics_text(self) -> bytes:
+        if self._lost is not None:
+            return b""
+        text: bytes = self.call("metrics")
+        return text
+
+    def call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """A call on the engine side, waited for (from a worker thread: never from the event loop's)."""
+        fut: Future[Any] = Future()
+        call_id = next(self._ids)
+        with self._lock:
+            if self._lost is not None:
+                raise EngineDeadError(f"engine is not running: {self._lost}")
+            self._calls[call_id] = fut
+        if not self.link.send(("call", call_id, name, args)):
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise EngineDeadError("engine is not running: the engine link is closed")
+        return fut.result(timeout)
+
+    # ---- the link ----
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self.link.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "events":
+                self._deliver(msg[1])
+            elif kind == "state":
+                self._state = msg[1]
+            elif kind == "reply":
+                with self._lock:
+                    fut = self._calls.pop(msg[1], None)
+                if fut is not None:
+                    fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+            else:
+                log.error("engine link: unknown message %r from the engine side", kind)
+        self._lose("the engine process closed the link (it exited or was stopped)")
+
+    def _deliver(self, items: list[tuple[Any, ...]]) -> None:
+        for item in items:
+            rid, event = _unpack(item)
+            with self._lock:
+                sink = self._sinks.pop(rid, None) if event.finished else self._sinks.get(rid)
+            if sink is None:
+                continue  # aborted here after the engine emitted
+            try:
+                sink(event)
+            except Exception:
+                log.exception("sink of request %d failed", rid)
+
+    def _lose(self, reason: str) -> None:
+        with self._lock:
+            self._lost = reason
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for sink in sinks.values():
+            try:
+                sink(EngineEvent(error=reason, code="engine_unavailable"))
+            except Exception:
+                log.exception("sink failed while the engine link closed")
+        for fut in calls.values():
+            fut.set_exception(EngineDeadError(f"engine is not running: {reason}"))
+        if self._on_lost is not None:
+            self._on_lost()
+
+
+class ApiProcess:
+    """`with ApiProcess(engine, config, metrics_text) as api: api.url`: the app served by uvicorn in a child
+    process (python -m k3verify.server.api_process), linked to `engine` (already started) in this one."""
+
+    def __init__(self, engine: Engine, config: ApiConfig, metrics_text: Callable[[], bytes]) -> None:
+        self.engine, self.config, self.metrics_text = engine, config, metrics_text
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.host_link: EngineHost | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def __enter__(self) -> ApiProcess:
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "k3verify.server.api_process", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        conn = Connection(os.dup(ours.fileno()))
+        ours.close()
+        try:
+            conn.send(("config", self.config))
+            self.port = self._wait_ready(conn)
+        except BaseException:
+            conn.close()
+            self._stop_process()
+            raise
+        self.host_link = EngineHost(self.engine, conn, self.metrics_text).start()
+        return self
+
+    def _wait_ready(self, conn: Connection) -> int:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if conn.poll(0.1):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    break
+                if msg[0] == "ready":
+                    return int(msg[1])
+                raise RuntimeError(f"the API server process could not start: {msg[1]}")
+            if self.proc.poll() is not None:
+                break
+        rc = self.proc.poll()
+        raise RuntimeError("the API server process " + (f"exited with code {rc} before it listened" if rc is not None
+                           else f"did not listen within {START_TIMEOUT_S:g} s"))
+
+    def wait(self) -> int:
+        """Block until the API process exits (serve's foreground); its exit code."""
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def _stop_process(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_process()
+        if self.host_link is not None:
+            self.host_link.close()
+
+
+def api_config(engine: Engine, tokenizer: Callable[[], Any], model_name: str, **kw: Any) -> ApiConfig:
+    """The ApiConfig of `engine` (its limits and current state) with the app's settings."""
+    return ApiConfig(limits=engine.limits, state=engine_state(engine), tokenizer=tokenizer, model_name=model_name,
+                     **kw)
+
+
+__all__ = ["ApiConfig", "ApiProcess", "ContextLengthError", "EngineHost", "EngineState", "RemoteEngine",
+           "api_config"]
