@@ -39,7 +39,7 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
 from k3verify.serving.spec.graphs import VerifyGraphs
 from k3verify.serving.spec.offline import SpecRun, generate_speculative
-from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.policy import CostGate, SpecPolicy
 from k3verify.serving.spec.verifier import SpecVerifier
 
 
@@ -63,6 +63,7 @@ class SpecPlan:
     min_mean_accepted: float = 0.25
     use_graphs: bool = True
     ref_iterations: int | None = None  # cap of the controlled drafter's reference iteration; None: new_tokens
+    cost_gate: bool = True  # policy.CostGate in the speed rows, one per batch size across its runs (as serve keeps one)
 
 
 @dataclass
@@ -104,12 +105,14 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
     plain_refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
     tokens = B * plan.new_tokens
     rows = []
+    gate = CostGate() if plan.cost_gate else None
     for accept in plan.accept if plan.drafter == "controlled" else (float("nan"),):
         def generate(drafter: Drafter, spans: list[float] | None = None) -> SpecRun:
             marks = DeviceMarks(runner.device)
             run = generate_speculative(verifier, drafter, prompts, plan.new_tokens,
                                        policy=SpecPolicy(min_mean_accepted=plan.min_mean_accepted),
-                                       verify_graphs=vgraphs, decode_graphs=dgraphs, after_prefill=marks.mark)
+                                       verify_graphs=vgraphs, decode_graphs=dgraphs, after_prefill=marks.mark,
+                                       gate=gate)
             marks.mark()
             if spans is not None:
                 spans.append(marks.seconds(0, 1))
@@ -136,6 +139,7 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
                "spec_decode_ms": 1e3 * spec_decode_s,
                "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
                "turned_off": sum(s.off for s in run.stats), "rider_rows": run.rider_rows,
+               "cost_gate": None if gate is None else gate.describe() | {"gated_off": run.gated_off},
                "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs),
                "moe_paths": dict(grouped.PATHS - paths)}  # the timed run's bf16 MoE combine calls per kernel path
         rows.append(row if ref is None else row | _reference_columns(ref, run, prompts, accept, plan.num_draft))
@@ -301,4 +305,14 @@ def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
             f"{r['speedup']:.2f}x | {phase} | {pct('accept_measured')} / {pct('accept_expected')} | {ref} | "
             f"{pct('tokens_equal_to_reference', '.2f')} / {pct('tokens_equal_to_plain', '.2f')} | "
             f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off"
-            f"{', ' + str(r['rider_rows']) + ' rider rows' if r.get('rider_rows') else ''} |")
+            f"{', ' + str(r['rider_rows']) + ' rider rows' if r.get('rider_rows') else ''}"
+            f"{_gate_text(r.get('cost_gate'), r['batch'])} |")
+
+
+def _gate_text(gate: dict[str, Any] | None, batch: int) -> str:
+    """', gate off after verify x.x / decode y.y ms' when the cost gate stopped verification in that run."""
+    if not gate:
+        return ""
+    v, d = gate["verify_ms"].get(str(batch)), gate["decode_ms"].get(str(batch))
+    times = f" (verify {v:.1f} / decode {d:.1f} ms)" if v is not None and d is not None else ""
+    return f", cost gate {'off' if gate['gated_off'] else 'on'}{times}"

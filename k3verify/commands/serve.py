@@ -30,7 +30,7 @@ from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import ModelRunner, build_runner
-from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.policy import CostGate, SpecPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
 from k3verify.serving.warmup import warm_up
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
@@ -80,6 +80,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
     p.add_argument("--spec-min-accept", type=float, default=0.25, metavar="X",
                    help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
+    p.add_argument("--no-spec-cost-gate", action="store_true",
+                   help="verify whenever there are drafts (default: only when a verify step, timed here, is expected "
+                        "to emit more tokens per second than a plain decode step of the same batch)")
     p.add_argument("--kda-fused-verify", action="store_true",
                    help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
     p.add_argument("--api-in-process", action="store_true",
@@ -226,7 +229,8 @@ def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeSte
     try:
         policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
         step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
-                                      fused=args.kda_fused_verify, policy=policy)
+                                      fused=args.kda_fused_verify, policy=policy,
+                                      gate=None if args.no_spec_cost_gate else CostGate())
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"

@@ -296,6 +296,7 @@ class Engine:
         from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
         assert self.speculator is not None
         plan = self._plan()
+        whole = len(plan.decode)
         if plan.decode:
             rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
             for seq in plan.decode:
@@ -303,9 +304,13 @@ class Engine:
                     seq.num_launched = len(seq.output_ids)
                     self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
             plan.decode = rest
+        timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
+        start = time.perf_counter()
         launched = self.launcher.launch(plan, self._requests) if plan else None
         if launched is not None:
             self._process(launched)
+            if timed:  # what a plain step of this batch costs, for the speculator's cost gate
+                self.speculator.record_plain_step(whole, time.perf_counter() - start)
         elif not plan:
             self._refuse_unadmittable_head()
         self.num_steps += 1

@@ -16,7 +16,7 @@ from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.spec.accept import accept_greedy, accept_sampled, token_probs
 from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter, WithoutDrafts
 from k3verify.serving.spec.offline import generate_speculative
-from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
 from k3verify.serving.spec.verifier import SpecVerifier
 from k3verify.tokenizer import default_tokenizer
@@ -294,7 +294,7 @@ def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
 
     def args(**kw: object) -> argparse.Namespace:
         base = {"speculative": None, "num_draft": 4, "spec_min_accept": 0.25, "kda_fused_verify": False,
-                "max_batch": 3}
+                "max_batch": 3, "no_spec_cost_gate": False}
         return argparse.Namespace(**(base | kw))
 
     assert _speculator(args(), runner) is None
@@ -304,3 +304,66 @@ def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
         _speculator(args(speculative="ngram", num_draft=0), runner)
     step = _speculator(args(speculative="ngram", num_draft=3, kda_fused_verify=True), runner)
     assert step is not None and step.verifier.num_draft == 3 and step.verifier.fused
+    assert isinstance(step.gate, CostGate), "serve gates verification by its cost unless told not to"
+    step = _speculator(args(speculative="ngram", no_spec_cost_gate=True), runner)
+    assert step is not None and step.gate is None
+
+
+def test_cost_gate_probes_then_decides_by_measured_step_times() -> None:
+    """A batch size's first drafted step verifies (probe), the next decodes plainly (to time it), then the rule:
+    tokens per row expected from the rows' acceptance (with the prior) against verify / decode time. A declined
+    batch size probes again after reprobe_after declined steps, then after twice as many."""
+    gate = CostGate(reprobe_after=3)
+    none = SpecStats()
+    assert gate.verify_now(16, [none], 0, 4)  # nothing timed: probe
+    gate.record_verify(16, 0.009)
+    assert not gate.verify_now(16, [none], 0, 4)  # verify timed, plain not yet: time a plain step
+    gate.record_decode(16, 0.003)
+    bad, good = SpecStats(verifies=1, accepted=0), SpecStats(verifies=1, accepted=4)
+    assert gate.expected_accepted(bad, 4) == pytest.approx(1.0) and gate.expected_accepted(good, 4) == 3.0
+    assert gate.verify_now(16, [good], 0, 4)  # 4 tokens a row >= 3x the time
+    assert not gate.verify_now(16, [bad], 0, 4)  # 2 tokens a row < 3x
+    assert not gate.verify_now(16, [good], 3, 4)  # riders dilute: (4 + 3) / 4 rows < 3
+    # two declined above; the third probes, then the sixth after it, then the twelfth
+    assert [gate.verify_now(16, [bad], 0, 4) for _ in range(9)] == [True] + [False] * 5 + [True, False, False]
+    assert gate.verify_now(1, [bad], 0, 4), "another batch size is timed on its own"
+    gate.record_verify(16, 0.012)
+    assert gate.describe() == {"verify_ms": {"16": 9.0}, "decode_ms": {"16": 3.0}}, "the fastest step is kept"
+
+
+def test_cost_gate_sends_an_expensive_verify_to_plain_decode_offline(tiny_model: ServingModel) -> None:
+    """Offline, with step times where a verify costs 10 decode steps (control: 1), every draft right: the gate
+    never verifies and the run is plain greedy's; with equal times it verifies. Greedy output is the same both
+    ways: the gate only chooses how tokens are made."""
+    prompts, new = _prompts(), 12
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
+    runs = {}
+    for ratio in (10.0, 1.0):
+        gate = CostGate(verify_s={3: ratio * 1e-9}, decode_s={3: 1e-9})  # below any real step: kept as the fastest
+        verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+        runs[ratio] = generate_speculative(verifier, ControlledDrafter(K, refs, 0.0, 4608), prompts, new,
+                                           policy=SpecPolicy(min_mean_accepted=0.0), gate=gate)
+        assert runs[ratio].tokens == plain
+    assert runs[10.0].verify_steps == 0 and runs[10.0].gated_off
+    assert runs[1.0].verify_steps > 0 and not runs[1.0].gated_off and runs[1.0].acceptance == 1.0
+
+
+def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
+    """The engine's speculative step under a gate whose measured verify costs 10 plain steps: drafted steps go to
+    plain decode (counted), output is plain greedy's; the engine times its own plain steps for the gate."""
+    prompts, new = _prompts(), 10
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
+    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1.0}, reprobe_after=1000)
+    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
+                           SpecPolicy(min_mean_accepted=0.0), gate)
+    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+    events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+                                  for p in prompts])
+    assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
+    assert step.counters.verify_steps == 0 and step.counters.gated_steps > 0
+    assert gate.decode_s is not None and gate.decode_s[3] < 1.0, "the engine timed its plain steps"

@@ -12,6 +12,7 @@ max_new_tokens are dropped.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.scheduler import spec_reservation
 from k3verify.serving.spec.accept import accept_greedy_ids
 from k3verify.serving.spec.drafter import Drafter
-from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class SpecRun:
     decode_steps: int = 0
     accepted_per_row: list[int] = field(default_factory=list)  # every verified row's accepted drafts
     rider_rows: int = 0  # verify rows that rode along without drafts (instead of a separate decode step)
+    gated_off: bool = False  # the cost gate turned verification off for the rest of the run (policy.CostGate)
 
     @property
     def acceptance(self) -> float:
@@ -71,10 +73,12 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
                          max_new_tokens: int, *, policy: SpecPolicy | None = None,
                          verify_graphs: VerifyGraphs | None = None,
                          decode_graphs: GraphDecoder | None = None,
-                         after_prefill: Callable[[], None] | None = None) -> SpecRun:
+                         after_prefill: Callable[[], None] | None = None, gate: CostGate | None = None) -> SpecRun:
     """Greedy generation of max_new_tokens per prompt, all prompts admitted at once. The drafter is asked
     with the prompt's index as its key. `after_prefill` is called once the prefill's work is issued (the bench
-    marks the device timeline there, to time the decode phase alone)."""
+    marks the device timeline there, to time the decode phase alone). `gate` (policy.CostGate, kept by the caller
+    across runs as an engine keeps it): verify only when it pays at this batch size; None verifies whenever
+    there are drafts (the checks: they must exercise verification whatever the machine's timings)."""
     runner = verifier.runner
     if max_new_tokens < 1 or not prompts or len(prompts) > verifier.max_rows:
         raise ValueError(f"need max_new_tokens >= 1 and 1..{verifier.max_rows} prompts; got {max_new_tokens}, "
@@ -99,7 +103,11 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
             if all(run.stats[i].off for i in live):
                 _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)
                 break
-            _round(verifier, drafter, policy, prompts, ids, live, run, max_new_tokens, verify_graphs, decode_graphs)
+            if not _round(verifier, drafter, policy, prompts, ids, live, run, max_new_tokens, verify_graphs,
+                          decode_graphs, gate):
+                _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)  # the gate said no with what
+                run.gated_off = True  # it knows, and without verifies it learns nothing new in this run
+                break
     finally:
         for sid in ids:
             runner.release(sid)
@@ -110,7 +118,8 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
 
 def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts: Sequence[Sequence[int]],
            ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int, verify_graphs: VerifyGraphs | None,
-           decode_graphs: GraphDecoder | None) -> None:
+           decode_graphs: GraphDecoder | None, gate: CostGate | None = None) -> bool:
+    """One round; False when the gate chose plain decoding although it had timed both kinds of step."""
     k = verifier.num_draft
     rows: list[tuple[int, list[int]]] = []  # (prompt index, drafts)
     plain: list[int] = []
@@ -123,12 +132,20 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         else:
             plain.append(i)
     drafted = len(rows)
+    riders = [i for i in plain if verifier.can_verify(ids[i])] if rows else []
+    timed = gate is not None and len(rows) + len(riders) == len(live)  # the whole batch in one kind of step
+    if rows and gate is not None and not gate.verify_now(len(live), [run.stats[i] for i, _ in rows], len(riders), k):
+        if len(live) in gate.decode_s_known():
+            return False
+        plain, rows = live, []
+    start = time.perf_counter()
     if rows:  # rows without drafts ride along: one step for the batch, not a verify and a decode
-        riders = [i for i in plain if verifier.can_verify(ids[i])]
         rows += [(i, filler_drafts(run.tokens[i][-1], k)) for i in riders]
         plain = [i for i in plain if i not in riders]
         logits = verifier.verify([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], verify_graphs)
         best = logits.argmax(dim=-1).tolist()  # [B][k+1]: one transfer for the whole verify batch
+        if gate is not None and timed:
+            gate.record_verify(len(live), time.perf_counter() - start)
         results = [accept_greedy_ids(best[r], d) for r, (_, d) in enumerate(rows)]
         verifier.commit([a.num_accepted for a in results])
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
@@ -139,9 +156,13 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         run.rider_rows += len(rows) - drafted
     if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round
         step = [(ids[i], run.tokens[i][-1]) for i in plain]
+        start = time.perf_counter()
         for i, tok in zip(plain, verifier.runner.decode(step, decode_graphs).argmax(-1).tolist(), strict=True):
             run.tokens[i].append(tok)
+        if gate is not None and len(plain) == len(live):
+            gate.record_decode(len(live), time.perf_counter() - start)
         run.decode_steps += 1
+    return True
 
 
 def _plain_tail(verifier: SpecVerifier, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,

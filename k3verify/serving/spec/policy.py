@@ -41,3 +41,77 @@ class SpecPolicy:
         if stats.verifies >= self.min_verifies and stats.accepted < self.min_mean_accepted * stats.verifies:
             stats.off = True
         return accepted
+
+
+@dataclass
+class CostGate:
+    """Batch-level: a verify step runs only when it is expected to emit more tokens per second than a plain decode
+    step of the same batch would, with both step times measured where it runs.
+
+    Why: per-request acceptance is not the whole cost. A verify pass puts k+1 tokens of every row through the MoE
+    layers, which then touch many more experts than a decode step's one token per row: on the H200 (kl-48b-8l,
+    k=4, 2026-12-02) a verify step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
+    at batch 16 speculation lost at 50% acceptance (0.56x) and only broke even at 57%.
+
+    Rule, per batch size b: until a verify step of b rows was timed, verify (a probe); then, until a plain step of
+    b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected accepted
+    drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected accepted
+    drafts: (its accepted + prior_accepted) / (its verifies + prior_verifies), so that one unlucky verify does not
+    condemn a request (the prior is one verify that accepted half of k). Step times are the fastest seen (a first
+    step can carry one-time costs). Greedy output never depends on the gate: it only chooses how tokens are
+    produced."""
+
+    prior_verifies: float = 1.0
+    prior_accepted_fraction: float = 0.5
+    reprobe_after: int = 64  # declined steps of a batch size before one verify probes again (doubling each time)
+    verify_s: dict[int, float] | None = None
+    decode_s: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.verify_s = {} if self.verify_s is None else self.verify_s
+        self.decode_s = {} if self.decode_s is None else self.decode_s
+        self._declined: dict[int, int] = {}
+        self._reprobe: dict[int, int] = {}
+
+    def record_verify(self, batch: int, seconds: float) -> None:
+        assert self.verify_s is not None
+        self.verify_s[batch] = min(seconds, self.verify_s.get(batch, float("inf")))
+
+    def record_decode(self, batch: int, seconds: float) -> None:
+        assert self.decode_s is not None
+        self.decode_s[batch] = min(seconds, self.decode_s.get(batch, float("inf")))
+
+    def expected_accepted(self, stats: SpecStats, num_draft: int) -> float:
+        prior = self.prior_accepted_fraction * num_draft * self.prior_verifies
+        return (stats.accepted + prior) / (stats.verifies + self.prior_verifies)
+
+    def verify_now(self, batch: int, drafting: list[SpecStats], riders: int, num_draft: int) -> bool:
+        """Whether this step of `batch` sequences should verify its drafting rows (and riders) or decode plainly."""
+        assert self.verify_s is not None and self.decode_s is not None
+        if batch not in self.verify_s:
+            return True
+        if batch not in self.decode_s:
+            return False
+        rows = len(drafting) + riders
+        tokens = sum(1.0 + self.expected_accepted(s, num_draft) for s in drafting) + riders
+        if tokens / max(rows, 1) >= self.verify_s[batch] / self.decode_s[batch]:
+            return True
+        # Declined: a row's estimate only moves with verifies, and a slow first verify (a graph capture, say) would
+        # otherwise decide for good; so every reprobe_after declined steps (doubling) one verify probes again.
+        declined = self._declined.get(batch, 0) + 1
+        every = self._reprobe.setdefault(batch, self.reprobe_after)
+        if declined >= every:
+            self._declined[batch], self._reprobe[batch] = 0, 2 * every
+            return True
+        self._declined[batch] = declined
+        return False
+
+    def decode_s_known(self) -> set[int]:
+        assert self.decode_s is not None
+        return set(self.decode_s)
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        """Measured step times (ms) by batch size (keys as strings, as JSON keeps them), for reports."""
+        assert self.verify_s is not None and self.decode_s is not None
+        return {"verify_ms": {str(b): 1e3 * s for b, s in sorted(self.verify_s.items())},
+                "decode_ms": {str(b): 1e3 * s for b, s in sorted(self.decode_s.items())}}

@@ -22,7 +22,7 @@ from k3verify.serving.scheduler import ScheduledSeq
 from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
 from k3verify.serving.spec.drafter import Drafter, NgramDrafter
 from k3verify.serving.spec.offline import filler_drafts, pad_drafts, useful_drafts
-from k3verify.serving.spec.policy import SpecPolicy, SpecStats
+from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
 
 SPEC_DRAFTERS = ("ngram",)
@@ -47,14 +47,17 @@ class SpecCounters:
     emitted: int = 0
     turned_off: int = 0  # requests whose speculation the policy switched off
     rider_rows: int = 0  # greedy rows without drafts that rode along in a verify pass instead of a decode step
+    gated_steps: int = 0  # steps with drafts that the cost gate sent to plain decode
 
 
 class SpeculativeStep:
-    def __init__(self, verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy | None = None) -> None:
+    def __init__(self, verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy | None = None,
+                 gate: CostGate | None = None) -> None:
         if drafter.num_draft != verifier.num_draft:
             raise ValueError(f"drafter proposes {drafter.num_draft} tokens, the verifier checks {verifier.num_draft}")
         self.verifier, self.drafter = verifier, drafter
         self.policy = policy if policy is not None else SpecPolicy()
+        self.gate = gate  # policy.CostGate: verify only when it pays at this batch size (None: whenever drafted)
         self.stats: dict[int, SpecStats] = {}
         self.counters = SpecCounters()
 
@@ -74,11 +77,24 @@ class SpeculativeStep:
         if rows:  # greedy rows without drafts ride along: one step for the batch (offline.filler_drafts)
             riders = [seq for seq in rest if self._can_ride(host.spec_request(seq.seq_id))][
                 : self.verifier.max_rows - len(rows)]
+            if self.gate is not None and not self.gate.verify_now(
+                    len(batch), [self.stats[req.seq_id] for req, _ in rows], len(riders), self.verifier.num_draft):
+                self.counters.gated_steps += 1
+                return batch
             rows += [(req, filler_drafts(req.last_token, self.verifier.num_draft))
                      for req in (host.spec_request(seq.seq_id) for seq in riders)]
             rest = [seq for seq in rest if seq not in riders]
+            start = time.perf_counter()
             self._verify(host, rows, drafted)
+            if self.gate is not None and not rest:
+                self.gate.record_verify(len(batch), time.perf_counter() - start)
         return rest
+
+    def record_plain_step(self, batch: int, seconds: float) -> None:
+        """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it): the gate's
+        other half."""
+        if self.gate is not None:
+            self.gate.record_decode(batch, seconds)
 
     def _can_ride(self, req: Request) -> bool:
         """Greedy only: a sampled rider would spend its counter-based draws in a verify pass rather than a decode
@@ -131,10 +147,11 @@ class SpeculativeStep:
 
 
 def build_speculative_step(runner: ModelRunner, drafter: str, num_draft: int, max_rows: int, *, fused: bool = False,
-                           policy: SpecPolicy | None = None) -> SpeculativeStep:
+                           policy: SpecPolicy | None = None, gate: CostGate | None = None) -> SpeculativeStep:
     """The engine's speculator for `serve --speculative DRAFTER --num-draft K` (one verify row per running slot)."""
     if drafter not in SPEC_DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; known: {', '.join(SPEC_DRAFTERS)}")
     if num_draft < 1:
         raise ValueError(f"--num-draft must be >= 1; got {num_draft}")
-    return SpeculativeStep(SpecVerifier(runner, num_draft, max_rows, fused=fused), NgramDrafter(num_draft), policy)
+    return SpeculativeStep(SpecVerifier(runner, num_draft, max_rows, fused=fused), NgramDrafter(num_draft), policy,
+                           gate)
