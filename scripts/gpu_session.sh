@@ -55,6 +55,8 @@
 #   bash scripts/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
 #   bash scripts/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the verify's device
 #                                        time (scripts/spec_round_diag.py), unfused and fused
+#   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and engine-thread cProfile under
+#                                        64 and 16 streaming clients (scripts/served_profile.py)
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
@@ -233,6 +235,14 @@ engine)
     step "MoE combine per layer at 1, 2, 4 tokens"
     timeout 90 python3 scripts/moe_decode_bench.py --tokens 1,2,4 2>&1 | quiet | tail -5
     ;;
+served-profile)
+    # Where the served engine's host time goes under streaming clients (scripts/served_profile.py): the step
+    # breakdown and the engine thread's cProfile, at concurrency 64 then 16 (C="64 16")
+    for c in ${C:-64 16}; do
+        step "served profile, $c streaming clients (kl-48b-8l)"
+        timeout "${DIAG_S:-150}" python3 scripts/served_profile.py --concurrency "$c" --top 28 2>&1 | quiet | tail -75
+    done
+    ;;
 mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
     timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout 300 \
@@ -373,7 +383,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

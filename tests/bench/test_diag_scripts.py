@@ -1,5 +1,5 @@
 """The GPU diagnostic scripts run end to end on CPU (their smoke mode) before a device call spends time on them:
-scripts/engine_step_diag.py and scripts/spec_round_diag.py on kl-tiny."""
+scripts/engine_step_diag.py, scripts/spec_round_diag.py and scripts/served_profile.py on kl-tiny."""
 
 from __future__ import annotations
 
@@ -31,3 +31,11 @@ def test_spec_round_diag_smoke() -> None:
     for piece in ("propose", "verify", "readback", "accept", "commit"):
         assert f"\n{piece} " in out, out
     assert "round " in out and "verify on the device" in out
+
+
+def test_served_profile_smoke() -> None:
+    out = _run("served_profile.py", "--concurrency", "2", "--waves", "1", "--prompt-len", "8", "--new-tokens", "4",
+               "--top", "5")
+    assert "served at concurrency 2" in out and "steps: {" in out, out[-2000:]
+    assert "engine thread, by tottime" in out and "engine thread, by cumulative" in out, out[-2000:]
+    assert "step_loop.py" in out or "engine.py" in out, "the profile holds the engine thread's frames"

@@ -1,0 +1,69 @@
+"""Where does the served engine's host time go under streaming clients? (diagnostic, CUDA; `--device cpu` smoke)
+
+The served bench (H200, 2026-12-02, API server in its own process) measured decode-only engine steps at the bench
+path's step time, but steps carrying prompt chunks at 65 ms (c16, ~768 prompt tokens) and 137 ms (c64, ~2.7k)
+from launch to launch, where scripts/engine_step_diag.py had timed a mixed step of 4k prompt tokens beside 64
+running rows at 40 ms in process. This script builds the bench's runner and engine graphs for one concurrency,
+serves them as `bench --served` does, runs one untimed and `--waves` timed waves of free-running streaming clients,
+and prints the engine step breakdown, then a cProfile enabled on the engine thread, by own time and by cumulative
+time (Python 3.11 profiles that thread alone; 3.12's cProfile, on sys.monitoring, every thread of the process: the
+engine link's too, and the main thread waiting for the clients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+
+from k3verify.bench import served as sv
+from k3verify.bench.timing import random_prompt
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+from k3verify.presets import get_preset
+from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.model import ServingModel
+from k3verify.serving.runner import ModelRunner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kl-48b-8l")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=2, help="requests per client in the profiled part")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    cfg = get_preset(a.preset)
+    model = ServingModel(cfg, torch.bfloat16, dev).load(synthetic_tensors(cfg, 0, device=dev))
+    c, ctx, page = a.concurrency, a.prompt_len + a.new_tokens + 8, 64
+    runner = ModelRunner(model, num_pages=c * (-(-ctx // page)) + 8, page_size=page, num_slots=c + 1, max_context=ctx)
+    graphs = sv.engine_graphs(runner, GraphDecoder(model, ctx, buckets=(c,), use_graphs=dev.type == "cuda"), (c,))
+    prof = cProfile.Profile()
+    with sv.served_stack(runner, graphs, c, max(sv.MIN_STEP_TOKENS, c * a.prompt_len)) as stack:
+        waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, 10_000, dev).tolist()]
+        sv._timed_waves(stack, waves, a.new_tokens)  # untimed: first compiles of this shape mix
+        waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, r, dev).tolist() for r in range(a.waves)]
+        stack.engine.call(prof.enable)  # enabled on the engine thread
+        try:
+            row = sv._timed_waves(stack, waves, a.new_tokens)
+        finally:
+            stack.engine.call(prof.disable)
+    print(f"===== {a.preset} served at concurrency {c}: {row['tok_s']:,.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
+          f"TTFT p50 {row['ttft_p50_ms']:.1f} ms")
+    print("steps:", row["steps"])
+    for order in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(order).print_stats(a.top)
+        lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
+        print(f"----- engine thread, by {order}")
+        print("\n".join(lines[2:a.top + 6]))
+
+
+if __name__ == "__main__":
+    main()
