@@ -26,7 +26,7 @@ from k3verify.server.app import create_app
 from k3verify.server.engine_link import ApiProcess, api_config
 from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import describe_server_impl
-from k3verify.serving.engine import Engine
+from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.runner import ModelRunner, build_runner
@@ -63,6 +63,11 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="tokens per cache page")
     p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N",
                    help="tokens per engine step: one per decoding sequence, the rest for prompt chunks")
+    p.add_argument("--admit-quiet-ms", type=float, default=1e3 * ADMIT_QUIET_S, metavar="MS",
+                   help="admit waiting requests once none has arrived for MS (default %(default)g; 0: at once): "
+                        "requests arriving together share one prefill step")
+    p.add_argument("--admit-max-hold-ms", type=float, default=1e3 * ADMIT_MAX_HOLD_S, metavar="MS",
+                   help="... or once the oldest has waited MS (default %(default)g)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
@@ -163,6 +168,9 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
         raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
                          "leave it out to serve without authentication on loopback")
     health_policy(args)
+    if args.admit_quiet_ms < 0 or args.admit_max_hold_ms < 0:
+        raise UsageError(f"--admit-quiet-ms and --admit-max-hold-ms must be >= 0; got {args.admit_quiet_ms}, "
+                         f"{args.admit_max_hold_ms}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {args.port}")
     try:
@@ -216,7 +224,8 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
                          "(its digest no longer matches the gated one)")
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
-                    health_policy=health_policy(args),
+                    health_policy=health_policy(args), admit_quiet_s=args.admit_quiet_ms / 1e3,
+                    admit_max_hold_s=args.admit_max_hold_ms / 1e3,
                     speculator=_speculator(args, runner))
     return engine, tokenizer
 

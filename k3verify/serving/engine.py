@@ -63,6 +63,16 @@ log = logging.getLogger(__name__)
 # 4.6 ms in process (H200, 2026-12-02). Engine.start lowers the interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
+# Admission hold: requests that arrive together are admitted together. A prefill step has a large fixed cost
+# (kl-48b-8l on the H200, 2026-12-02: 65-140 ms from launch to launch for 0.8k-3.3k prompt tokens beside the running
+# rows, most of it host work), and a burst of arrivals spread over a few milliseconds was admitted over 2-3 such
+# steps, each stalling every running stream (prefill steps were 49-54% of the served wall at 16 and 64 streams).
+# So the waiting queue is admitted once no request has arrived for ADMIT_QUIET_S, or once its oldest request has
+# waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill every free slot; running rows keep decoding
+# meanwhile. (TGI batches prefills for the same reason with its waiting_served_ratio.)
+ADMIT_QUIET_S = 0.003
+ADMIT_MAX_HOLD_S = 0.025
+
 __all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "InjectedFault"]
 
 
@@ -71,7 +81,8 @@ class Engine:
                  max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
                  debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
                  idle_wait_s: float = 0.05, health_policy: HealthPolicy | None = None,
-                 speculator: SpeculativeStep | None = None) -> None:
+                 speculator: SpeculativeStep | None = None, admit_quiet_s: float = ADMIT_QUIET_S,
+                 admit_max_hold_s: float = ADMIT_MAX_HOLD_S) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
@@ -93,6 +104,10 @@ class Engine:
         self.observer = observer
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
+        if admit_quiet_s < 0 or admit_max_hold_s < 0:
+            raise ValueError(f"admission hold times must be >= 0; got {admit_quiet_s}, {admit_max_hold_s}")
+        self.admit_quiet_s, self.admit_max_hold_s = admit_quiet_s, admit_max_hold_s
+        self.num_held = 0  # times the loop waited for more arrivals before admitting (nothing else to run)
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
         self.num_waiting = 0
         self.num_running = 0
@@ -217,13 +232,33 @@ class Engine:
             return
 
     def _loop(self) -> None:
-        while self._handle_commands(block=self._is_idle()):
+        serving = True
+        while serving and self._handle_commands(block=self._is_idle()):
             self._heartbeat = time.monotonic()
+            hold = self._admission_hold()
+            if hold > 0 and not self.scheduler.running and self._in_flight is None:
+                self.num_held += 1
+                serving = self._handle_commands(block=True, timeout=hold)  # more arrivals, or the hold ends
+                continue
             if not self._is_idle():
-                self._step()
+                self._step(admit=hold <= 0)
                 if self.debug:
                     self.runner.check_integrity()
             self._publish_load()
+
+    def _admission_hold(self) -> float:
+        """Seconds the waiting queue's admission should still wait for more arrivals (0: admit now); see
+        ADMIT_QUIET_S."""
+        waiting = self.scheduler.waiting
+        if not waiting or self.admit_quiet_s <= 0:
+            return 0.0
+        room = self.runner.num_free_slots
+        if self.max_running is not None:
+            room = min(room, self.max_running - self.scheduler.num_running)
+        if len(waiting) >= room:
+            return 0.0
+        newest, oldest = (self._requests[s.seq_id].arrival for s in (waiting[-1], waiting[0]))
+        return max(0.0, min(newest + self.admit_quiet_s, oldest + self.admit_max_hold_s) - time.monotonic())
 
     def _restart(self, reason: str) -> bool:
         """Fail the admitted requests, reallocate the caches, keep the waiting queue. False: give up."""
@@ -251,9 +286,9 @@ class Engine:
         log.warning("engine restarted (%d so far): %s", self.health_tracker.restarts, reason)
         return True
 
-    def _handle_commands(self, block: bool) -> bool:
+    def _handle_commands(self, block: bool, timeout: float | None = None) -> bool:
         try:
-            cmd = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout or self.idle_wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -278,12 +313,12 @@ class Engine:
     def _is_idle(self) -> bool:
         return self.scheduler.is_idle() and self._in_flight is None
 
-    def _step(self) -> None:
+    def _step(self, admit: bool = True) -> None:
         """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
         if self.speculator is not None:
-            self._step_in_order()
+            self._step_in_order(admit)
             return
-        plan = self._plan()
+        plan = self._plan(admit)
         previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
         if previous is not None:
             self._process(previous)
@@ -291,11 +326,11 @@ class Engine:
             self._refuse_unadmittable_head()
         self.num_steps += 1
 
-    def _step_in_order(self) -> None:
+    def _step_in_order(self, admit: bool) -> None:
         """With speculative decoding each step is collected before the next is planned: the drafter proposes
         from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
         assert self.speculator is not None
-        plan = self._plan()
+        plan = self._plan(admit)
         whole = len(plan.decode)
         if plan.decode:
             rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
@@ -319,8 +354,8 @@ class Engine:
         """Start (a fresh log) or stop recording each step's launch time and shape in `step_log`."""
         self.step_log = deque(maxlen=1_000_000) if on else None
 
-    def _plan(self) -> StepPlan:
-        plan = self.scheduler.schedule()
+    def _plan(self, admit: bool = True) -> StepPlan:
+        plan = self.scheduler.schedule(admit)
         if self.step_log is not None and plan:
             self.step_log.append((time.monotonic(), len(plan.decode), plan.num_tokens - len(plan.decode)))
         if self._fault is not None:  # after admission, as a runner fault would strike

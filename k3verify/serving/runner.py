@@ -95,6 +95,11 @@ class ModelRunner:
         return (0 < num_tokens <= self.max_context
                 and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_usable_pages)
 
+    @property
+    def num_free_slots(self) -> int:
+        """State slots free for new sequences."""
+        return self.state_pool.num_free
+
     def can_admit(self, num_tokens: int) -> bool:
         return (self.can_ever_fit(num_tokens) and self.state_pool.num_free >= 1
                 and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_free_pages)

@@ -134,9 +134,10 @@ class Scheduler:
             return seq.num_reserved_tokens
         return spec_reservation(self.runner, seq.num_reserved_tokens, self.reserve_extra, self.max_reserve)
 
-    def schedule(self) -> StepPlan:
-        """The next step: every decodable running sequence, then prompt chunks within the rest of the budget.
-        Commits the plan (prefill offsets and launched-token counts advance)."""
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """The next step: every decodable running sequence, then prompt chunks within the rest of the budget (of
+        waiting sequences too unless `admit` is False). Commits the plan (prefill offsets and launched-token counts
+        advance)."""
         plan = StepPlan(decode=[s for s in self.running.values() if s.can_decode])
         budget = self.max_step_tokens - len(plan.decode)
         for seq in self.running.values():
@@ -144,7 +145,7 @@ class Scheduler:
                 break
             if not seq.is_prefilled:
                 budget -= self._chunk(plan, seq, budget)
-        while self.waiting and budget > 0:
+        while admit and self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.max_running is not None and len(self.running) >= self.max_running:
                 break

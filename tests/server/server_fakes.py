@@ -85,6 +85,10 @@ class FakeRunner:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_context and self._pages(num_tokens) <= self.num_pages
 
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_slots - len(self.slots)
+
     def can_admit(self, num_tokens: int) -> bool:
         return (self.can_ever_fit(num_tokens) and self._pages(num_tokens) <= self.free_pages
                 and len(self.slots) < self.max_slots)

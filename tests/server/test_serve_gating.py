@@ -197,6 +197,7 @@ def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
     (["--api-key", ""], "--api-key must not be empty"),
     (["--api-key", " "], "--api-key must not be empty"),
     (["--nonfinite-threshold", "0"], "max_nonfinite >= 1"),
+    (["--admit-quiet-ms", "-1"], "--admit-quiet-ms and --admit-max-hold-ms must be >= 0"),
 ])
 def test_bad_serve_arguments_are_usage_errors(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:

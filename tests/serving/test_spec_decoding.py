@@ -319,7 +319,7 @@ def test_cost_gate_probes_then_decides_by_measured_step_times() -> None:
     gate.record_verify(16, 0.009)
     assert not gate.verify_now(16, [none], 0, 4)  # verify timed, plain not yet: time a plain step
     gate.record_decode(16, 0.003)
-    bad, good = SpecStats(verifies=1, accepted=0), SpecStats(verifies=1, accepted=4)
+    bad, good = SpecStats(verifies=1, drafted=4, accepted=0), SpecStats(verifies=1, drafted=4, accepted=4)
     assert gate.expected_accepted(bad, 4) == pytest.approx(1.0) and gate.expected_accepted(good, 4) == 3.0
     assert gate.verify_now(16, [good], 0, 4)  # 4 tokens a row >= 3x the time
     assert not gate.verify_now(16, [bad], 0, 4)  # 2 tokens a row < 3x
@@ -327,6 +327,8 @@ def test_cost_gate_probes_then_decides_by_measured_step_times() -> None:
     # two declined above; the third probes, then the sixth after it, then the twelfth
     assert [gate.verify_now(16, [bad], 0, 4) for _ in range(9)] == [True] + [False] * 5 + [True, False, False]
     assert gate.verify_now(1, [bad], 0, 4), "another batch size is timed on its own"
+    near_end = SpecStats(verifies=2, drafted=5, accepted=5)  # all accepted, the last verify had 1 countable draft
+    assert gate.expected_accepted(near_end, 4) == pytest.approx(4 * 7 / 9), "a rate: short last rounds are no loss"
     gate.record_verify(16, 0.012)
     assert gate.describe() == {"verify_ms": {"16": 9.0}, "decode_ms": {"16": 3.0}}, "the fastest step is kept"
 

@@ -56,9 +56,10 @@ class CostGate:
     Rule, per batch size b: until a verify step of b rows was timed, verify (a probe); then, until a plain step of
     b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected accepted
     drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected accepted
-    drafts: (its accepted + prior_accepted) / (its verifies + prior_verifies), so that one unlucky verify does not
-    condemn a request (the prior is one verify that accepted half of k). Step times are the fastest seen (a first
-    step can carry one-time costs). Greedy output never depends on the gate: it only chooses how tokens are
+    drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one verify of k
+    drafts that accepted half, so that one unlucky verify does not condemn a request. Step times are the fastest
+    seen (a first step can carry one-time costs), and a declined batch size probes again after reprobe_after
+    declined steps, then after twice as many. Greedy output never depends on the gate: it only chooses how tokens are
     produced."""
 
     prior_verifies: float = 1.0
@@ -82,8 +83,10 @@ class CostGate:
         self.decode_s[batch] = min(seconds, self.decode_s.get(batch, float("inf")))
 
     def expected_accepted(self, stats: SpecStats, num_draft: int) -> float:
-        prior = self.prior_accepted_fraction * num_draft * self.prior_verifies
-        return (stats.accepted + prior) / (stats.verifies + self.prior_verifies)
+        """k times the row's acceptance rate over its countable drafts, with the prior: a rate, so that the rounds
+        near a request's end (fewer countable drafts) do not read as poor drafting."""
+        prior = self.prior_verifies * num_draft
+        return num_draft * (stats.accepted + self.prior_accepted_fraction * prior) / (stats.drafted + prior)
 
     def verify_now(self, batch: int, drafting: list[SpecStats], riders: int, num_draft: int) -> bool:
         """Whether this step of `batch` sequences should verify its drafting rows (and riders) or decode plainly."""
