@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from k3verify.bench import cpu_stat
 from k3verify.bench.parity import judge
 from k3verify.bench.speeds import generate_ours
 from k3verify.bench.timing import random_prompt
@@ -242,13 +243,17 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
 def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: int) -> dict[str, Any]:
     """Run the clients over `waves`: wave_stats, the engine steps they took and where those steps' time went."""
     steps = stack.engine.num_steps
+    throttled = cpu_stat.throttled_ms()
     stack.engine.record_steps(True)
     try:
         row = wave_stats(run_client_processes(stack.url, waves, new_tokens), new_tokens)
         log = list(stack.engine.step_log or ())
     finally:
         stack.engine.record_steps(False)
-    return row | {"engine_steps": stack.engine.num_steps - steps, "steps": step_breakdown(log)}
+    after = cpu_stat.throttled_ms()
+    return row | {"engine_steps": stack.engine.num_steps - steps, "steps": step_breakdown(log),
+                  "cpu_throttled_ms": None if throttled is None or after is None else after - throttled,
+                  **cpu_stat.host_cpu()}
 
 
 def step_breakdown(log: list[tuple[float, int, int]]) -> dict[str, Any]:
