@@ -28,8 +28,8 @@ def _submit_spaced(engine: Engine, n: int, gap_s: float) -> list[threading.Event
     return done
 
 
-def _first_prefill(quiet: float, max_hold: float, n: int, gap_s: float) -> list[int]:
-    runner = RecordingRunner(make_tiny_runner(), delay_s=0.05)  # every step slow: later arrivals land mid-step
+def _first_prefill(quiet: float, max_hold: float, n: int, gap_s: float, delay_s: float = 0.05) -> list[int]:
+    runner = RecordingRunner(make_tiny_runner(), delay_s=delay_s)  # every step slow: later arrivals land mid-step
     engine = _engine(runner, admit_quiet_s=quiet, admit_max_hold_s=max_hold)
     try:
         done = _submit_spaced(engine, n, gap_s)
@@ -40,15 +40,16 @@ def _first_prefill(quiet: float, max_hold: float, n: int, gap_s: float) -> list[
 
 
 def test_a_burst_is_prefilled_in_one_step() -> None:
-    """Four requests 2 ms apart: one prefill of four with the hold; without it the first goes alone."""
-    assert _first_prefill(0.02, 0.2, 4, 0.002)[0] == 4
-    assert _first_prefill(0.0, 0.0, 4, 0.002)[0] < 4, "control: without the hold the burst is split"
+    """Four requests 10 ms apart: one prefill of four with the hold; without it (control; 50 ms apart, steps of
+    200 ms) the first goes alone and the others wait for the next step. Gaps and holds are wide for a loaded CI."""
+    assert _first_prefill(0.2, 1.0, 4, 0.01)[0] == 4
+    assert _first_prefill(0.0, 0.0, 4, 0.05, delay_s=0.2)[0] == 1, "control: without the hold the burst is split"
 
 
 def test_a_steady_stream_is_admitted_within_the_longest_hold() -> None:
-    """Arrivals every 20 ms never leave a quiet gap of 50 ms, yet the first prefill starts by the 150 ms hold:
+    """Arrivals every 50 ms never leave a quiet gap of 200 ms, yet the first prefill starts by the 500 ms hold:
     it holds more than one request and not all twenty."""
-    first = _first_prefill(0.05, 0.15, 20, 0.02)[0]
+    first = _first_prefill(0.2, 0.5, 20, 0.05)[0]
     assert 2 <= first < 20, first
 
 
