@@ -103,7 +103,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filt
         cat .tcache/tcache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
             && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
     fi
-    trap save_tcache EXIT
+    [ "${TCACHE_SAVE:-1}" = 0 ] || trap save_tcache EXIT  # TCACHE_SAVE=0: a short call that keeps the carried one
 fi
 step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }

@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import pstats
+from pathlib import Path
 
 import torch
 
@@ -57,6 +58,9 @@ def main() -> None:
     print(f"===== {a.preset} served at concurrency {c}: {row['tok_s']:,.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
           f"TTFT p50 {row['ttft_p50_ms']:.1f} ms")
     print("steps:", row["steps"])
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"host CPU: {row['cpus_usable']} usable, cgroup quota {row['cgroup_quota_cpus']} CPUs, throttled "
+          f"{row['cpu_throttled_ms']} ms during the timed waves; load average {load}")
     for order in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(order).print_stats(a.top)
