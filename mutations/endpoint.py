@@ -10,7 +10,7 @@ MUTANTS = [
     Mutant(
         id="endpoint.scoring.prompt_logprobs_off_by_one", quick=True,
         fault="echo's prompt logprobs score token i+1 with the distribution after token i+1 instead of after token i",
-        target="k3verify.server.scoring:score_prompt",
+        target="k3verify.serving.scoring:score_prompt",
         old="logits.all_logits[:-1], prompt_ids[1:]",
         new="logits.all_logits[1:], prompt_ids[1:]",
         killers=["endpoint.logprobs.prompt"],

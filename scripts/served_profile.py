@@ -24,6 +24,7 @@ from k3verify.bench import served as sv
 from k3verify.bench.timing import random_prompt
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
+from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--admit-quiet-ms", type=float, default=1e3 * ADMIT_QUIET_S)
+    ap.add_argument("--admit-max-hold-ms", type=float, default=1e3 * ADMIT_MAX_HOLD_S)
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = get_preset(a.preset)
@@ -46,7 +49,8 @@ def main() -> None:
     runner = ModelRunner(model, num_pages=c * (-(-ctx // page)) + 8, page_size=page, num_slots=c + 1, max_context=ctx)
     graphs = sv.engine_graphs(runner, GraphDecoder(model, ctx, buckets=(c,), use_graphs=dev.type == "cuda"), (c,))
     prof = cProfile.Profile()
-    with sv.served_stack(runner, graphs, c, max(sv.MIN_STEP_TOKENS, c * a.prompt_len)) as stack:
+    with sv.served_stack(runner, graphs, c, max(sv.MIN_STEP_TOKENS, c * a.prompt_len),
+                         admit_quiet_s=a.admit_quiet_ms / 1e3, admit_max_hold_s=a.admit_max_hold_ms / 1e3) as stack:
         waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, 10_000, dev).tolist()]
         sv._timed_waves(stack, waves, a.new_tokens)  # untimed: first compiles of this shape mix
         waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, r, dev).tolist() for r in range(a.waves)]

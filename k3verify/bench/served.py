@@ -102,14 +102,16 @@ def engine_graphs(runner: ModelRunner, bench_graphs: GraphDecoder, concurrencies
 
 @contextlib.contextmanager
 def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int, step_tokens: int,
-                 api_process: bool = True) -> Iterator[ServedStack]:
+                 api_process: bool = True, **engine_kw: Any) -> Iterator[ServedStack]:
     """Engine (graph decode, overlap, chunked prefill) here + app + uvicorn on 127.0.0.1, in a process of its own
-    linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit."""
+    linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit. `engine_kw`: more Engine
+    settings (scripts/served_profile.py sweeps the admission hold)."""
     cfg = runner.model.cfg
     warm_up(runner, graphs, step_tokens)  # as `k3verify serve` does before its port opens
     observer = EngineMetrics() if api_process else ServerMetrics()
     engine = Engine(runner, IdTokenizer(cfg.vocab_size), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
-                    max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=observer)
+                    max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=observer,
+                    **engine_kw)
     engine.start()
     try:
         if api_process:

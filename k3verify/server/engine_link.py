@@ -11,8 +11,8 @@ engine's events back batched (one message per burst: an engine step emits one ev
 the engine's load and health whenever they change. API side: RemoteEngine is what the app holds instead of the
 Engine (server/state.ServedEngine): it checks a request with the engine's own limits before it is sent, so a
 refusal is the same synchronous 400 as in one process, and answers health from the last state the engine
-sent, or with why the link is gone. ApiProcess starts `python -m k3verify.server.api_process` over a socket
-pair and waits until it listens.
+sent, or with why the link is gone. ApiProcess starts k3verify.server.api_process's main (from this process's
+own package) over a socket pair and waits until it listens.
 
 Wire: engine -> API ("events", [(rid, text, token_ids, logprobs, finish_reason, error, code, prompt_tokens,
 completion_tokens), ...]), ("state", EngineState), ("reply", call_id, ok, value), ("ready", port) / ("failed",
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from k3verify.serving.admission import RequestLimits
@@ -44,6 +45,12 @@ from k3verify.serving.sampler import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
+# The API process imports the very package this process runs (the folder holding k3verify/ first on its path):
+# `python -m` would put the working directory first, and a k3verify folder there (another checkout, a mutant's
+# copy) would serve requests with other code than the engine's.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+API_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from k3verify.server.api_process import main; "
+            "sys.exit(main(int(sys.argv[2])))")
 STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health with no events to send
 CALL_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 120.0  # the API process's imports, tokenizer and bind
@@ -392,7 +399,7 @@ class ApiProcess:
     def __enter__(self) -> ApiProcess:
         ours, theirs = socket.socketpair()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "k3verify.server.api_process", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-c", API_MAIN, PACKAGE_ROOT, str(theirs.fileno())],
                                          pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()

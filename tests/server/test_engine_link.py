@@ -156,3 +156,13 @@ def test_api_process_that_cannot_start_names_why(tmp_path: Path) -> None:
                 pass
     finally:
         engine.stop()
+
+
+def test_api_process_imports_the_engines_package_whatever_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A k3verify folder in the working directory (another checkout) is not what the API process runs."""
+    (tmp_path / "k3verify").mkdir()
+    (tmp_path / "k3verify" / "__init__.py").write_text("raise ImportError('the wrong k3verify')\n")
+    monkeypatch.chdir(tmp_path)
+    with running_server(api_process=True) as server:
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
