@@ -28,8 +28,8 @@ def test_each_held_wave_is_admitted_by_one_step_after_earlier_waves(monkeypatch:
         packs: list[list[list[int]]] = []
         schedule = stack.engine.scheduler.schedule
 
-        def spy() -> StepPlan:
-            plan = schedule()
+        def spy(admit: bool = True) -> StepPlan:
+            plan = schedule(admit)
             if plan.prefill:
                 packs.append([c.tokens for c in plan.prefill])
             return plan
