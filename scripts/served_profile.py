@@ -62,6 +62,7 @@ def main() -> None:
     print(f"===== {a.preset} served at concurrency {c}: {row['tok_s']:,.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
           f"TTFT p50 {row['ttft_p50_ms']:.1f} ms")
     print("steps:", row["steps"])
+    print("arrivals:", row["arrivals"], "admission holds:", row["admission_holds"])
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"host CPU: {row['cpus_usable']} usable, cgroup quota {row['cgroup_quota_cpus']} CPUs, throttled "
           f"{row['cpu_throttled_ms']} ms during the timed waves; load average {load}")

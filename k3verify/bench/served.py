@@ -244,18 +244,40 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
 
 def _timed_waves(stack: ServedStack, waves: list[list[list[int]]], new_tokens: int) -> dict[str, Any]:
     """Run the clients over `waves`: wave_stats, the engine steps they took and where those steps' time went."""
-    steps = stack.engine.num_steps
+    steps, held = stack.engine.num_steps, stack.engine.num_held
     throttled = cpu_stat.throttled_ms()
     stack.engine.record_steps(True)
     try:
         row = wave_stats(run_client_processes(stack.url, waves, new_tokens), new_tokens)
         log = list(stack.engine.step_log or ())
+        arrivals = list(stack.engine.arrival_log or ())
     finally:
         stack.engine.record_steps(False)
     after = cpu_stat.throttled_ms()
     return row | {"engine_steps": stack.engine.num_steps - steps, "steps": step_breakdown(log),
+                  "arrivals": arrival_bursts(arrivals), "admission_holds": stack.engine.num_held - held,
                   "cpu_throttled_ms": None if throttled is None or after is None else after - throttled,
                   **cpu_stat.host_cpu()}
+
+
+def arrival_bursts(arrivals: list[float], gap_s: float = 0.05) -> dict[str, Any]:
+    """Requests' arrival times at the engine -> bursts (arrivals closer than gap_s to the previous one): how many,
+    their median size, spread (first to last arrival) and widest gap inside. A finished wave's clients send
+    their next requests as a burst; whether the admission hold (engine.ADMIT_QUIET_S / ADMIT_MAX_HOLD_S) can
+    admit a burst in one step depends on that spread and those gaps."""
+    times = sorted(arrivals)
+    bursts: list[list[float]] = []
+    for t in times:
+        if bursts and t - bursts[-1][-1] < gap_s:
+            bursts[-1].append(t)
+        else:
+            bursts.append([t])
+    if not bursts:
+        return {"bursts": 0}
+    return {"bursts": len(bursts), "size_p50": statistics.median(len(b) for b in bursts),
+            "spread_ms_p50": 1e3 * statistics.median(b[-1] - b[0] for b in bursts),
+            "widest_gap_ms_p50": 1e3 * statistics.median(
+                max((y - x for x, y in zip(b[:-1], b[1:], strict=True)), default=0.0) for b in bursts)}
 
 
 def step_breakdown(log: list[tuple[float, int, int]]) -> dict[str, Any]:

@@ -116,6 +116,7 @@ class Engine:
         # (launch time, decode rows, prefill tokens) per step while record_steps() is on: the served bench's
         # breakdown of where a wave's wall time goes (bench/served.step_breakdown)
         self.step_log: deque[tuple[float, int, int]] | None = None
+        self.arrival_log: deque[float] | None = None  # each request's submit time, under record_steps() too
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
         self._in_flight: LaunchedStep | None = None
@@ -190,6 +191,8 @@ class Engine:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
             self._commands.put(("add", req))
             self.num_submitted += 1
+            if self.arrival_log is not None:
+                self.arrival_log.append(req.arrival)
         return req.seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -351,8 +354,10 @@ class Engine:
         self.num_steps += 1
 
     def record_steps(self, on: bool) -> None:
-        """Start (a fresh log) or stop recording each step's launch time and shape in `step_log`."""
+        """Start (fresh logs) or stop recording each step's launch time and shape in `step_log` and each request's
+        arrival in `arrival_log`."""
         self.step_log = deque(maxlen=1_000_000) if on else None
+        self.arrival_log = deque(maxlen=1_000_000) if on else None
 
     def _plan(self, admit: bool = True) -> StepPlan:
         plan = self.scheduler.schedule(admit)

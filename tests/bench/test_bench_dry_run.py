@@ -56,6 +56,7 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         assert row["ttft_slowest"][0]["ttft_ms"] == pytest.approx(row["ttft_p99_ms"])  # under 100 requests p99 = max
         assert row["server_layout"] == "api_process" and row["cpus_usable"] >= 1  # the HTTP server apart, as serve
         assert "cpu_throttled_ms" in row and "cgroup_quota_cpus" in row
+        assert row["arrivals"]["bursts"] >= 1 and row["admission_holds"] >= 0
     (pre,) = dry_run.profile_prefill  # eager prefill of one 48-token sequence, 3 traced repeats
     assert pre["tokens"] == 48 and pre["steps"] == 3 and pre["host_step_ms"] > 0 and pre["graphs"] is False
     (prof,) = dry_run.profile  # on CPU the trace has no GPU kernels: only the host side is measured

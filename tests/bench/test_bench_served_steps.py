@@ -58,3 +58,13 @@ def test_engine_logs_each_step_only_while_recording() -> None:
     assert sum(d for _, d, _ in log) == 2 * 3, log  # 3 decode steps each after the prefill's token
     assert all(b[0] >= a[0] for a, b in zip(log[:-1], log[1:], strict=True))
     assert step_breakdown(log)["prefill_steps"] == 2
+
+
+def test_arrival_bursts_of_a_known_log() -> None:
+    """Two bursts (4 and 2 arrivals) 1 s apart: sizes, spreads (30 and 2 ms), widest inner gaps (20 and 2 ms)."""
+    from k3verify.bench.served import arrival_bursts
+
+    out = arrival_bursts([0.0, 0.005, 0.010, 0.030, 1.0, 1.002])
+    assert out["bursts"] == 2 and out["size_p50"] == 3.0
+    assert out["spread_ms_p50"] == pytest.approx(16.0) and out["widest_gap_ms_p50"] == pytest.approx(11.0)
+    assert arrival_bursts([]) == {"bursts": 0}
