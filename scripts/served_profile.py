@@ -5,22 +5,20 @@ path's step time, but steps carrying prompt chunks at 65 ms (c16, ~768 prompt to
 from launch to launch, where scripts/engine_step_diag.py had timed a mixed step of 4k prompt tokens beside 64
 running rows at 40 ms in process. This script builds the bench's runner and engine graphs for one concurrency,
 serves them as `bench --served` does, runs one untimed and `--waves` timed waves of free-running streaming clients,
-and prints the engine step breakdown, then a cProfile enabled on the engine thread, by own time and by cumulative
-time (Python 3.11 profiles that thread alone; 3.12's cProfile, on sys.monitoring, every thread of the process: the
-engine link's too, and the main thread waiting for the clients).
+and prints the engine step breakdown, the arrival bursts, the host CPU facts, then where the engine thread's wall
+time went by sampling its stack every millisecond (bench/stack_sampler.py; cProfile on Python 3.12 mixed every
+thread of the process into one another's frames).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 from pathlib import Path
 
 import torch
 
 from k3verify.bench import served as sv
+from k3verify.bench.stack_sampler import StackSampler
 from k3verify.bench.timing import random_prompt
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
@@ -48,17 +46,14 @@ def main() -> None:
     c, ctx, page = a.concurrency, a.prompt_len + a.new_tokens + 8, 64
     runner = ModelRunner(model, num_pages=c * (-(-ctx // page)) + 8, page_size=page, num_slots=c + 1, max_context=ctx)
     graphs = sv.engine_graphs(runner, GraphDecoder(model, ctx, buckets=(c,), use_graphs=dev.type == "cuda"), (c,))
-    prof = cProfile.Profile()
     with sv.served_stack(runner, graphs, c, max(sv.MIN_STEP_TOKENS, c * a.prompt_len),
                          admit_quiet_s=a.admit_quiet_ms / 1e3, admit_max_hold_s=a.admit_max_hold_ms / 1e3) as stack:
         waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, 10_000, dev).tolist()]
         sv._timed_waves(stack, waves, a.new_tokens)  # untimed: first compiles of this shape mix
         waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, r, dev).tolist() for r in range(a.waves)]
-        stack.engine.call(prof.enable)  # enabled on the engine thread
-        try:
+        assert stack.engine._thread.ident is not None
+        with StackSampler(stack.engine._thread.ident, idle=("_handle_commands",)) as sampler:
             row = sv._timed_waves(stack, waves, a.new_tokens)
-        finally:
-            stack.engine.call(prof.disable)
     print(f"===== {a.preset} served at concurrency {c}: {row['tok_s']:,.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
           f"TTFT p50 {row['ttft_p50_ms']:.1f} ms")
     print("steps:", row["steps"])
@@ -66,12 +61,8 @@ def main() -> None:
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"host CPU: {row['cpus_usable']} usable, cgroup quota {row['cgroup_quota_cpus']} CPUs, throttled "
           f"{row['cpu_throttled_ms']} ms during the timed waves; load average {load}")
-    for order in ("tottime", "cumulative"):
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats(order).print_stats(a.top)
-        lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
-        print(f"----- engine thread, by {order}")
-        print("\n".join(lines[2:a.top + 6]))
+    print("----- engine thread, sampled (bench/stack_sampler.py)")
+    print(sampler.table(a.top))
 
 
 if __name__ == "__main__":

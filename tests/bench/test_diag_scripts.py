@@ -37,5 +37,5 @@ def test_served_profile_smoke() -> None:
     out = _run("served_profile.py", "--concurrency", "2", "--waves", "1", "--prompt-len", "8", "--new-tokens", "4",
                "--top", "5")
     assert "served at concurrency 2" in out and "steps: {" in out, out[-2000:]
-    assert "engine thread, by tottime" in out and "engine thread, by cumulative" in out, out[-2000:]
-    assert "step_loop.py" in out or "engine.py" in out, "the profile holds the engine thread's frames"
+    assert "engine thread, sampled" in out and "on the stack (inclusive)" in out, out[-2000:]
+    assert "k3verify/serving/engine.py" in out, "the samples hold the engine thread's frames"
