@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -119,6 +119,14 @@ class _Link:
         finally:
             sock.close()
 
+    def messages(self) -> Iterator[tuple[Any, ...]]:
+        """What the other side sends, until it closes the link (or this side shuts it down)."""
+        while True:
+            try:
+                yield self.conn.recv()
+            except (EOFError, OSError):
+                return
+
     def send(self, msg: tuple[Any, ...]) -> bool:
         """False when the other side is gone."""
         try:
@@ -186,11 +194,7 @@ class EngineHost:
         self._closed.set()
 
     def _receive(self) -> None:
-        while True:
-            try:
-                msg = self.link.conn.recv()
-            except (EOFError, OSError):
-                break
+        for msg in self.link.messages():
             try:
                 self._handle(msg)
             except Exception:  # one bad message must not stop the link
@@ -335,11 +339,7 @@ class RemoteEngine:
 
     # ---- the link ----
     def _receive(self) -> None:
-        while True:
-            try:
-                msg = self.link.conn.recv()
-            except (EOFError, OSError):
-                break
+        for msg in self.link.messages():
             kind = msg[0]
             if kind == "events":
                 self._deliver(msg[1])
