@@ -23,7 +23,7 @@ from k3verify.commands import parity, serve_parallel
 from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.app import create_app
-from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.engine_link import ApiProcess, ApiStartError, api_config
 from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
@@ -260,15 +260,22 @@ def serve_from_api_process(args: argparse.Namespace, engine: Engine, target: Tar
     config = api_config(engine.start(), target.tokenizer_loader(),
                         target.name, host=args.host, port=args.port, api_key=args.api_key, log_level="info")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the API process on the way out, as on SIGINT
-    with ApiProcess(engine, config, observer.render) as api:
+    api = ApiProcess(engine, config, observer.render)
+    try:
+        api.__enter__()
+    except ApiStartError as exc:  # a port in use, say: the user's to fix, named
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
+    try:
         print(f"k3verify serve: {api.url}/v1 (model {target.name!r}); {describe_server_impl()}, in its own "
               "process", flush=True)
         try:
             code = api.wait()
-        except KeyboardInterrupt:  # the API process got the terminal's SIGINT too; leaving the block stops it
+        except KeyboardInterrupt:  # the API process got the terminal's SIGINT too; __exit__ stops it
             return
         if code not in (0, -signal.SIGINT, -signal.SIGTERM):
             log.error("the API server process exited with code %d", code)
+    finally:
+        api.__exit__(None, None, None)
 
 
 def serve_in_process(args: argparse.Namespace, engine: Engine, tokenizer: KimiTokenizer, model_name: str) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 
 from k3verify.serving.admission import RequestLimits
 from k3verify.serving.engine import Engine
-from k3verify.serving.events import ContextLengthError, EngineDeadError, EngineEvent, TokenText
+from k3verify.serving.events import EngineDeadError, EngineEvent, TokenText
 from k3verify.serving.health import HealthStatus
 from k3verify.serving.sampler import SamplingParams, TokenLogprob
 
@@ -54,6 +54,10 @@ API_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from k3verify.server.a
 STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health with no events to send
 CALL_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 120.0  # the API process's imports, tokenizer and bind
+
+
+class ApiStartError(RuntimeError):
+    """The API process could not start (its reason: a port in use, a tokenizer that does not load, ...)."""
 
 
 @dataclass(frozen=True)
@@ -426,12 +430,12 @@ class ApiProcess:
                     break
                 if msg[0] == "ready":
                     return int(msg[1])
-                raise RuntimeError(f"the API server process could not start: {msg[1]}")
+                raise ApiStartError(f"the API server process could not start: {msg[1]}")
             if self.proc.poll() is not None:
                 break
         rc = self.proc.poll()
-        raise RuntimeError("the API server process " + (f"exited with code {rc} before it listened" if rc is not None
-                           else f"did not listen within {START_TIMEOUT_S:g} s"))
+        raise ApiStartError("the API server process " + (f"exited with code {rc} before it listened" if rc is not None
+                            else f"did not listen within {START_TIMEOUT_S:g} s"))
 
     def wait(self) -> int:
         """Block until the API process exits (serve's foreground); its exit code."""
@@ -460,5 +464,5 @@ def api_config(engine: Engine, tokenizer: Callable[[], Any], model_name: str, **
                      **kw)
 
 
-__all__ = ["ApiConfig", "ApiProcess", "ContextLengthError", "EngineHost", "EngineState", "RemoteEngine",
+__all__ = ["ApiConfig", "ApiProcess", "ApiStartError", "EngineHost", "EngineState", "RemoteEngine",
            "api_config"]

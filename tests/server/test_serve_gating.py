@@ -283,3 +283,16 @@ def test_served_engine_stops_at_config_and_generation_eos(tmp_path: Path, tiny_d
     assert engine.eos_token_ids == {tokenizer.eos_id, tokenizer.im_end_id} == {4097, 4098}
     assert engine.runner.state_pool.num_slots == 3
     assert Path(tokenizer.source).parent == serve.target_for(args).checkpoint_dir
+
+
+def test_serve_on_a_port_in_use_is_a_usage_error(tmp_path: Path, tiny_digest: str) -> None:
+    """The API process cannot bind: serve exits 2 naming the address and the reason, and leaves no process."""
+    write_report(tmp_path, digest=tiny_digest)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with _serve_process("--report-dir", str(tmp_path), "--port", str(port)) as proc:
+            out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 2, out
+    assert f"cannot serve on 127.0.0.1:{port}" in out and "Address already in use" in out, out
