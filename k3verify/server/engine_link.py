@@ -295,10 +295,7 @@ class RemoteEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Checked here with the engine's limits (ValueError / ContextLengthError), then sent; the id is this
         side's."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams; got {type(params).__name__}")
-        params.check_vocab(self.vocab_size)
-        self.validate(prompt_ids, params.max_tokens)
+        self.limits.check_submission(prompt_ids, params)
         reason = self.health()
         if reason is not None:
             raise EngineDeadError(f"engine is not running: {reason}")

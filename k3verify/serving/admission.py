@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from k3verify.serving.events import ContextLengthError
 from k3verify.serving.runner import ModelRunner
+from k3verify.serving.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class RequestLimits:
             raise ContextLengthError(
                 f"The request needs {total} tokens of cache ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                 "completion), more than this server's KV cache holds even when empty. Reduce prompt or max_tokens.")
+
+    def check_submission(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What a submit checks before anything is queued, in the engine or on the API side of the link:
+        SamplingParams (TypeError), its token ids in the vocabulary (VocabError), then `check`."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams; got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        self.check(prompt_ids, params.max_tokens)
 
     def longest_completion(self, prompt_len: int) -> int:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too

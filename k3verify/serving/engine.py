@@ -177,10 +177,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
         """Queue a request; returns its seq_id. Raises ValueError/ContextLengthError/EngineDeadError."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams; got {type(params).__name__}")
-        params.check_vocab(self.vocab_size)
-        self.validate(prompt_ids, params.max_tokens)
+        self.limits.check_submission(prompt_ids, params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = Request(seq_id=next(self._ids), prompt_ids=list(prompt_ids), max_new_tokens=params.max_tokens,
                       params=params, sink=sink, stop_ids=frozenset(stop_ids), seed=request_seed(params.seed),

@@ -135,7 +135,7 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
     riders = [i for i in plain if verifier.can_verify(ids[i])] if rows else []
     timed = gate is not None and len(rows) + len(riders) == len(live)  # the whole batch in one kind of step
     if rows and gate is not None and not gate.verify_now(len(live), [run.stats[i] for i, _ in rows], len(riders), k):
-        if len(live) in gate.decode_s_known():
+        if len(live) in gate.decode_s:
             return False
         plain, rows = live, []
     start = time.perf_counter()

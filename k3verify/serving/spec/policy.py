@@ -10,7 +10,7 @@ the rule off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -65,21 +65,15 @@ class CostGate:
     prior_verifies: float = 1.0
     prior_accepted_fraction: float = 0.5
     reprobe_after: int = 64  # declined steps of a batch size before one verify probes again (doubling each time)
-    verify_s: dict[int, float] | None = None
-    decode_s: dict[int, float] | None = None
-
-    def __post_init__(self) -> None:
-        self.verify_s = {} if self.verify_s is None else self.verify_s
-        self.decode_s = {} if self.decode_s is None else self.decode_s
-        self._declined: dict[int, int] = {}
-        self._reprobe: dict[int, int] = {}
+    verify_s: dict[int, float] = field(default_factory=dict)  # fastest verify step seen, by batch size
+    decode_s: dict[int, float] = field(default_factory=dict)  # fastest plain step seen, by batch size
+    _declined: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _reprobe: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     def record_verify(self, batch: int, seconds: float) -> None:
-        assert self.verify_s is not None
         self.verify_s[batch] = min(seconds, self.verify_s.get(batch, float("inf")))
 
     def record_decode(self, batch: int, seconds: float) -> None:
-        assert self.decode_s is not None
         self.decode_s[batch] = min(seconds, self.decode_s.get(batch, float("inf")))
 
     def expected_accepted(self, stats: SpecStats, num_draft: int) -> float:
@@ -90,7 +84,6 @@ class CostGate:
 
     def verify_now(self, batch: int, drafting: list[SpecStats], riders: int, num_draft: int) -> bool:
         """Whether this step of `batch` sequences should verify its drafting rows (and riders) or decode plainly."""
-        assert self.verify_s is not None and self.decode_s is not None
         if batch not in self.verify_s:
             return True
         if batch not in self.decode_s:
@@ -109,12 +102,7 @@ class CostGate:
         self._declined[batch] = declined
         return False
 
-    def decode_s_known(self) -> set[int]:
-        assert self.decode_s is not None
-        return set(self.decode_s)
-
     def describe(self) -> dict[str, dict[str, float]]:
         """Measured step times (ms) by batch size (keys as strings, as JSON keeps them), for reports."""
-        assert self.verify_s is not None and self.decode_s is not None
         return {"verify_ms": {str(b): 1e3 * s for b, s in sorted(self.verify_s.items())},
                 "decode_ms": {str(b): 1e3 * s for b, s in sorted(self.decode_s.items())}}
