@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 API_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from k3verify.server.api_process import main; "
             "sys.exit(main(int(sys.argv[2])))")
-STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health with no events to send
+STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health
 CALL_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 120.0  # the API process's imports, tokenizer and bind
 
@@ -183,6 +183,7 @@ class EngineHost:
                 self._cond.notify()
 
     def _send_events(self) -> None:
+        looked = 0.0
         while not self.closed:
             with self._cond:
                 if not self._out:
@@ -190,7 +191,10 @@ class EngineHost:
                 items, self._out = self._out, []
             if items and not self.link.send(("events", items)):
                 break
-            state = engine_state(self.engine)
+            now = time.monotonic()
+            if now - looked < STATE_POLL_S:  # under load a batch goes every step: the state need not follow each
+                continue
+            looked, state = now, engine_state(self.engine)
             if state != self._last_state:
                 self._last_state = state
                 if not self.link.send(("state", state)):
@@ -227,6 +231,8 @@ class EngineHost:
         except Exception as exc:  # checked on the API side first: here only when the engine died meanwhile
             code = "engine_unavailable" if isinstance(exc, EngineDeadError) else "request_refused"
             self.post(rid, EngineEvent(error=str(exc), code=code, prompt_tokens=len(prompt_ids)))
+            with self._map_lock:
+                self._ended_early.discard(rid)  # post() took it for a request that ended before its seq_id
             return
         with self._map_lock:
             if rid in self._ended_early:

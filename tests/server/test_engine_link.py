@@ -89,6 +89,7 @@ def test_refusal_on_the_engine_side_reaches_the_sink() -> None:
         remote._state = dataclasses.replace(remote._state, health=None)  # ... which we make it miss
         events, _ = _collect(remote, [1, 2, 3], SamplingParams(max_tokens=2))
         assert len(events) == 1 and events[0].code == "engine_unavailable" and "not running" in str(events[0].error)
+        assert not host._ended_early and not host._seq, "a refused request leaves nothing behind on the engine side"
     finally:
         host.close()
 
