@@ -192,7 +192,11 @@ class EngineHost:
             if items and not self.link.send(("events", items)):
                 break
             now = time.monotonic()
-            if now - looked < STATE_POLL_S:  # under load a batch goes every step: the state need not follow each
+            # Under load a batch goes every step: the state follows a batch only when a request in it ended (a
+            # failure there may have changed the engine's health, which a client asks next), else every
+            # STATE_POLL_S.
+            ended = any(item[4] is not None or item[5] is not None for item in items)  # finish_reason, error
+            if not ended and now - looked < STATE_POLL_S:
                 continue
             looked, state = now, engine_state(self.engine)
             if state != self._last_state:
