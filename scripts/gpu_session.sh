@@ -55,8 +55,8 @@
 #   bash scripts/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
 #   bash scripts/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the verify's device
 #                                        time (scripts/spec_round_diag.py), unfused and fused
-#   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and engine-thread cProfile under
-#                                        64 and 16 streaming clients (scripts/served_profile.py)
+#   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
+#                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
@@ -237,10 +237,14 @@ engine)
     ;;
 served-profile)
     # Where the served engine's host time goes under streaming clients (scripts/served_profile.py): the step
-    # breakdown and the engine thread's cProfile, at concurrency 64 then 16 (C="64 16")
+    # breakdown and the engine thread's sampled stack, at concurrency 64 then 16 (C="64 16"); PROBE="calls spin"
+    # lists the C calls that held the engine thread instead (spin: with the GPU kept behind)
     for c in ${C:-64 16}; do
-        step "served profile, $c streaming clients (kl-48b-8l)"
-        timeout "${DIAG_S:-150}" python3 scripts/served_profile.py --concurrency "$c" --top 28 2>&1 | quiet | tail -75
+        for probe in ${PROBE:-sampler}; do
+            step "served profile, $c streaming clients (kl-48b-8l), probe $probe"
+            timeout "${DIAG_S:-150}" python3 scripts/served_profile.py --concurrency "$c" --top 28 --probe "$probe" \
+                2>&1 | quiet | tail -75
+        done
     done
     ;;
 mutate-cuda)

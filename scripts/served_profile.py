@@ -7,17 +7,21 @@ running rows at 40 ms in process. This script builds the bench's runner and engi
 serves them as `bench --served` does, runs one untimed and `--waves` timed waves of free-running streaming clients,
 and prints the engine step breakdown, the arrival bursts, the host CPU facts, then where the engine thread's wall
 time went by sampling its stack every millisecond (bench/stack_sampler.py; cProfile on Python 3.12 mixed every
-thread of the process into one another's frames).
+thread of the process into one another's frames). `--probe calls` instead lists the engine thread's C calls that
+held it over 2 ms, by call site (bench/host_syncs.LongCalls: a wait for the GPU inside a launch shows there, named);
+`--probe spin` does the same with a GPU spin kernel queued ahead, so that every call that waits for the GPU shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 from k3verify.bench import served as sv
+from k3verify.bench.host_syncs import LongCalls
 from k3verify.bench.stack_sampler import StackSampler
 from k3verify.bench.timing import random_prompt
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
@@ -39,6 +43,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--admit-quiet-ms", type=float, default=1e3 * ADMIT_QUIET_S)
     ap.add_argument("--admit-max-hold-ms", type=float, default=1e3 * ADMIT_MAX_HOLD_S)
+    ap.add_argument("--probe", choices=("sampler", "calls", "spin"), default="sampler")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = get_preset(a.preset)
@@ -52,8 +57,18 @@ def main() -> None:
         sv._timed_waves(stack, waves, a.new_tokens)  # untimed: first compiles of this shape mix
         waves = [random_prompt(c, a.prompt_len, cfg.vocab_size, r, dev).tolist() for r in range(a.waves)]
         assert stack.engine._thread.ident is not None
-        with StackSampler(stack.engine._thread.ident, idle=("_handle_commands",)) as sampler:
-            row = sv._timed_waves(stack, waves, a.new_tokens)
+        if a.probe == "sampler":
+            with StackSampler(stack.engine._thread.ident, idle=("_handle_commands",)) as sampler:
+                row = sv._timed_waves(stack, waves, a.new_tokens)
+            found = f"----- engine thread, sampled (bench/stack_sampler.py)\n{sampler.table(a.top)}"
+        else:
+            calls = LongCalls(spin_s=0.02 if a.probe == "spin" else 0.0)
+            stack.engine.call(lambda: (sys.setprofile(calls.hook), calls.arm()))
+            try:
+                row = sv._timed_waves(stack, waves, a.new_tokens)
+            finally:
+                stack.engine.call(lambda: sys.setprofile(None))
+            found = f"----- engine thread, C calls that held it (bench/host_syncs.LongCalls)\n{calls.table(a.top)}"
     print(f"===== {a.preset} served at concurrency {c}: {row['tok_s']:,.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
           f"TTFT p50 {row['ttft_p50_ms']:.1f} ms")
     print("steps:", row["steps"])
@@ -61,8 +76,7 @@ def main() -> None:
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"host CPU: {row['cpus_usable']} usable, cgroup quota {row['cgroup_quota_cpus']} CPUs, throttled "
           f"{row['cpu_throttled_ms']} ms during the timed waves; load average {load}")
-    print("----- engine thread, sampled (bench/stack_sampler.py)")
-    print(sampler.table(a.top))
+    print(found)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,9 @@ def test_served_profile_smoke() -> None:
     assert "served at concurrency 2" in out and "steps: {" in out, out[-2000:]
     assert "engine thread, sampled" in out and "on the stack (inclusive)" in out, out[-2000:]
     assert "k3verify/serving/engine.py" in out, "the samples hold the engine thread's frames"
+
+
+def test_served_profile_long_calls_smoke() -> None:
+    out = _run("served_profile.py", "--concurrency", "2", "--waves", "1", "--prompt-len", "8", "--new-tokens", "4",
+               "--top", "5", "--probe", "calls")
+    assert "C calls that held it" in out and "call site -> callee" in out, out[-2000:]
