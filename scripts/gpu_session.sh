@@ -57,6 +57,7 @@
 #                                        time (scripts/spec_round_diag.py), unfused and fused
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
+#   bash scripts/gpu_session.sh sdpa         fused SDPA's host time per backend at MLA prefill shapes
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
@@ -225,6 +226,11 @@ mutate-moe)
         2>&1 | quiet | tail -12
     set +f
     ;;
+sdpa)
+    # How long fused SDPA holds the host per backend at the MLA prefill shapes (scripts/sdpa_probe.py)
+    step "SDPA host time per backend (kl-48b-8l MLA heads)"
+    timeout "${DIAG_S:-150}" python3 scripts/sdpa_probe.py 2>&1 | quiet | tail -30
+    ;;
 engine)
     # Where a served engine step's time goes (scripts/engine_step_diag.py: the bare prefill, the runner's, a whole
     # launcher step with prefill, decode-only and mixed, each timed alone with its host syncs and MoE paths),
@@ -387,7 +393,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

@@ -61,7 +61,7 @@ class LongCalls:
 
     def __init__(self, threshold_s: float = 0.002, spin_s: float = 0.0) -> None:
         self.threshold_s, self.spin_s = threshold_s, spin_s
-        self.total_s: collections.Counter[str] = collections.Counter()
+        self.total_s: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.count: collections.Counter[str] = collections.Counter()
         self.max_s: dict[str, float] = {}
         self._open: list[tuple[Any, float]] = []
@@ -97,7 +97,7 @@ class LongCalls:
         behind = f"; GPU kept {1e3 * self.spin_s:g} ms behind" if self.spin_s else ""
         lines = [f"{'calls':>6} {'total ms':>9} {'max ms':>8}  call site -> callee (C calls over "
                  f"{1e3 * self.threshold_s:g} ms{behind})"]
-        for key, total in self.total_s.most_common(n):
+        for key, total in sorted(self.total_s.items(), key=lambda kv: -kv[1])[:n]:
             lines.append(f"{self.count[key]:>6} {1e3 * total:>9.1f} {1e3 * self.max_s[key]:>8.1f}  {key}")
         if len(lines) == 1:
             lines.append("(none)")

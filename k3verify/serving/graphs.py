@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import torch
 
+from k3verify.kernels.pinned import host_tensor
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.model import ServingModel
 from k3verify.serving.staging import HostStaging
@@ -82,10 +83,11 @@ class StaticInputs:
         table = [list(t) + [SCRATCH] * (P - len(t)) for t in tables] + [[SCRATCH] * P] * pad
         if any(len(t) > P for t in tables):
             raise ValueError(f"a page table longer than the captured width {P}")
-        host = torch.tensor([*ids, *[0] * pad, *slots, *[SCRATCH] * pad, *positions, *[0] * pad], dtype=torch.long)
+        dev = self.input_ids.device
+        host = host_tensor([*ids, *[0] * pad, *slots, *[SCRATCH] * pad, *positions, *[0] * pad], dev)
         self.input_ids.copy_(host[:B], non_blocking=True)
         self.meta.view(-1).copy_(host[B:], non_blocking=True)
-        self.page_table.copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+        self.page_table.copy_(host_tensor(table, dev), non_blocking=True)
 
     def fill_from_slots(self, slots: list[int], positions: list[int], tokens_by_slot: torch.Tensor,
                         pages_by_slot: torch.Tensor, staging: HostStaging) -> None:

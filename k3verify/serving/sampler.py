@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3verify.kernels.pinned import to_device
+
 MAX_TEMPERATURE = 2.0
 MIN_TEMPERATURE = 1e-6  # a positive temperature below this samples as it would at this one (both ~greedy)
 MAX_TOP_K = 1 << 20
@@ -153,10 +155,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stre
 
 def _host_column(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A per-row parameter as a [B, 1] device tensor; pinned + non_blocking on CUDA so the copy does not wait."""
-    t = torch.tensor(values, dtype=dtype)[:, None]
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(values, device, dtype)[:, None]
 
 
 def _filter_sorted(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """MLA prefill attention over a whole pack in one call (kernels/attn/packed.py), CUDA only.
 
 The fused path pads the pack once and makes one SDPA call; it is held to the one-sequence-at-a-time eager
-reference in fp64 on three packs: equal-length fresh sequences (the is_causal path, no mask), equal-length
-continuations over cached prefixes, and a ragged pack of a fresh sequence, a continuation and a
-single-token continuation (the mask path).
+reference in fp64 on four packs: fresh sequences of one length and of ragged lengths (the is_causal path, no
+mask), equal-length continuations over cached prefixes, and a ragged pack of a fresh sequence, a continuation
+and a single-token continuation (the mask path).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from k3verify.kernels.registry import CUDA
 H, D, DV = 5, 18, 10
 PACKS = {  # name -> per sequence (queries, cached prefix)
     "equal_fresh": [(48, 0)] * 4,
+    "ragged_fresh": [(40, 0), (7, 0), (23, 0)],
     "equal_prefixed": [(16, 8)] * 3,
     "ragged": [(80, 0), (33, 17), (1, 40)],
 }

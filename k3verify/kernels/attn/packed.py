@@ -3,8 +3,11 @@
 Sequence i's queries q[q_cu[i]:q_cu[i+1]] attend its keys k[k0:k1] (its cached prefix, then its own tokens),
 query t seeing keys 0..offset+t, for (k0, k1, offset) = ranges[i] (serving/layers/mla.key_ranges).
 The torch reference runs one sequence at a time (torch_ref.causal_attention, the eager order). The CUDA path
-pads the pack to [B, L] once and makes one fused SDPA call: is_causal when every sequence is fresh and of one
-length (the served workload: no mask tensor at all), else a [B, Lq, Lk] boolean mask.
+pads the pack to [B, L] once and makes one fused SDPA call: is_causal when every sequence is fresh (its keys are
+its own queries; a shorter one's padding comes after all its real queries, so they never see it: no mask tensor
+at all), else a [B, Lq, Lk] boolean mask. The backend, and the padded lengths, come from sdpa.py (cuDNN only for
+large calls, at bucketed lengths: it builds a graph per new shape). The per-sequence offsets and the kept rows go
+to the device from pinned memory: a non_blocking copy from pageable memory may wait for the stream.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3verify.kernels.attn import torch_ref
+from k3verify.kernels.attn import sdpa, torch_ref
+from k3verify.kernels.pinned import to_device
 
 KeyRange = tuple[int, int, int]
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -46,25 +50,25 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, dev = len(ranges), q.device
     q_lens = [b - a for a, b in zip(q_cu[:-1], q_cu[1:], strict=True)]
     k_lens = [k1 - k0 for k0, k1, _ in ranges]
-    Lq, Lk = max(q_lens), max(k_lens)
-    meta = torch.tensor([q_cu[:-1], q_lens, [r[0] for r in ranges], k_lens, [r[2] for r in ranges]],
-                        dtype=torch.long).to(dev, non_blocking=True)
+    cudnn = sdpa.uses_cudnn(B, max(q_lens), max(k_lens))
+    Lq, Lk = sdpa.padded_len(max(q_lens), cudnn), sdpa.padded_len(max(k_lens), cudnn)
+    meta = to_device([q_cu[:-1], q_lens, [r[0] for r in ranges], k_lens, [r[2] for r in ranges]], dev)
     q_start, q_len, k_start, k_len, offset = meta
     tq, tk = torch.arange(Lq, device=dev), torch.arange(Lk, device=dev)
     # Padded positions read the sequence's last row (finite values); their outputs are never gathered back.
     q_rows = q_start[:, None] + torch.minimum(tq[None, :], q_len[:, None] - 1)  # [B, Lq]
     k_rows = k_start[:, None] + torch.minimum(tk[None, :], k_len[:, None] - 1)  # [B, Lk]
     qp, kp, vp = q[q_rows].transpose(1, 2), k[k_rows].transpose(1, 2), v[k_rows].transpose(1, 2)  # [B, h, L, d]
-    fresh_square = len(set(q_lens)) == 1 and k_lens == q_lens and all(r[2] == 0 for r in ranges)
-    if fresh_square:
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-    else:
-        # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
-        # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
-        allowed = tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+    fresh = k_lens == q_lens and all(r[2] == 0 for r in ranges)
+    with sdpa.fused_backends(dev, cudnn):
+        if fresh:
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        else:
+            # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
+            # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
+            allowed = tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
     out = out.transpose(1, 2).reshape(B * Lq, q.shape[1], v.shape[2])
     if all(n == Lq for n in q_lens):  # no padded query rows to drop
         return out
-    live = torch.tensor([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dtype=torch.long)
-    return out.index_select(0, live.to(dev, non_blocking=True))  # non_blocking: no wait on the queue
+    return out.index_select(0, to_device([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dev))

@@ -4,14 +4,45 @@ The eager reference materialises [h, Lq, Lk] scores in bf16 and their fp32 softm
 and 32 heads that is 12 GB of traffic per MLA layer. SDPA (memory-efficient / cuDNN backends; MLA's
 value head dim differs from the key's, which rules FlashAttention-2 out) streams it instead. Other
 accumulation order, so it is held to the oracle by RMS gates, never bit-exactly.
+
+Which fused backend (`fused_backends`): torch picks cuDNN on the H200, and cuDNN builds an execution graph for
+every new shape, per thread: 50-85 ms of host time (scripts/sdpa_probe.py, 2026-12-02) where a cached call takes
+0.1 ms. A served prefill step brings a new (batch, length) almost every time, so that build was most of a 98 ms
+step at 32 prompts of 128 tokens. The memory-efficient kernel builds nothing (0.4 ms on a new shape) and is
+within 15% of cuDNN's GPU time up to a few million scores, but 4x slower at one 8k sequence (4.8 vs 1.3 ms): calls
+of at least CUDNN_MIN_SCORES (batch x queries x keys) go to cuDNN with their lengths rounded up to a multiple of
+CUDNN_LEN_BUCKET, so prompts of nearby lengths share one graph; smaller calls never reach it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16)
+CUDNN_MIN_SCORES = 1 << 22  # batch x queries x keys: one 2k sequence, 32 of 362 tokens
+CUDNN_LEN_BUCKET = 256
+
+
+def uses_cudnn(batch: int, lq: int, lk: int) -> bool:
+    return batch * lq * lk >= CUDNN_MIN_SCORES
+
+
+def padded_len(n: int, cudnn: bool) -> int:
+    """The length a fused call pads n queries or keys to: a CUDNN_LEN_BUCKET multiple for cuDNN, else n."""
+    return math.ceil(n / CUDNN_LEN_BUCKET) * CUDNN_LEN_BUCKET if cudnn else n
+
+
+def fused_backends(device: torch.device, cudnn: bool) -> contextlib.AbstractContextManager[None]:
+    """The backends a CUDA call may take (torch's own choice elsewhere: CPU runs its one fused kernel)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if cudnn
+                       else [SDPBackend.EFFICIENT_ATTENTION])
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> str | None:
@@ -27,8 +58,9 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scal
 
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
                           ) -> torch.Tensor:
-    if offset == 0:  # fresh sequence: square causal mask, no mask tensor needed
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
     Lq, Lk = q.shape[1], k.shape[1]
-    allowed = torch.arange(Lk, device=q.device)[None, :] <= (torch.arange(Lq, device=q.device)[:, None] + offset)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale)[0]
+    with fused_backends(q.device, uses_cudnn(1, Lq, Lk)):
+        if offset == 0:  # fresh sequence: square causal mask, no mask tensor needed
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+        allowed = torch.arange(Lk, device=q.device)[None, :] <= (torch.arange(Lq, device=q.device)[:, None] + offset)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale)[0]

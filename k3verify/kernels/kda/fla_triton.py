@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from k3verify.kernels.pinned import host_tensor
+
 _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                    "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens", "cu_seqlens_cpu")
 MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
@@ -106,7 +108,7 @@ def _varlen(cu_seqlens: list[int], device: torch.device) -> dict[str, torch.Tens
     key = tuple(cu_seqlens)
     if _last_varlen and _last_varlen[0][0] == key and _last_varlen[0][1] == device:
         return _last_varlen[0][2]
-    cpu = torch.tensor(key, dtype=torch.long)
+    cpu = host_tensor(key, device)
     args = {"cu_seqlens": cpu.to(device, non_blocking=True), "cu_seqlens_cpu": cpu}
     _last_varlen[:] = [(key, device, args)]
     return args

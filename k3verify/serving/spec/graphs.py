@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from k3verify.kernels.pinned import host_tensor
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
 from k3verify.serving.model import ServingModel
@@ -63,12 +64,12 @@ class VerifyInputs:
         table = [list(t) + [SCRATCH] * (P - len(t)) for t in tables] + [[SCRATCH] * P] * pad
         starts_all = [*starts, *[0] * pad]
         positions = [s + j for s in starts_all for j in range(n)]
-        host = torch.tensor([*ids, *[0] * (pad * n), *slots, *[SCRATCH] * pad, *starts_all, *positions],
-                            dtype=torch.long)
+        dev = self.input_ids.device
+        host = host_tensor([*ids, *[0] * (pad * n), *slots, *[SCRATCH] * pad, *starts_all, *positions], dev)
         sizes = [B * n, B, B, B * n]
         for dst, src in zip((self.input_ids, self.slots, self.starts, self.positions), host.split(sizes), strict=True):
             dst.copy_(src, non_blocking=True)
-        self.page_table.copy_(torch.tensor(table, dtype=torch.long), non_blocking=True)
+        self.page_table.copy_(host_tensor(table, dev), non_blocking=True)
 
 
 def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from k3verify.kernels.pinned import to_device
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.runner import ModelRunner
@@ -109,7 +110,7 @@ class SpecVerifier:
             raise ValueError(f"commit needs one count in 0..{self.num_draft} per verified sequence "
                              f"{pending.seq_ids}; got {accepted}")
         self._pending = None
-        acc = torch.tensor(accepted, dtype=torch.long).to(pending.slots.device, non_blocking=True)
+        acc = to_device(accepted, pending.slots.device)
         commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, acc,
                         pending.latent_rows)
         for sid, a in zip(pending.seq_ids, accepted, strict=True):
