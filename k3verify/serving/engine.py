@@ -63,15 +63,19 @@ log = logging.getLogger(__name__)
 # 4.6 ms in process (H200, 2026-12-02). Engine.start lowers the interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
-# Admission hold: requests that arrive together are admitted together. A prefill step has a large fixed cost
-# (kl-48b-8l on the H200, 2026-12-02: 65-140 ms from launch to launch for 0.8k-3.3k prompt tokens beside the running
-# rows, most of it host work), and a burst of arrivals spread over a few milliseconds was admitted over 2-3 such
-# steps, each stalling every running stream (prefill steps were 49-54% of the served wall at 16 and 64 streams).
-# So the waiting queue is admitted once no request has arrived for ADMIT_QUIET_S, or once its oldest request has
-# waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill every free slot; running rows keep decoding
-# meanwhile. (TGI batches prefills for the same reason with its waiting_served_ratio.)
-ADMIT_QUIET_S = 0.003
-ADMIT_MAX_HOLD_S = 0.025
+# Admission hold: requests that arrive together are admitted together. A prefill pass has a large fixed cost that is
+# host work (kl-48b-8l on the H200, 2026-12-02: ~33 ms from launch to launch for 128 to 3k prompt tokens, where the
+# GPU needs 3-10 ms), and a burst of arrivals spread over a few tens of milliseconds was admitted over 2-3 such
+# steps, each stalling every running stream. So the waiting queue is admitted once no request has arrived for
+# ADMIT_QUIET_S, or once its oldest request has waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill
+# every free slot; running rows keep decoding meanwhile. (TGI batches prefills for the same reason with its
+# waiting_served_ratio.) A server whose last ADMIT_HISTORY admissions each took one request sees requests come one
+# at a time: it admits at once (a hold there only adds its quiet time to every request's TTFT).
+# The served bench's bursts (64 or 16 clients whose streams end together) arrived over 27-40 ms with gaps of up to
+# 3.4-4.7 ms between requests (2026-12-02), hence 5 ms and 40 ms.
+ADMIT_QUIET_S = 0.005
+ADMIT_MAX_HOLD_S = 0.040
+ADMIT_HISTORY = 4
 
 __all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "InjectedFault"]
 
@@ -107,6 +111,7 @@ class Engine:
         if admit_quiet_s < 0 or admit_max_hold_s < 0:
             raise ValueError(f"admission hold times must be >= 0; got {admit_quiet_s}, {admit_max_hold_s}")
         self.admit_quiet_s, self.admit_max_hold_s = admit_quiet_s, admit_max_hold_s
+        self.admitted_sizes: deque[int] = deque(maxlen=ADMIT_HISTORY)  # requests per recent admitting step
         self.num_held = 0  # times the loop waited for more arrivals before admitting (nothing else to run)
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
         self.num_waiting = 0
@@ -252,6 +257,8 @@ class Engine:
         waiting = self.scheduler.waiting
         if not waiting or self.admit_quiet_s <= 0:
             return 0.0
+        if len(self.admitted_sizes) == ADMIT_HISTORY and max(self.admitted_sizes) == 1:
+            return 0.0  # requests come one at a time
         room = self.runner.num_free_slots
         if self.max_running is not None:
             room = min(room, self.max_running - self.scheduler.num_running)
@@ -357,7 +364,10 @@ class Engine:
         self.arrival_log = deque(maxlen=1_000_000) if on else None
 
     def _plan(self, admit: bool = True) -> StepPlan:
+        waiting = len(self.scheduler.waiting)
         plan = self.scheduler.schedule(admit)
+        if len(self.scheduler.waiting) < waiting:
+            self.admitted_sizes.append(waiting - len(self.scheduler.waiting))
         if self.step_log is not None and plan:
             self.step_log.append((time.monotonic(), len(plan.decode), plan.num_tokens - len(plan.decode)))
         if self._fault is not None:  # after admission, as a runner fault would strike

@@ -9,7 +9,7 @@ import time
 
 from server_harness import RecordingRunner, make_tiny_runner, tiny_parts
 
-from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.engine import ADMIT_HISTORY, Engine, EngineEvent
 from k3verify.serving.sampler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -74,3 +74,28 @@ def test_a_burst_that_fills_every_free_slot_is_admitted_at_once() -> None:
             assert (engine.num_held > 0) == held, (max_running, engine.num_held)
         finally:
             engine.stop()
+
+
+def test_requests_that_come_one_at_a_time_are_not_held() -> None:
+    """Sequential requests (each sent once the previous ended): once ADMIT_HISTORY admissions each took one
+    request, the engine admits the next at once, where a hold would only add its quiet time to every TTFT.
+    Control: once a burst has been admitted as more than one request, a lone request is held again."""
+    engine = _engine(RecordingRunner(make_tiny_runner(), delay_s=0.05), admit_quiet_s=0.03, admit_max_hold_s=0.2)
+    try:
+        for i in range(ADMIT_HISTORY + 2):
+            held = engine.num_held
+            assert _submit_spaced(engine, 1, 0.0)[0].wait(30)
+            if i < ADMIT_HISTORY:
+                assert engine.num_held > held, f"request {i}: the history is too short to skip the hold"
+            else:
+                assert engine.num_held == held, f"request {i}: held though requests come one at a time"
+        assert list(engine.admitted_sizes) == [1] * ADMIT_HISTORY
+        # a burst: its first request goes at once (the history says one at a time) and the other two, arriving
+        # during that 50 ms step, are admitted together
+        assert all(d.wait(30) for d in _submit_spaced(engine, 3, 0.002))
+        assert list(engine.admitted_sizes)[-2:] == [1, 2], list(engine.admitted_sizes)
+        held = engine.num_held
+        assert _submit_spaced(engine, 1, 0.0)[0].wait(30)
+        assert engine.num_held > held, "control: after a burst, a lone request is held for company"
+    finally:
+        engine.stop()
