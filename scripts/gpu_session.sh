@@ -255,10 +255,13 @@ served-profile)
     ;;
 mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
-    timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout 300 \
-        --report-dir "$OUT/mutate-cuda" --only 'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
+    # MUTANTS="pattern ..." runs a subset (e.g. MUTANTS="kernel.attn.* serving.graph.*" after a change there)
+    set -f  # the patterns reach mutate unexpanded
+    timeout "${MUTATE_S:-540}" python3 -m k3verify mutate --device cuda --jobs "${JOBS:-4}" --timeout "${MUTANT_S:-300}" \
+        --report-dir "$OUT/mutate-cuda" --only ${MUTANTS:-'kernel.fla.*' 'kernel.norm.triton*' 'kernel.conv.triton*' \
         'kernel.router.triton*' 'kernel.mxfp4.triton*' 'kernel.moe.decode*' 'kernel.moe.tail*' 'kernel.attn.*' 'serving.graph.*' \
-        'serving.step.*' 'serving.sched.*' 2>&1 | quiet | tail -40
+        'serving.step.*' 'serving.sched.*'} 2>&1 | quiet | tail -40
+    set +f
     ;;
 plan)
     rc=0
