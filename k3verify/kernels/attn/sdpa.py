@@ -11,7 +11,9 @@ every new shape, per thread: 50-85 ms of host time (scripts/sdpa_probe.py, 2026-
 step at 32 prompts of 128 tokens. The memory-efficient kernel builds nothing (0.4 ms on a new shape) and is
 within 15% of cuDNN's GPU time up to a few million scores, but 4x slower at one 8k sequence (4.8 vs 1.3 ms): calls
 of at least CUDNN_MIN_SCORES (batch x queries x keys) go to cuDNN with their lengths rounded up to a multiple of
-CUDNN_LEN_BUCKET, so prompts of nearby lengths share one graph; smaller calls never reach it.
+CUDNN_LEN_BUCKET, so prompts of nearby lengths share one graph; smaller calls never reach it. Flash attention
+(no build either) takes what it can; the math backend only shapes no fused kernel takes (the gates' toy head dims,
+not a multiple of 8: the memory-efficient kernel refuses them).
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def padded_len(n: int, cudnn: bool) -> int:
 
 
 def fused_backends(device: torch.device, cudnn: bool) -> contextlib.AbstractContextManager[None]:
-    """The backends a CUDA call may take (torch's own choice elsewhere: CPU runs its one fused kernel)."""
+    """The backends a CUDA call may take, in torch's order of preference among them (torch's own choice on CPU)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if cudnn
-                       else [SDPBackend.EFFICIENT_ATTENTION])
+    fallbacks = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *fallbacks] if cudnn else fallbacks)
 
 
 def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> str | None:
