@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3verify.gates import Kind, compare
 from k3verify.gates.checks.kernel_attn_packed import PACKS, _pack
 from k3verify.kernels import attn as attn_ops
 from k3verify.kernels.attn import packed, sdpa
-from k3verify.kernels.registry import REGISTRY, TORCH
+from k3verify.kernels.registry import CUDA, REGISTRY, TORCH
 
 
 @pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
@@ -41,3 +42,30 @@ def test_only_large_calls_reach_cudnn_and_their_lengths_are_bucketed() -> None:
     assert sdpa.uses_cudnn(1, 8192, 8192) and sdpa.uses_cudnn(1, 2048, 2048)
     assert sdpa.padded_len(8000, True) == 8192 and sdpa.padded_len(8192, True) == 8192
     assert sdpa.padded_len(100, False) == 100
+
+
+@pytest.mark.gpu
+def test_cuda_large_packs_take_the_cudnn_sizing_and_match() -> None:
+    """Packs of more than CUDNN_MIN_SCORES at MLA's head dims (192 / 128, which cuDNN takes): fresh ragged and
+    prefixed, padded to the 256 bucket; the bf16 CUDA path against the fp64 reference, and the one-key-late mask
+    (control) far off. The gates' packed check runs toy head dims that cuDNN refuses: this is where cuDNN's
+    bucketed path is held to the reference."""
+    g = torch.Generator().manual_seed(3)
+    for seqs in ([(2100, 0), (1500, 0)], [(700, 0), (1200, 900)]):
+        q_cu, ranges, k_at = [0], [], 0
+        for lq, prefix in seqs:
+            q_cu.append(q_cu[-1] + lq)
+            ranges.append((k_at, k_at + prefix + lq, prefix))
+            k_at += prefix + lq
+        q = torch.randn(q_cu[-1], 4, 192, generator=g)
+        k, v = torch.randn(k_at, 4, 192, generator=g), torch.randn(k_at, 4, 128, generator=g)
+        assert sdpa.uses_cudnn(len(seqs), max(n for n, _ in seqs), max(n + p for n, p in seqs))
+        scale = 192**-0.5
+        qb, kb, vb = (t.cuda().bfloat16() for t in (q, k, v))
+        got = attn_ops.causal_attention_packed(qb, kb, vb, q_cu, ranges, scale)
+        assert REGISTRY.last_backend[attn_ops.CAUSAL_PACKED] == CUDA, REGISTRY.fallbacks
+        ref = packed.causal_attention_packed_torch(q.double(), k.double(), v.double(), q_cu, ranges, scale).float()
+        assert compare(Kind.RMS, ref, got.float().cpu(), 1e-2).passed
+        late = [(k0, k1 + 1, off + 1) if k1 < k.shape[0] else (k0, k1, off) for k0, k1, off in ranges]
+        ctrl = packed.causal_attention_packed_sdpa(qb, kb, vb, q_cu, late, scale)
+        assert not compare(Kind.RMS, ref, ctrl.float().cpu(), 1e-2).passed, "control: a late mask must show"
