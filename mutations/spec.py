@@ -57,6 +57,14 @@ MUTANTS = [
         killers=("spec.commit.accepted_prefix",), presets=PRESETS,
     ),
     Mutant(
+        id="spec.accept.device_count_one_more",
+        fault="greedy acceptance on the device (what the offline round commits) counts one draft more than matched",
+        target=f"{ACCEPT}:greedy_counts",
+        old="return (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)",
+        new="return ((best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)",
+        killers=("spec.greedy.vs_plain",), presets=PRESETS,
+    ),
+    Mutant(
         id="spec.accept.bonus_dropped",
         fault="greedy acceptance emits the accepted drafts but drops the bonus token after them",
         target=f"{ACCEPT}:accept_greedy_ids",

@@ -8,9 +8,9 @@ on the host (perf_counter), with the verify's device time (CUDA events) beside t
 
   propose   the controlled drafter (its reference: this model's own plain greedy continuation)
   verify    staging + the verify graph's replay (launch only: host time)
-  readback  argmax + .tolist(): waits for the verify (its wait is the GPU's time, not host work)
-  accept    greedy acceptance on the host
-  commit    the accepted prefix's states committed (launches)
+  commit    greedy acceptance on the device and the accepted prefix's commit behind it (launches)
+  readback  the argmax ids and counts, .tolist(): waits for the verify and commit (the GPU's time, not host work)
+  accept    the host's greedy rule, held to the device's counts, and the runner's bookkeeping
 
 and prints the medians per round: host work between two verifies is the GPU's idle time at batch 1.
 """
@@ -74,16 +74,19 @@ def main() -> None:
             logits = verifier.verify([(sid, [tokens[-1], *drafts])], graphs)
             marks.mark()
             t2 = time.perf_counter()
-            best = logits.argmax(dim=-1).tolist()[0]
+            out = verifier.commit_greedy(logits, [drafts])
             t3 = time.perf_counter()
-            result = accept_greedy_ids(best, drafts)
+            row = out.tolist()[0]
             t4 = time.perf_counter()
-            verifier.commit([result.num_accepted])
+            result = accept_greedy_ids(row[:-1], drafts)
+            if result.num_accepted != row[-1]:
+                raise RuntimeError(f"device accepted {row[-1]} drafts, host {result.num_accepted}")
+            verifier.committed([row[-1]])
             t5 = time.perf_counter()
             tokens += result.tokens
             if attempt:
-                for name, dt in (("propose", t1 - t0), ("verify", t2 - t1), ("readback", t3 - t2),
-                                 ("accept", t4 - t3), ("commit", t5 - t4)):
+                for name, dt in (("propose", t1 - t0), ("verify", t2 - t1), ("commit", t3 - t2),
+                                 ("readback", t4 - t3), ("accept", t5 - t4)):
                     host[name].append(1e3 * dt)
                 gpu_ms.append(1e3 * marks.seconds(0, 1))
                 rounds_ms.append(1e3 * (t5 - t0))

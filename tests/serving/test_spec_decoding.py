@@ -369,3 +369,42 @@ def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: 
     assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
     assert step.counters.verify_steps == 0 and step.counters.gated_steps > 0
     assert gate.decode_s[3] < 1.0, "the engine timed its plain steps"
+
+
+def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_model: ServingModel) -> None:
+    """commit_greedy (acceptance on the device, commit behind the verify) leaves the caches and the runner's counts
+    exactly as the host rule + commit would, on rows that accept none, some and all of their drafts; verify before
+    `committed`, and `committed` without a commit_greedy, are refused."""
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 3, 2], [7, 7, 1, 9, 4, 2]]
+    truth = generate_greedy(ModelRunner(tiny_model, num_pages=32, page_size=4, num_slots=4, max_context=64),
+                            prompts, K + 2)  # before the verifier's runner: a runner binds its caches to the model
+    drafts = [[1, 2, 3, 4], truth[1][1:K + 1], [truth[2][1], 0, 0, 0]]  # none, all, one of them accepted
+
+    def run(on_device: bool) -> tuple[list[int], dict[str, torch.Tensor], list[int]]:
+        runner = ModelRunner(tiny_model, num_pages=32, page_size=4, num_slots=4, max_context=64)
+        verifier = SpecVerifier(runner, K, max_rows=3)
+        for sid in range(len(prompts)):
+            runner.admit(sid, 40)
+        last = runner.prefill([(sid, p) for sid, p in enumerate(prompts)]).argmax(-1).tolist()
+        logits = verifier.verify([(sid, [last[sid], *d]) for sid, d in enumerate(drafts)])
+        if on_device:
+            out = verifier.commit_greedy(logits, drafts).tolist()
+            with pytest.raises(RuntimeError, match="committed"):
+                verifier.verify([(0, [1] * (K + 1))])
+            counts = [o[-1] for o in out]
+            verifier.committed(counts)
+        else:
+            counts = [accept_greedy(logits[b], d).num_accepted for b, d in enumerate(drafts)]
+            verifier.commit(counts)
+        pool = runner.state_pool
+        states = {"state": pool.state.clone(), "conv_q": pool.conv_q.clone(), "latents": runner.kv_cache.data.clone()}
+        return counts, states, [runner.num_cached(sid) for sid in range(3)]
+
+    host, device = run(False), run(True)
+    assert host[0] == device[0] and host[2] == device[2], (host[0], device[0])
+    assert host[0][1] == K and 1 <= host[0][2] < K and host[0][0] < K, host[0]
+    for name, t in host[1].items():
+        assert torch.equal(t, device[1][name]), name
+    runner = ModelRunner(tiny_model, num_pages=8, page_size=4, num_slots=2, max_context=16)
+    with pytest.raises(RuntimeError, match="without a commit_greedy"):
+        SpecVerifier(runner, K, max_rows=1).committed([0])

@@ -34,6 +34,14 @@ def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Accepted:
     return accept_greedy_ids(logits.argmax(dim=-1).tolist(), drafts)
 
 
+def greedy_counts(best: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The greedy rule on the device: best [B, k+1] argmax ids, drafts [B, k] -> [B] int64 drafts accepted (the
+    longest prefix where each draft equals the argmax before it), so a commit can follow a verify without a host
+    round trip. accept_greedy_ids is the same rule on the host, and callers hold the two to each other."""
+    k = drafts.shape[1]
+    return (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)
+
+
 def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
     """accept_greedy on the rows' argmax ids already on the host (one transfer for a whole verify batch)."""
     if len(best) != len(drafts) + 1:

@@ -143,11 +143,15 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         rows += [(i, filler_drafts(run.tokens[i][-1], k)) for i in riders]
         plain = [i for i in plain if i not in riders]
         logits = verifier.verify([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], verify_graphs)
-        best = logits.argmax(dim=-1).tolist()  # [B][k+1]: one transfer for the whole verify batch
+        # acceptance and commit on the device, right behind the verify; then one transfer of [B][k+1 ids, count]
+        out = verifier.commit_greedy(logits, [d for _, d in rows]).tolist()
         if gate is not None and timed:
             gate.record_verify(len(live), time.perf_counter() - start)
-        results = [accept_greedy_ids(best[r], d) for r, (_, d) in enumerate(rows)]
-        verifier.commit([a.num_accepted for a in results])
+        results = [accept_greedy_ids(o[:-1], d) for o, (_, d) in zip(out, rows, strict=True)]
+        if [a.num_accepted for a in results] != [o[-1] for o in out]:
+            raise RuntimeError(f"greedy acceptance on the device committed {[o[-1] for o in out]} drafts, on the "
+                               f"host {[a.num_accepted for a in results]}: the two rules disagree")
+        verifier.committed([o[-1] for o in out])
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
             run.tokens[i].extend(a.tokens)
             if r < drafted:  # a rider's fillers are no drafts: neither the policy nor the acceptance counts them

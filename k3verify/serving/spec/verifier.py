@@ -4,7 +4,10 @@ verify([(seq_id, [last accepted token, d_1 .. d_k]), ...]) runs one packed pass 
 sequence at positions cached .. cached+k and returns every position's logits; commit([a_0, ...]) then
 keeps, per sequence, the last accepted token and its first a drafts (a+1 tokens): their KDA state and
 windows become the slot's, the MLA rows of the rejected positions get their old contents back, and the
-runner counts a+1 more cached tokens. Exactly one commit follows each verify.
+runner counts a+1 more cached tokens. Exactly one commit follows each verify. For greedy rows,
+commit_greedy decides the counts on the device and launches the commit behind the verify (no host round trip
+between them); the caller reads the argmax ids and counts back in one transfer and hands the counts to
+`committed`, which does the runner's bookkeeping.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from k3verify.kernels.pinned import to_device
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.runner import ModelRunner
+from k3verify.serving.spec.accept import greedy_counts
 from k3verify.serving.spec.arena import VerifyArena, VerifyPass, commit_accepted
 
 if TYPE_CHECKING:
@@ -40,6 +44,7 @@ class SpecVerifier:
         self.arena = VerifyArena(model.cfg, max_rows, num_draft + 1, model.dtype, model.device)
         self.max_rows = max_rows
         self._pending: _Pending | None = None
+        self._uncounted: list[int] | None = None  # seq_ids committed by commit_greedy, not yet `committed`
 
     @property
     def verify_pass(self) -> VerifyPass:
@@ -69,8 +74,8 @@ class SpecVerifier:
     def verify(self, seqs: list[tuple[int, list[int]]], graphs: VerifyGraphs | None = None) -> torch.Tensor:
         """[B, n, V] fp32 logits: row j of sequence b is the prediction after its token j (through `graphs`, a view
         of the captured output: valid until the next verify)."""
-        if self._pending is not None:
-            raise RuntimeError("verify called twice without a commit in between")
+        if self._pending is not None or self._uncounted is not None:
+            raise RuntimeError("verify called twice without a commit (and its `committed` counts) in between")
         ids = [sid for sid, _ in seqs]
         if not seqs or len(seqs) > self.max_rows or len(set(ids)) != len(ids):
             raise ValueError(f"verify takes 1..{self.max_rows} distinct sequences; got {ids}")
@@ -101,17 +106,51 @@ class SpecVerifier:
         self._pending = _Pending(ids, slot_t, rows)
         return logits.view(len(seqs), n, -1)
 
-    def commit(self, accepted: list[int]) -> None:
-        """accepted[b] in 0..k: drafts of row b that were accepted (its last token + those drafts are kept)."""
+    def _take_pending(self) -> _Pending:
         pending = self._pending
         if pending is None:
             raise RuntimeError("commit without a verify")
-        if len(accepted) != len(pending.seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
-            raise ValueError(f"commit needs one count in 0..{self.num_draft} per verified sequence "
-                             f"{pending.seq_ids}; got {accepted}")
         self._pending = None
+        return pending
+
+    def commit(self, accepted: list[int]) -> None:
+        """accepted[b] in 0..k: drafts of row b that were accepted (its last token + those drafts are kept)."""
+        if self._pending is not None and (len(accepted) != len(self._pending.seq_ids)
+                                          or any(not 0 <= a <= self.num_draft for a in accepted)):
+            raise ValueError(f"commit needs one count in 0..{self.num_draft} per verified sequence "
+                             f"{self._pending.seq_ids}; got {accepted}")
+        pending = self._take_pending()
         acc = to_device(accepted, pending.slots.device)
         commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, acc,
                         pending.latent_rows)
         for sid, a in zip(pending.seq_ids, accepted, strict=True):
+            self.runner.mark_cached(sid, a + 1)
+
+    def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
+        """Greedy acceptance of the pending verify on the device (acceptance.greedy_counts) and its commit launched
+        behind it. logits [B, n, V] as verify returned them, drafts [B][k]. Returns [B, n + 1] int64 on the
+        device: each row's n argmax ids, then its accepted count; read it back (one transfer), then `committed`."""
+        if self._pending is not None and len(drafts) != len(self._pending.seq_ids):
+            raise ValueError(f"commit_greedy needs the drafts of every verified sequence {self._pending.seq_ids}; "
+                             f"got {len(drafts)} rows")
+        pending = self._take_pending()
+        best = logits.argmax(dim=-1)  # [B, n]
+        flat = [t for row in drafts for t in row]
+        if len(flat) != len(drafts) * self.num_draft:
+            raise ValueError(f"each row needs {self.num_draft} drafts; got {[len(r) for r in drafts]}")
+        accepted = greedy_counts(best, to_device(flat, best.device).view(len(drafts), self.num_draft))
+        commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, accepted,
+                        pending.latent_rows)
+        self._uncounted = pending.seq_ids
+        return torch.cat([best, accepted[:, None]], dim=1)
+
+    def committed(self, accepted: list[int]) -> None:
+        """After commit_greedy: the counts read back (the runner counts a+1 more cached tokens per row)."""
+        seq_ids = self._uncounted
+        if seq_ids is None:
+            raise RuntimeError("committed without a commit_greedy")
+        if len(accepted) != len(seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
+            raise ValueError(f"committed needs one count in 0..{self.num_draft} per row of {seq_ids}; got {accepted}")
+        self._uncounted = None
+        for sid, a in zip(seq_ids, accepted, strict=True):
             self.runner.mark_cached(sid, a + 1)
