@@ -231,6 +231,10 @@ class ModelRunner:
     def _get(self, seq_id: int) -> SequenceCache:
         if seq_id not in self._seqs:
             raise KeyError(f"sequence {seq_id} is not admitted")
+        if self.model.kv_cache is not self.kv_cache or self.model.state_pool is not self.state_pool:
+            raise RuntimeError("this runner's caches are no longer the model's: another ModelRunner over the same "
+                               "model (or allocate_caches) replaced them, and the model would read and write those "
+                               "instead (one runner per model at a time)")
         return self._seqs[seq_id]
 
 

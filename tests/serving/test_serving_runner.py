@@ -119,3 +119,19 @@ def test_packed_batch_validation() -> None:
     b = PackedBatch.build(ids, [2, 3], start_pos=[4, 0], page_tables=[[1, 2, 3], [4, 5]], page_size=2)
     assert b.seg_ids.tolist() == [0, 0, 1, 1, 1] and b.positions.tolist() == [4, 5, 0, 1, 2]
     assert b.page_table.tolist() == [[1, 2, 3], [4, 5, 0]] and b.last_token_index.tolist() == [1, 4]
+
+
+def test_a_runner_whose_caches_another_runner_replaced_refuses_to_run(
+        build_model: Callable[..., ServingModel]) -> None:
+    """The model owns the caches a runner works on: a second runner over the same model allocates new ones, and the
+    first would have read and written those (its own sequences' states gone: a verify gave other tokens than
+    decode, 2026-12-02). The first runner now raises; after reset_caches it is the model's again and runs."""
+    model = build_model("kl-tiny")
+    first = _runner(model)
+    first.admit(1, 20)
+    _runner(model)
+    with pytest.raises(RuntimeError, match="no longer the model's"):
+        first.prefill([(1, [3, 4, 5])])
+    first.reset_caches()
+    first.admit(1, 20)
+    assert first.prefill([(1, [3, 4, 5])]).shape[0] == 1
