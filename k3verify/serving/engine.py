@@ -322,7 +322,7 @@ class Engine:
 
     def _step(self, admit: bool = True) -> None:
         """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
-        if self.speculator is not None:
+        if self.speculator is not None and not self._plain_ahead():
             self._step_in_order(admit)
             return
         plan = self._plan(admit)
@@ -337,6 +337,9 @@ class Engine:
         """With speculative decoding each step is collected before the next is planned: the drafter proposes
         from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
         assert self.speculator is not None
+        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token on the host
+            previous, self._in_flight = self._in_flight, None
+            self._process(previous)
         plan = self._plan(admit)
         whole = len(plan.decode)
         if plan.decode:
@@ -356,6 +359,14 @@ class Engine:
         elif not plan:
             self._refuse_unadmittable_head()
         self.num_steps += 1
+
+    def _plain_ahead(self) -> bool:
+        """With a speculator: whether this step decodes plainly, launching ahead as an engine without one does,
+        because the cost gate declines verifies at the coming decode batch size (no drafts are asked for). The
+        gate's reprobe (and any change of batch size) brings the in-order speculative step back."""
+        assert self.speculator is not None
+        batch = sum(s.can_decode for s in self.scheduler.running.values())
+        return batch > 0 and self.speculator.plain_ahead(batch)
 
     def record_steps(self, on: bool) -> None:
         """Start (fresh logs) or stop recording each step's launch time and shape in `step_log` and each request's

@@ -369,6 +369,39 @@ def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: 
     assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
     assert step.counters.verify_steps == 0 and step.counters.gated_steps > 0
     assert gate.decode_s[3] < 1.0, "the engine timed its plain steps"
+    assert step.counters.plain_ahead_steps > 0, "while the gate declines, the engine launches ahead"
+
+
+def test_engine_leaves_launch_ahead_for_the_gates_reprobe_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
+    """A gate that declines at batch 3 and probes again every few declined steps: the engine runs launch-ahead
+    plain steps while it declines (drafts not asked for), drains the step in flight before each in-order step, and
+    verifies at each reprobe; the tokens equal plain greedy's throughout (every draft right: accepted ones show)."""
+    prompts, new = _prompts(), 16
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
+    # a plain step at 1 us: whatever the engine times, a verify never pays except as a reprobe
+    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1e-6}, reprobe_after=2)
+    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
+                           SpecPolicy(min_mean_accepted=0.0), gate)
+    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+    events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+                                  for p in prompts])
+    assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
+    c = step.counters
+    assert c.plain_ahead_steps > 0 and c.verify_steps > 0 and c.gated_steps > 0, c
+    assert c.accepted > 0, "the reprobes verified right drafts"
+
+
+def test_cost_gate_take_plain_step_follows_its_last_decision_and_reprobes() -> None:
+    gate = CostGate(verify_s={4: 10.0}, decode_s={4: 1.0}, reprobe_after=3)
+    assert not gate.take_plain_step(4), "nothing decided at 4 yet"
+    assert not gate.verify_now(4, [SpecStats()], 0, K)  # declined: 5 tokens a row expected < 10x
+    assert gate.take_plain_step(4) and not gate.take_plain_step(8)
+    assert not gate.take_plain_step(4), "the third declined step is the reprobe's: left to verify_now"
+    assert gate.verify_now(4, [SpecStats()], 0, K), "reprobe"
+    assert not gate.take_plain_step(4), "after a verify the gate is not declining"
 
 
 def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_model: ServingModel) -> None:

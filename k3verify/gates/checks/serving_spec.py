@@ -7,6 +7,8 @@
   record of its accepted position, rejected MLA positions hold their old bits, idle storage is untouched.
 - spec.greedy.vs_plain: speculative greedy generation (drafts: the model's own continuation, half of them
   corrupted) equals plain greedy generation token for token.
+- spec.engine.gated_vs_plain: the same through the engine, under a cost gate that declines verifies and probes
+  again: launch-ahead plain steps alternate with in-order verify steps, and the tokens equal plain greedy's.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ import torch
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates import fixtures as fx
 from k3verify.gates.checks._spec_common import NUM_DRAFT, OpCase, bits, op_case, poison_caches
+from k3verify.gates.engine_run import collect_events
 from k3verify.kernels import conv as conv_ops
 from k3verify.kernels import kda as kda_ops
 from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_NORM, VERIFY_RECORD, kda_verify
 from k3verify.kernels.norm import GATED_RMS, gated_rms_norm
+from k3verify.serving.engine import Engine
 from k3verify.serving.runner import ModelRunner, generate_greedy
+from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.spec import verifier as verifier_module
 from k3verify.serving.spec.arena import commit_accepted
 from k3verify.serving.spec.drafter import ControlledDrafter, WithoutDrafts
 from k3verify.serving.spec.offline import generate_speculative
-from k3verify.serving.spec.policy import SpecPolicy
+from k3verify.serving.spec.policy import CostGate, SpecPolicy
+from k3verify.serving.spec.step import SpecCounters, SpeculativeStep
 from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.tokenizer import default_tokenizer
 
 PROMPT_LENS = (9, 17, 5)
 ACCEPTED = [0, 2, NUM_DRAFT]  # per verified row: none, some, all drafts kept
@@ -242,3 +249,64 @@ def check_greedy_vs_plain(ctx: CheckContext) -> Trial:
         f"prompts {PROMPT_LENS}, {new} new tokens, k={NUM_DRAFT}; drafts = plain greedy continuation with each token "
         f"corrupted with probability 0.5, none for the last prompt (a rider: {riders} rider rows); accepted drafts per "
         f"verify row {accepted}; caches and arena NaN-poisoned"])
+
+
+@register_check(
+    id="spec.engine.gated_vs_plain", component="serving", level="serving", kind=Kind.BITEXACT,
+    control="rejected drafts committed: every verified row commits all k drafts",
+)
+@fx.single_thread
+def check_engine_gated_vs_plain(ctx: CheckContext) -> Trial:
+    """The engine's speculative step under a cost gate that declines verifies (a plain step priced at 1 us) and
+    probes again every few declined steps: the engine then alternates launch-ahead plain steps (no drafts asked
+    for; step n+1 launched before step n is read) with in-order verify steps, and must drain the step in flight
+    before each in-order one. Its greedy tokens equal plain greedy's."""
+    new = 16
+    model = fx.serving_model(ctx)
+    prompts = [fx.prompt(ctx, n, salt=70 + i).tolist() for i, n in enumerate(PROMPT_LENS)]
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(model, num_pages=32, page_size=8, num_slots=4, max_context=128)
+        poison_caches(r)
+        return r
+
+    plain = generate_greedy(runner(), prompts, new)
+    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}  # the engine's ids start at 1
+
+    def served(commit_all: bool) -> tuple[list[list[int]], SpecCounters]:
+        r = runner()
+        verifier = SpecVerifier(r, NUM_DRAFT, len(prompts))
+        verifier.arena.poison()
+        drafter = ControlledDrafter(NUM_DRAFT, refs, corrupt=0.5, vocab_size=ctx.cfg.vocab_size, seed=ctx.seed)
+        gate = CostGate(verify_s={len(prompts): 10.0}, decode_s={len(prompts): 1e-6}, reprobe_after=2)
+        step = SpeculativeStep(verifier, drafter, SpecPolicy(min_mean_accepted=0.0), gate)
+        engine = Engine(r, default_tokenizer(), eos_token_ids=ctx.cfg.eos_token_ids, vocab_size=ctx.cfg.vocab_size,
+                        speculator=step)
+
+        def every_draft(pool: Any, cache: Any, arena: Any, slots: torch.Tensor, accepted: torch.Tensor,
+                        rows: torch.Tensor | None) -> None:
+            commit_accepted(pool, cache, arena, slots, torch.full_like(accepted, NUM_DRAFT), rows)
+
+        with fx.patched(verifier_module, "commit_accepted", every_draft if commit_all else commit_accepted):
+            engine.start()
+            try:
+                params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+                events = collect_events(engine, [(p, params) for p in prompts], timeout_s=120)
+            finally:
+                engine.stop()
+        errors = [e.error for evs in events for e in evs if e.error is not None]
+        if errors:
+            raise RuntimeError(f"the engine failed a request: {errors[0]}")
+        return [[t for e in evs for t in e.token_ids] for evs in events], step.counters
+
+    cand, c = served(False)
+    if not (c.plain_ahead_steps and c.verify_steps and c.accepted):
+        raise RuntimeError(f"{c}: the run had no launch-ahead step, no verify or no accepted draft; the check tests "
+                           "less than it says")
+    ctrl, _ = served(True)
+    return Trial(reference=torch.tensor(plain), candidate=torch.tensor(cand), control=torch.tensor(ctrl), metrics={
+        "plain_ahead_steps": float(c.plain_ahead_steps), "verify_steps": float(c.verify_steps),
+        "gated_steps": float(c.gated_steps)}, notes=[
+        f"prompts {PROMPT_LENS}, {new} new tokens, k={NUM_DRAFT}; drafts = plain greedy continuation with each token "
+        f"corrupted with probability 0.5; {c.plain_ahead_steps} launch-ahead steps, {c.verify_steps} verifies "
+        f"({c.accepted} drafts accepted), {c.gated_steps} declined; caches and arena NaN-poisoned"])

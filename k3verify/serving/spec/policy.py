@@ -69,6 +69,7 @@ class CostGate:
     decode_s: dict[int, float] = field(default_factory=dict)  # fastest plain step seen, by batch size
     _declined: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _reprobe: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _declining: dict[int, bool] = field(default_factory=dict, init=False, repr=False)  # last decision, both times known
 
     def record_verify(self, batch: int, seconds: float) -> None:
         self.verify_s[batch] = min(seconds, self.verify_s.get(batch, float("inf")))
@@ -91,6 +92,7 @@ class CostGate:
         rows = len(drafting) + riders
         tokens = sum(1.0 + self.expected_accepted(s, num_draft) for s in drafting) + riders
         if tokens / max(rows, 1) >= self.verify_s[batch] / self.decode_s[batch]:
+            self._declining[batch] = False
             return True
         # Declined: a row's estimate only moves with verifies, and a slow first verify (a graph capture, say) would
         # otherwise decide for good; so every reprobe_after declined steps (doubling) one verify probes again.
@@ -98,9 +100,23 @@ class CostGate:
         every = self._reprobe.setdefault(batch, self.reprobe_after)
         if declined >= every:
             self._declined[batch], self._reprobe[batch] = 0, 2 * every
+            self._declining[batch] = False
             return True
-        self._declined[batch] = declined
+        self._declined[batch], self._declining[batch] = declined, True
         return False
+
+    def take_plain_step(self, batch: int) -> bool:
+        """While the gate declines at this batch size (its last decision there, with both step times known, was
+        plain decoding): count one more declined step and return True, so the caller may decode plainly without
+        asking for drafts (the engine then keeps launching step n+1 before it reads step n). False whenever the
+        gate is not declining there, and at the step that reaches the reprobe count (verify_now probes there)."""
+        if not self._declining.get(batch):
+            return False
+        declined = self._declined.get(batch, 0) + 1
+        if declined >= self._reprobe.get(batch, self.reprobe_after):
+            return False
+        self._declined[batch] = declined
+        return True
 
     def describe(self) -> dict[str, dict[str, float]]:
         """Measured step times (ms) by batch size (keys as strings, as JSON keeps them), for reports."""

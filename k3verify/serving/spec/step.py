@@ -48,6 +48,7 @@ class SpecCounters:
     turned_off: int = 0  # requests whose speculation the policy switched off
     rider_rows: int = 0  # greedy rows without drafts that rode along in a verify pass instead of a decode step
     gated_steps: int = 0  # steps with drafts that the cost gate sent to plain decode
+    plain_ahead_steps: int = 0  # steps the engine decoded with launch-ahead while the gate declined their batch size
 
 
 class SpeculativeStep:
@@ -89,6 +90,14 @@ class SpeculativeStep:
             if self.gate is not None and not rest:
                 self.gate.record_verify(len(batch), time.perf_counter() - start)
         return rest
+
+    def plain_ahead(self, batch: int) -> bool:
+        """Whether the engine's next step of `batch` decoding sequences may skip drafting and run as a plain
+        launch-ahead step: the cost gate is declining at that size (CostGate.take_plain_step, which counts it)."""
+        if self.gate is None or not self.gate.take_plain_step(batch):
+            return False
+        self.counters.plain_ahead_steps += 1
+        return True
 
     def record_plain_step(self, batch: int, seconds: float) -> None:
         """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it): the gate's
