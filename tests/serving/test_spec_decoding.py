@@ -441,3 +441,44 @@ def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_m
     runner = ModelRunner(tiny_model, num_pages=8, page_size=4, num_slots=2, max_context=16)
     with pytest.raises(RuntimeError, match="without a commit_greedy"):
         SpecVerifier(runner, K, max_rows=1).committed([0])
+
+
+def test_engine_verify_row_with_nonfinite_logits_fails_its_request_alone(tiny_model: ServingModel) -> None:
+    """One verify pass gives one row NaN logits (injected): that request ends with a non-finite error, and the other
+    requests still return plain greedy's tokens; the caches pass the integrity check. Control: without the injection
+    every request completes with plain greedy's tokens."""
+    prompts, new = _prompts(), 10
+    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
+                            prompts, new)
+    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
+
+    def run(inject: bool) -> tuple[list[list[EngineEvent]], ModelRunner]:
+        runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+        verifier = SpecVerifier(runner, K, 3)
+        real_verify = verifier.verify
+        calls = [0]
+
+        def verify(seqs: list[tuple[int, list[int]]], graphs: Any = None) -> torch.Tensor:
+            logits = real_verify(seqs, graphs)
+            calls[0] += 1
+            if inject and calls[0] == 2:
+                rows = [sid for sid, _ in seqs]
+                logits[rows.index(2)] = float("nan")  # request 2's row
+            return logits
+
+        verifier.verify = verify  # type: ignore[method-assign]
+        step = SpeculativeStep(verifier, ControlledDrafter(K, refs, 0.3, 4608, seed=1),
+                               SpecPolicy(min_mean_accepted=0.0))
+        engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        return _engine_run(engine, [(p, params) for p in prompts]), runner
+
+    events, runner = run(True)
+    errors = [next((e.error for e in evs if e.error), None) for evs in events]
+    assert errors[0] is None and errors[2] is None and "non-finite" in (errors[1] or ""), errors
+    for i in (0, 2):
+        assert [t for e in events[i] for t in e.token_ids] == plain[i]
+    runner.check_integrity()
+    control, _ = run(False)
+    assert all(next((e.error for e in evs if e.error), None) is None for evs in control)
+    assert [[t for e in evs for t in e.token_ids] for evs in control] == plain
