@@ -29,7 +29,7 @@ from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.spec.accept import accept_greedy_ids
+from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import ControlledDrafter
 from k3verify.serving.spec.offline import pad_drafts
 from k3verify.serving.spec.verifier import SpecVerifier
@@ -78,9 +78,7 @@ def main() -> None:
             t3 = time.perf_counter()
             row = out.tolist()[0]
             t4 = time.perf_counter()
-            result = accept_greedy_ids(row[:-1], drafts)
-            if result.num_accepted != row[-1]:
-                raise RuntimeError(f"device accepted {row[-1]} drafts, host {result.num_accepted}")
+            result = accept_read_back([row], [drafts])[0]
             verifier.committed([row[-1]])
             t5 = time.perf_counter()
             tokens += result.tokens

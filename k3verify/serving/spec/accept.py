@@ -13,6 +13,7 @@ exactly as plain sampling would draw it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,18 @@ def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
     while a < len(drafts) and drafts[a] == best[a]:
         a += 1
     return Accepted(a, drafts[:a] + [best[a]])
+
+
+def accept_read_back(out: list[list[int]], drafts: list[list[int]], rejected: Collection[int] = ()
+                     ) -> list[Accepted]:
+    """After SpecVerifier.commit_greedy: rows [k+1 argmax ids..., the device's count] read back -> each row's
+    Accepted by the host's rule (rows in `rejected` accept nothing), held to the counts the device committed."""
+    results = [Accepted(0, []) if r in rejected else accept_greedy_ids(o[:-1], d)
+               for r, (o, d) in enumerate(zip(out, drafts, strict=True))]
+    if [a.num_accepted for a in results] != [o[-1] for o in out]:
+        raise RuntimeError(f"greedy acceptance on the device committed {[o[-1] for o in out]} drafts, on the host "
+                           f"{[a.num_accepted for a in results]}: the two rules disagree")
+    return results
 
 
 def token_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.scheduler import spec_reservation
-from k3verify.serving.spec.accept import accept_greedy_ids
+from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
 from k3verify.serving.spec.verifier import SpecVerifier
@@ -147,11 +147,8 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         out = verifier.commit_greedy(logits, [d for _, d in rows]).tolist()
         if gate is not None and timed:
             gate.record_verify(len(live), time.perf_counter() - start)
-        results = [accept_greedy_ids(o[:-1], d) for o, (_, d) in zip(out, rows, strict=True)]
-        if [a.num_accepted for a in results] != [o[-1] for o in out]:
-            raise RuntimeError(f"greedy acceptance on the device committed {[o[-1] for o in out]} drafts, on the "
-                               f"host {[a.num_accepted for a in results]}: the two rules disagree")
-        verifier.committed([o[-1] for o in out])
+        results = accept_read_back(out, [d for _, d in rows])
+        verifier.committed([a.num_accepted for a in results])
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
             run.tokens[i].extend(a.tokens)
             if r < drafted:  # a rider's fillers are no drafts: neither the policy nor the acceptance counts them

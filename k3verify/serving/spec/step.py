@@ -15,11 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.sampler import TokenLogprob, nonfinite_rows, token_logprobs
+from k3verify.serving.sampler import TokenLogprob, nonfinite_mask, nonfinite_rows, token_logprobs
 from k3verify.serving.scheduler import ScheduledSeq
-from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_sampled
+from k3verify.serving.spec.accept import Accepted, accept_greedy_ids, accept_read_back, accept_sampled
 from k3verify.serving.spec.drafter import Drafter, NgramDrafter
 from k3verify.serving.spec.offline import filler_drafts, pad_drafts, useful_drafts
 from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
@@ -120,18 +122,34 @@ class SpeculativeStep:
         proposed = self.drafter.propose(req.seq_id, req.prompt_ids + req.output_ids)
         return pad_drafts(proposed, self.verifier.num_draft) if proposed else []
 
+    def _accept_greedy_on_device(self, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]
+                                 ) -> tuple[list[Accepted], set[int]]:
+        """Every row greedy: acceptance and the commit on the device right behind the verify (rows with non-finite
+        logits accept nothing), then one transfer of ids, counts and non-finite flags."""
+        B, n = logits.shape[0], self.verifier.num_positions
+        flags = nonfinite_mask(logits.flatten(0, 1)).view(B, n).any(dim=1)
+        out = self.verifier.commit_greedy(logits, [d for _, d in rows], reject=flags)
+        host = torch.cat([out, flags[:, None].long()], dim=1).tolist()
+        bad = {r for r, row in enumerate(host) if row[-1]}
+        results = accept_read_back([row[:-1] for row in host], [d for _, d in rows], bad)
+        self.verifier.committed([a.num_accepted for a in results])
+        return results, bad
+
     def _verify(self, host: SpecHost, rows: list[tuple[Request, list[int]]], drafted: int) -> None:
         """rows[:drafted] carry drafts, the rest are riders (filler drafts): not counted by the policy or the
         acceptance counters."""
         n = self.verifier.num_positions
         useful = [self._useful(req) for req, _ in rows[:drafted]]  # before this pass's tokens are emitted
         logits = self.verifier.verify([(req.seq_id, [req.last_token, *drafts]) for req, drafts in rows])
-        bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
-        best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
-        results = [Accepted(0, []) if r in bad else accept_greedy_ids(best[r], drafts) if req.params.is_greedy
-                   else accept_sampled(logits[r], drafts, req.params, req.seed, req.next_position)
-                   for r, (req, drafts) in enumerate(rows)]
-        self.verifier.commit([a.num_accepted for a in results])
+        if all(req.params.is_greedy for req, _ in rows):
+            results, bad = self._accept_greedy_on_device(logits, rows)
+        else:
+            bad = {i // n for i in nonfinite_rows(logits.flatten(0, 1))}
+            best = logits.argmax(dim=-1).tolist()  # greedy rows: one transfer for the whole batch
+            results = [Accepted(0, []) if r in bad else accept_greedy_ids(best[r], drafts) if req.params.is_greedy
+                       else accept_sampled(logits[r], drafts, req.params, req.seed, req.next_position)
+                       for r, (req, drafts) in enumerate(rows)]
+            self.verifier.commit([a.num_accepted for a in results])
         c, now = self.counters, time.monotonic()
         c.verify_steps += 1
         for r, ((req, _), acc) in enumerate(zip(rows, results, strict=True)):

@@ -126,10 +126,13 @@ class SpecVerifier:
         for sid, a in zip(pending.seq_ids, accepted, strict=True):
             self.runner.mark_cached(sid, a + 1)
 
-    def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
+    def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]], reject: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """Greedy acceptance of the pending verify on the device (acceptance.greedy_counts) and its commit launched
-        behind it. logits [B, n, V] as verify returned them, drafts [B][k]. Returns [B, n + 1] int64 on the
-        device: each row's n argmax ids, then its accepted count; read it back (one transfer), then `committed`."""
+        behind it. logits [B, n, V] as verify returned them, drafts [B][k]; `reject` [B] bool (device): rows that
+        accept nothing whatever their argmax (the engine's rows with non-finite logits). Returns [B, n + 1] int64
+        on the device: each row's n argmax ids, then its accepted count; read it back (one transfer), then
+        `committed`."""
         if self._pending is not None and len(drafts) != len(self._pending.seq_ids):
             raise ValueError(f"commit_greedy needs the drafts of every verified sequence {self._pending.seq_ids}; "
                              f"got {len(drafts)} rows")
@@ -139,6 +142,8 @@ class SpecVerifier:
         if len(flat) != len(drafts) * self.num_draft:
             raise ValueError(f"each row needs {self.num_draft} drafts; got {[len(r) for r in drafts]}")
         accepted = greedy_counts(best, to_device(flat, best.device).view(len(drafts), self.num_draft))
+        if reject is not None:
+            accepted = accepted.masked_fill(reject, 0)
         commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, accepted,
                         pending.latent_rows)
         self._uncounted = pending.seq_ids
