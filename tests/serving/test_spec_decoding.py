@@ -352,21 +352,28 @@ def test_cost_gate_sends_an_expensive_verify_to_plain_decode_offline(tiny_model:
     assert runs[1.0].verify_steps > 0 and not runs[1.0].gated_off and runs[1.0].acceptance == 1.0
 
 
-def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
-    """The engine's speculative step under a gate whose measured verify costs 10 plain steps: drafted steps go to
-    plain decode (counted), output is plain greedy's; the engine times its own plain steps for the gate."""
-    prompts, new = _prompts(), 10
-    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
-                            prompts, new)
-    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+def _gated_engine_run(model: ServingModel, new: int, gate: CostGate
+                      ) -> tuple[list[list[int]], list[list[int]], SpeculativeStep]:
+    """Plain greedy tokens of _prompts(), then the engine's greedy tokens with a speculative step under `gate`
+    (drafts: plain greedy's continuation, none corrupted), and that step."""
+    prompts = _prompts()
+    plain = generate_greedy(ModelRunner(model, num_pages=40, page_size=8, num_slots=3, max_context=128), prompts, new)
+    runner = ModelRunner(model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
-    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1.0}, reprobe_after=1000)
     step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
                            SpecPolicy(min_mean_accepted=0.0), gate)
     engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
     events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
                                   for p in prompts])
-    assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
+    return plain, [[t for e in evs for t in e.token_ids] for evs in events], step
+
+
+def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
+    """The engine's speculative step under a gate whose measured verify costs 10 plain steps: drafted steps go to
+    plain decode (counted), output is plain greedy's; the engine times its own plain steps for the gate."""
+    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1.0}, reprobe_after=1000)
+    plain, tokens, step = _gated_engine_run(tiny_model, 10, gate)
+    assert tokens == plain
     assert step.counters.verify_steps == 0 and step.counters.gated_steps > 0
     assert gate.decode_s[3] < 1.0, "the engine timed its plain steps"
     assert step.counters.plain_ahead_steps > 0, "while the gate declines, the engine launches ahead"
@@ -376,19 +383,10 @@ def test_engine_leaves_launch_ahead_for_the_gates_reprobe_and_keeps_greedy_outpu
     """A gate that declines at batch 3 and probes again every few declined steps: the engine runs launch-ahead
     plain steps while it declines (drafts not asked for), drains the step in flight before each in-order step, and
     verifies at each reprobe; the tokens equal plain greedy's throughout (every draft right: accepted ones show)."""
-    prompts, new = _prompts(), 16
-    plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
-                            prompts, new)
-    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
-    refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
     # a plain step at 1 us: whatever the engine times, a verify never pays except as a reprobe
     gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1e-6}, reprobe_after=2)
-    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
-                           SpecPolicy(min_mean_accepted=0.0), gate)
-    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
-    events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
-                                  for p in prompts])
-    assert [[t for e in evs for t in e.token_ids] for evs in events] == plain
+    plain, tokens, step = _gated_engine_run(tiny_model, 16, gate)
+    assert tokens == plain
     c = step.counters
     assert c.plain_ahead_steps > 0 and c.verify_steps > 0 and c.gated_steps > 0, c
     assert c.accepted > 0, "the reprobes verified right drafts"

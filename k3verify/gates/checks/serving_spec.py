@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from k3verify.kernels import kda as kda_ops
 from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_NORM, VERIFY_RECORD, kda_verify
 from k3verify.kernels.norm import GATED_RMS, gated_rms_norm
 from k3verify.serving.engine import Engine
+from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.spec import verifier as verifier_module
@@ -203,6 +205,24 @@ def check_commit_accepted_prefix(ctx: CheckContext) -> Trial:
         "idle slots and pages unchanged"])
 
 
+def _runner(model: ServingModel) -> ModelRunner:
+    """A runner over `model` whose caches are NaN-poisoned (anything read before it was written shows)."""
+    r = ModelRunner(model, num_pages=32, page_size=8, num_slots=4, max_context=128)
+    poison_caches(r)
+    return r
+
+
+def _commit_every_draft(pool: Any, cache: Any, arena: Any, slots: torch.Tensor, accepted: torch.Tensor,
+                        rows: torch.Tensor | None) -> None:
+    """The greedy checks' control: every verified row commits all k drafts, rejected ones too."""
+    commit_accepted(pool, cache, arena, slots, torch.full_like(accepted, NUM_DRAFT), rows)
+
+
+def _commits(commit_all: bool) -> contextlib.AbstractContextManager[None]:
+    """The verifier's commit as it is, or (control) committing every draft."""
+    return fx.patched(verifier_module, "commit_accepted", _commit_every_draft if commit_all else commit_accepted)
+
+
 @register_check(
     id="spec.greedy.vs_plain", component="serving", level="serving", kind=Kind.BITEXACT,
     control="rejected drafts committed: every verified row commits all k drafts",
@@ -213,26 +233,17 @@ def check_greedy_vs_plain(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     prompts = [fx.prompt(ctx, n, salt=60 + i).tolist() for i, n in enumerate(PROMPT_LENS)]
 
-    def runner() -> ModelRunner:
-        r = ModelRunner(model, num_pages=32, page_size=8, num_slots=4, max_context=128)
-        poison_caches(r)
-        return r
-
-    plain = generate_greedy(runner(), prompts, new)
+    plain = generate_greedy(_runner(model), prompts, new)
     refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
 
     def speculative(commit_all: bool) -> tuple[list[list[int]], list[int], int]:
-        verifier = SpecVerifier(runner(), NUM_DRAFT, len(prompts))
+        verifier = SpecVerifier(_runner(model), NUM_DRAFT, len(prompts))
         verifier.arena.poison()
         # the last prompt gets no drafts: it rides along in the others' verify passes (offline.filler_drafts)
         drafter = WithoutDrafts(ControlledDrafter(NUM_DRAFT, refs, corrupt=0.5, vocab_size=ctx.cfg.vocab_size,
                                                   seed=ctx.seed), {len(prompts) - 1})
 
-        def every_draft(pool: Any, cache: Any, arena: Any, slots: torch.Tensor, accepted: torch.Tensor,
-                        rows: torch.Tensor | None) -> None:
-            commit_accepted(pool, cache, arena, slots, torch.full_like(accepted, NUM_DRAFT), rows)
-
-        with fx.patched(verifier_module, "commit_accepted", every_draft if commit_all else commit_accepted):
+        with _commits(commit_all):
             run = generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
         verifier.runner.check_integrity()
         return run.tokens, run.accepted_per_row, run.rider_rows
@@ -265,16 +276,11 @@ def check_engine_gated_vs_plain(ctx: CheckContext) -> Trial:
     model = fx.serving_model(ctx)
     prompts = [fx.prompt(ctx, n, salt=70 + i).tolist() for i, n in enumerate(PROMPT_LENS)]
 
-    def runner() -> ModelRunner:
-        r = ModelRunner(model, num_pages=32, page_size=8, num_slots=4, max_context=128)
-        poison_caches(r)
-        return r
-
-    plain = generate_greedy(runner(), prompts, new)
+    plain = generate_greedy(_runner(model), prompts, new)
     refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}  # the engine's ids start at 1
 
     def served(commit_all: bool) -> tuple[list[list[int]], SpecCounters]:
-        r = runner()
+        r = _runner(model)
         verifier = SpecVerifier(r, NUM_DRAFT, len(prompts))
         verifier.arena.poison()
         drafter = ControlledDrafter(NUM_DRAFT, refs, corrupt=0.5, vocab_size=ctx.cfg.vocab_size, seed=ctx.seed)
@@ -283,11 +289,7 @@ def check_engine_gated_vs_plain(ctx: CheckContext) -> Trial:
         engine = Engine(r, default_tokenizer(), eos_token_ids=ctx.cfg.eos_token_ids, vocab_size=ctx.cfg.vocab_size,
                         speculator=step)
 
-        def every_draft(pool: Any, cache: Any, arena: Any, slots: torch.Tensor, accepted: torch.Tensor,
-                        rows: torch.Tensor | None) -> None:
-            commit_accepted(pool, cache, arena, slots, torch.full_like(accepted, NUM_DRAFT), rows)
-
-        with fx.patched(verifier_module, "commit_accepted", every_draft if commit_all else commit_accepted):
+        with _commits(commit_all):
             engine.start()
             try:
                 params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)

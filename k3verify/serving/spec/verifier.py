@@ -113,18 +113,26 @@ class SpecVerifier:
         self._pending = None
         return pending
 
+    def _check_counts(self, seq_ids: list[int], accepted: list[int], caller: str) -> None:
+        if len(accepted) != len(seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
+            raise ValueError(f"{caller} needs one count in 0..{self.num_draft} per verified sequence {seq_ids}; "
+                             f"got {accepted}")
+
+    def _launch_commit(self, pending: _Pending, accepted: torch.Tensor) -> None:
+        commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, accepted,
+                        pending.latent_rows)
+
+    def _mark_cached(self, seq_ids: list[int], accepted: list[int]) -> None:
+        for sid, a in zip(seq_ids, accepted, strict=True):
+            self.runner.mark_cached(sid, a + 1)
+
     def commit(self, accepted: list[int]) -> None:
         """accepted[b] in 0..k: drafts of row b that were accepted (its last token + those drafts are kept)."""
-        if self._pending is not None and (len(accepted) != len(self._pending.seq_ids)
-                                          or any(not 0 <= a <= self.num_draft for a in accepted)):
-            raise ValueError(f"commit needs one count in 0..{self.num_draft} per verified sequence "
-                             f"{self._pending.seq_ids}; got {accepted}")
+        if self._pending is not None:
+            self._check_counts(self._pending.seq_ids, accepted, "commit")
         pending = self._take_pending()
-        acc = to_device(accepted, pending.slots.device)
-        commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, acc,
-                        pending.latent_rows)
-        for sid, a in zip(pending.seq_ids, accepted, strict=True):
-            self.runner.mark_cached(sid, a + 1)
+        self._launch_commit(pending, to_device(accepted, pending.slots.device))
+        self._mark_cached(pending.seq_ids, accepted)
 
     def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]], reject: torch.Tensor | None = None
                       ) -> torch.Tensor:
@@ -144,8 +152,7 @@ class SpecVerifier:
         accepted = greedy_counts(best, to_device(flat, best.device).view(len(drafts), self.num_draft))
         if reject is not None:
             accepted = accepted.masked_fill(reject, 0)
-        commit_accepted(self.runner.state_pool, self.runner.kv_cache, self.arena, pending.slots, accepted,
-                        pending.latent_rows)
+        self._launch_commit(pending, accepted)
         self._uncounted = pending.seq_ids
         return torch.cat([best, accepted[:, None]], dim=1)
 
@@ -154,8 +161,6 @@ class SpecVerifier:
         seq_ids = self._uncounted
         if seq_ids is None:
             raise RuntimeError("committed without a commit_greedy")
-        if len(accepted) != len(seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
-            raise ValueError(f"committed needs one count in 0..{self.num_draft} per row of {seq_ids}; got {accepted}")
+        self._check_counts(seq_ids, accepted, "committed")
         self._uncounted = None
-        for sid, a in zip(seq_ids, accepted, strict=True):
-            self.runner.mark_cached(sid, a + 1)
+        self._mark_cached(seq_ids, accepted)
