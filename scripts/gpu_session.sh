@@ -57,6 +57,7 @@
 #                                        time (scripts/spec_round_diag.py), unfused and fused
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
+#   bash scripts/gpu_session.sh verify-tune  launch configurations of the Triton KDA verify kernels, timed, bits held
 #   bash scripts/gpu_session.sh sdpa         fused SDPA's host time per backend at MLA prefill shapes
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
@@ -217,6 +218,12 @@ spec-round)
         step "speculative round at batch 1 (kl-48b-8l) ${fused:-unfused}"
         timeout "${DIAG_S:-120}" python3 scripts/spec_round_diag.py $fused 2>&1 | quiet | tail -9
     done
+    ;;
+verify-tune)
+    # Launch configurations of the Triton KDA verify kernels (value block, warps, register cap), each held to the
+    # shipped launch bit for bit, microseconds per call at 1-16 rows (scripts/verify_tune.py)
+    step "KDA verify launches (kl-48b-8l, one layer)"
+    timeout "${DIAG_S:-240}" python3 scripts/verify_tune.py 2>&1 | quiet | tail -"${TAIL:-75}"
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
@@ -396,7 +403,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|verify-tune|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

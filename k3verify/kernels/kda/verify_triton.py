@@ -5,6 +5,7 @@ importing k3verify never imports triton. The launchers keep the contracts of ver
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -16,6 +17,24 @@ MAX_HEAD_DIM = 128  # a program holds a [VALUE_BLOCK, dk] fp32 state block (and 
 MAX_WIDTH = 8
 MAX_POSITIONS = 16
 VALUE_BLOCK = 32  # state columns per program: a [32, dk] fp32 block stays in registers (128 x 128 spills)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a recording kernel is launched: value columns per program, warps, and a register cap (None: the
+    compiler's choice). None of it changes a value: each state column's arithmetic is the same in any block, and
+    every reduction is a fixed tree (verify_kernels.py), so every launch writes the same bits."""
+
+    value_block: int = VALUE_BLOCK
+    num_warps: int = 4
+    maxnreg: int | None = None
+
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
+
+
+RECORD_LAUNCH = Launch()
+FUSED_LAUNCH = Launch()
 MAX_HEAD_TICKETS = 1 << 16  # rows x heads of one fused launch
 _kernels = lazy_module("k3verify.kernels.kda.verify_kernels", "Triton KDA verify kernels")
 
@@ -132,17 +151,19 @@ def spec_conv_triton(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, k
 
 
 def record_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  pool_state: torch.Tensor, slots: torch.Tensor, scale: float, records: torch.Tensor) -> torch.Tensor:
+                  pool_state: torch.Tensor, slots: torch.Tensor, scale: float, records: torch.Tensor, *,
+                  launch: Launch | None = None) -> torch.Tensor:
     """verify_ref.kda_record_torch's contract (callers go through accepts_record)."""
     mod = _module()
+    launch = launch or RECORD_LAUNCH
     B, N, H, DK = q.shape
     DV = v.shape[-1]
     o = torch.empty((B, N, H, DV), dtype=v.dtype, device=v.device)
     BK, log2k = _pow2(DK)
-    BV = min(VALUE_BLOCK, _pow2(DV)[0])
+    BV = min(launch.value_block, _pow2(DV)[0])
     mod.kda_record_kernel[(B, H, -(-DV // BV))](q, k, v, g, beta, pool_state, slots, records, o, scale, H, DK, DV, N=N,
                                                 BK=BK, BV=BV, LOG2K=log2k, BF16=v.dtype == torch.bfloat16,
-                                                num_warps=4, enable_fp_fusion=False)
+                                                enable_fp_fusion=False, **launch.options())
     return o
 
 
@@ -159,20 +180,21 @@ def norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: 
 
 def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, slots: torch.Tensor,
                  keep: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float, scale: float, conv_records: torch.Tensor,
-                 state_records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, scale: float, conv_records: torch.Tensor, state_records: torch.Tensor, *,
+                 launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.kda.verify.kda_verify's contract in one launch (callers go through accepts_fused)."""
     mod = _module()
+    launch = launch or FUSED_LAUNCH
     B, N, H, DK = g.shape
     o = torch.empty((B, N, H, DK), dtype=xs[0].dtype, device=g.device)
     y = torch.empty_like(o)
     BK, log2k = _pow2(DK)
-    BV = min(VALUE_BLOCK, BK)
+    BV = min(launch.value_block, BK)
     mod.kda_verify_fused_kernel[(B, H, -(-DK // BV))](
         *xs, *(w.contiguous() for w in weights), *windows, *windows[0].stride(), slots, keep, pool_state, g, beta,
         gate, norm_weight, conv_records, state_records, o, y, head_counters(g.device), scale, eps, H, DK, DK, N=N,
         W=weights[0].shape[-1], BK=BK, BV=BV, NVB=-(-DK // BV), BVF=BK, LOG2K=log2k, LOG2V=log2k,
-        BF16=xs[0].dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=False)
+        BF16=xs[0].dtype == torch.bfloat16, enable_fp_fusion=False, **launch.options())
     return o, y
 
 
