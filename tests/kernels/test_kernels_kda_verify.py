@@ -80,6 +80,18 @@ def test_fused_equals_unfused_bit_for_bit(name: str, interpreted: tuple[dict, di
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_launch_changes_no_bit(name: str, interpreted: tuple[dict, dict]) -> None:
+    """A narrower value block (more programs per head, more tickets, fewer warps) writes the shipped launch's bits,
+    fused and unfused: verify_triton.Launch may be tuned per GPU without touching a value."""
+    _, out = interpreted
+    for path in ("unfused", "fused"):
+        shipped, narrow = out[f"{name}.{path}"], out[f"{name}.{path}_bv16"]
+        for key in ("o", "y", "conv_records", "state_records", "pool_state", "pool_windows"):
+            assert torch.equal(_bits(narrow[key]), _bits(shipped[key])), f"{name} {path}: {key} differs at BV 16"
+        assert narrow["tickets_left"].numel() == 0
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
 def test_triton_path_matches_the_torch_reference(name: str, interpreted: tuple[dict, dict]) -> None:
     """Conv records equal the reference's bits (they are copies); states and outputs agree to fp32 rounding (rel
     RMS < 1e-6) and, in bf16, to at most one rounding step on 0.5% of the outputs; the pool is only read."""
