@@ -1,13 +1,13 @@
 """Launch configurations of the Triton KDA verify kernels, timed and held to the shipped launch bit for bit (CUDA).
 
-The fused verify's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02). Its
-cost grew in steps of whole waves: a program of the fused kernel holds 188 registers (the fixed-tree sums hold
-a whole head's q or k in every thread), so two fit on an SM and 8 rows x 32 heads x 4 value blocks run as four
-waves. This script launches the recording kernel and the fused kernel with other value blocks, warp counts and
-register caps (`maxnreg`: the compiler spills the rest) at each row count on one KDA layer of `--preset`,
-checks that every output (o, y, conv records, state records) has the shipped launch's bits, and prints the
-median microseconds per call (`--calls` back-to-back calls in one CUDA graph) with the unfused path's total
-(conv + record + norm kernels) beside the fused one.
+The fused verify's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02): its cost
+grew in whole waves. Built by Triton 3.6 for the H200 a program of either kernel held 170-200 registers (the
+fixed-tree sums lay a whole head's q or k out in every thread), so two fit on an SM. This script launches the
+recording kernel and the fused kernel with other value blocks, warp counts and register caps (`maxnreg`: the
+compiler spills the rest) at each row count on one KDA layer of `--preset`, checks that every output (o, y, conv
+records, state records) has the shipped launch's bits, and prints the median microseconds per call (`--calls`
+back-to-back calls in one CUDA graph), the unfused path as its total (conv + record + norm kernels). The first
+launch of each list is the shipped one (verify_triton.RECORD_LAUNCH / FUSED_LAUNCH).
 
     python scripts/verify_tune.py [--preset kl-48b-8l] [--rows 1,2,4,8,16]
 """
@@ -26,9 +26,8 @@ from k3verify.gates.checks._spec_common import bits, op_case
 from k3verify.kernels.kda import verify_triton as vt
 from k3verify.presets import get_preset
 
-FUSED = [vt.Launch(32, 4), vt.Launch(32, 4, 128), vt.Launch(32, 4, 96), vt.Launch(16, 4), vt.Launch(16, 4, 128),
-         vt.Launch(16, 4, 96), vt.Launch(16, 2, 128), vt.Launch(8, 2)]
-RECORD = [vt.Launch(32, 4), vt.Launch(32, 4, 128), vt.Launch(16, 4), vt.Launch(16, 4, 96), vt.Launch(8, 2)]
+FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(32, 4, 96), vt.Launch(16, 2, 128), vt.Launch(64, 8, 128)]
+RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(32, 4, 96), vt.Launch(16, 2, 128)]
 
 
 def _desc(launch: vt.Launch) -> str:

@@ -56,16 +56,15 @@ def _conv_pos(x_ptr, w_ptr, win_ptr, rec_ptr, b, slot, keep, d, mask, rec_mask, 
               CONV: tl.constexpr, J, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr):
     """silu(conv) at position J for channels d (rounded as the activation dtype), and conv CONV's window after J
     stored to rec[b, J, CONV, d, :] where rec_mask. Op order of kernels/conv: acc = round(acc + round(tap * w)),
-    oldest first."""
+    oldest first. The window after J is taps J+1 .. J+W-1 of this position's own conv: stored as they are loaded."""
     acc = tl.zeros(d.shape, dtype=tl.float32)
+    rec = rec_ptr + (((b * N + J) * 3 + CONV) * D + d) * (W - 1)
     for t in tl.static_range(W):
         tap = _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, J + t, N, W, BF16)
+        if t > 0:
+            tl.store(rec + (t - 1), tap, mask=rec_mask)
         w = tl.load(w_ptr + d * W + t, mask=mask, other=0.0).to(tl.float32)
         acc = _round(acc + _round(tap * w, BF16), BF16)
-    rec = rec_ptr + (((b * N + J) * 3 + CONV) * D + d) * (W - 1)
-    for r in tl.static_range(W - 1):
-        tl.store(rec + r, _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, J + 1 + r, N, W,
-                                    BF16), mask=rec_mask)
     return _round(acc / (1.0 + tl.exp(-acc)), BF16)
 
 
