@@ -57,6 +57,7 @@
 #                                        time (scripts/spec_round_diag.py), unfused and fused
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
+#   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
 #   bash scripts/gpu_session.sh verify-tune  launch configurations of the Triton KDA verify kernels, timed, bits held
 #   bash scripts/gpu_session.sh sdpa         fused SDPA's host time per backend at MLA prefill shapes
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
@@ -217,6 +218,13 @@ spec-round)
     for fused in "" "--fused"; do
         step "speculative round at batch 1 (kl-48b-8l) ${fused:-unfused}"
         timeout "${DIAG_S:-120}" python3 scripts/spec_round_diag.py $fused 2>&1 | quiet | tail -9
+    done
+    ;;
+gemm)
+    # The eager decode step's matmuls grouped by input shape: us per call against the weight bytes each reads
+    for b in ${BATCH:-1 64}; do
+        step "GEMMs of a decode step by shape (kl-48b-8l, batch $b)"
+        timeout "${DIAG_S:-120}" python3 scripts/gemm_profile.py --batch "$b" 2>&1 | quiet | tail -"${TAIL:-24}"
     done
     ;;
 verify-tune)
@@ -403,7 +411,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|verify-tune|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash scripts/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|gemm|verify-tune|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

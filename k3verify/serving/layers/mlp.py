@@ -1,6 +1,7 @@
 """Gated MLPs (dense layer-0 MLP, shared experts) and the two GLU activations.
 
-SiLU-GLU:  down(silu(gate(x)) * up(x)), in the activation dtype.
+SiLU-GLU:  down(silu(gate(x)) * up(x)), in the activation dtype; gate and up run as one GEMM in half precision
+(layers/fused.py).
 SiTU-GLU (K3), in fp32:  a = b * tanh(g / b) * sigmoid(g);  u = b_lin * tanh(u / b_lin);  a * u, cast back.
 `tile_tokens` runs the MLP over near-equal token tiles to bound the [T, intermediate] transient; rows
 are independent, so the result is bit-identical to the untiled MLP.
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3verify.config import ModelConfig
+from k3verify.serving.layers.fused import FusedLinears
 from k3verify.serving.layers.linear import linear
 
 GluFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -68,13 +70,15 @@ class GatedMLP(nn.Module):
         self.gate_proj = linear(hidden, intermediate, dtype, device)
         self.up_proj = linear(hidden, intermediate, dtype, device)
         self.down_proj = linear(intermediate, hidden, dtype, device)
+        self.gate_up = FusedLinears([self.gate_proj, self.up_proj])  # one GEMM in half precision
         self.act = glu_activation(cfg)
         if tile_tokens is not None and tile_tokens < TILE_ALIGN:
             raise ValueError(f"tile_tokens must be >= {TILE_ALIGN}; got {tile_tokens}")
         self.tile_tokens = tile_tokens
 
     def _glu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.act(gate, up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_tokens is None or x.shape[0] <= self.tile_tokens:
