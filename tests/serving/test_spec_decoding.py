@@ -310,12 +310,14 @@ def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
 
 
 def test_cost_gate_probes_then_decides_by_measured_step_times() -> None:
-    """A batch size's first drafted step verifies (probe), the next decodes plainly (to time it), then the rule:
-    tokens per row expected from the rows' acceptance (with the prior) against verify / decode time. A declined
-    batch size probes again after reprobe_after declined steps, then after twice as many."""
+    """A batch size's first two drafted steps verify (probes: the faster one counts), the next decodes plainly (to
+    time it), then the rule: tokens per row expected from the rows' acceptance (with the prior) against verify /
+    decode time. A declined batch size probes again after reprobe_after declined steps, then after twice as many."""
     gate = CostGate(reprobe_after=3)
     none = SpecStats()
     assert gate.verify_now(16, [none], 0, 4)  # nothing timed: probe
+    gate.record_verify(16, 0.030)  # a first step with one-time costs
+    assert gate.verify_now(16, [none], 0, 4), "one slow first verify does not decide: probe again"
     gate.record_verify(16, 0.009)
     assert not gate.verify_now(16, [none], 0, 4)  # verify timed, plain not yet: time a plain step
     gate.record_decode(16, 0.003)

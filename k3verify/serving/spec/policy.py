@@ -53,26 +53,33 @@ class CostGate:
     k=4, 2026-12-02) a verify step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
     at batch 16 speculation lost at 50% acceptance (0.56x) and only broke even at 57%.
 
-    Rule, per batch size b: until a verify step of b rows was timed, verify (a probe); then, until a plain step of
-    b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected accepted
+    Rule, per batch size b: until `probes` verify steps of b rows were timed, verify (probes); then, until a plain
+    step of b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected accepted
     drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected accepted
     drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one verify of k
     drafts that accepted half, so that one unlucky verify does not condemn a request. Step times are the fastest
-    seen (a first step can carry one-time costs), and a declined batch size probes again after reprobe_after
+    seen (a first step can carry one-time costs: on the H200 on 2026-12-02 a batch-1 bench's first verify took
+    6.8 ms where the next ones took 2.2, and with one probe that decided its whole run), and a declined batch size probes again after reprobe_after
     declined steps, then after twice as many. Greedy output never depends on the gate: it only chooses how tokens are
     produced."""
 
+    probes: int = 2  # timed verify steps of a batch size before the rule decides there
     prior_verifies: float = 1.0
     prior_accepted_fraction: float = 0.5
     reprobe_after: int = 64  # declined steps of a batch size before one verify probes again (doubling each time)
     verify_s: dict[int, float] = field(default_factory=dict)  # fastest verify step seen, by batch size
     decode_s: dict[int, float] = field(default_factory=dict)  # fastest plain step seen, by batch size
+    _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # verify steps timed, by batch
     _declined: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _reprobe: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _declining: dict[int, bool] = field(default_factory=dict, init=False, repr=False)  # last decision, both times known
 
+    def __post_init__(self) -> None:
+        self._timed = {b: self.probes for b in self.verify_s}  # times given up front are settled
+
     def record_verify(self, batch: int, seconds: float) -> None:
         self.verify_s[batch] = min(seconds, self.verify_s.get(batch, float("inf")))
+        self._timed[batch] = self._timed.get(batch, 0) + 1
 
     def record_decode(self, batch: int, seconds: float) -> None:
         self.decode_s[batch] = min(seconds, self.decode_s.get(batch, float("inf")))
@@ -85,7 +92,7 @@ class CostGate:
 
     def verify_now(self, batch: int, drafting: list[SpecStats], riders: int, num_draft: int) -> bool:
         """Whether this step of `batch` sequences should verify its drafting rows (and riders) or decode plainly."""
-        if batch not in self.verify_s:
+        if self._timed.get(batch, 0) < self.probes:
             return True
         if batch not in self.decode_s:
             return False
