@@ -54,14 +54,14 @@ class CostGate:
     at batch 16 speculation lost at 50% acceptance (0.56x) and only broke even at 57%.
 
     Rule, per batch size b: until `probes` verify steps of b rows were timed, verify (probes); then, until a plain
-    step of b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected accepted
-    drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected accepted
-    drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one verify of k
-    drafts that accepted half, so that one unlucky verify does not condemn a request. Step times are the fastest
-    seen (a first step can carry one-time costs: on the H200 on 2026-12-02 a batch-1 bench's first verify took
-    6.8 ms where the next ones took 2.2, and with one probe that decided its whole run), and a declined batch size probes again after reprobe_after
-    declined steps, then after twice as many. Greedy output never depends on the gate: it only chooses how tokens are
-    produced."""
+    step of b rows was timed, decode plainly once; then verify only if the expected tokens per row, (1 + expected
+    accepted drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected
+    accepted drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one
+    verify of k drafts that accepted half, so that one unlucky verify does not condemn a request. Step times are the
+    fastest seen (a first step can carry one-time costs: on the H200 on 2026-12-02 a batch-1 bench's first verify
+    took 6.8 ms where the next ones took 2.2, and with one probe that decided its whole run), and a declined batch
+    size probes again after reprobe_after declined steps, then after twice as many. Greedy output never depends on
+    the gate: it only chooses how tokens are produced."""
 
     probes: int = 2  # timed verify steps of a batch size before the rule decides there
     prior_verifies: float = 1.0
