@@ -1,8 +1,8 @@
 """Launch configurations of the Triton KDA verify kernels, timed and held to the shipped launch bit for bit (CUDA).
 
 The fused verify's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02): its cost
-grew in whole waves. Built by Triton 3.6 for the H200 a program of either kernel held 170-200 registers (the
-fixed-tree sums lay a whole head's q or k out in every thread), so two fit on an SM. This script launches the
+grew in whole waves. Built by Triton 3.6 for the H200 a program of either kernel held 170-200 registers, so two
+fit on an SM. This script launches the
 recording kernel and the fused kernel with other value blocks, warp counts and register caps (`maxnreg`: the
 compiler spills the rest) at each row count on one KDA layer of `--preset`, checks that every output (o, y, conv
 records, state records) has the shipped launch's bits, and prints the median microseconds per call (`--calls`
