@@ -35,8 +35,8 @@ MUTANTS = [
         id="mlp.gate_up_swapped", quick=True,
         fault="the dense GLU feeds up_proj into the activation and multiplies by gate_proj",
         target=f"{MLP}:GatedMLP._glu",
-        old="return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))",
-        new="return self.down_proj(self.act(self.up_proj(x), self.gate_proj(x)))",
+        old="gate, up = self.gate_up(x)",
+        new="up, gate = self.gate_up(x)",
         killers=["mlp.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
