@@ -16,6 +16,7 @@ import argparse
 import itertools
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, cast
 
 from k3verify.bench.served import MODEL_NAME, IdTokenizer, no_chat, run_client_processes, wave_stats
@@ -38,6 +39,7 @@ class StubEngine:
         self.steps = 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.limits = SimpleNamespace(max_model_len=1 << 20)  # read by GET /v1/models (the clients' warm-up)
 
     def submit(self, prompt_ids: list[int], params: Any, sink: Any) -> int:
         sid = next(self.ids)
@@ -76,10 +78,11 @@ def run(concurrency: int, step_ms: float, per_process: int, waves: int, new_toke
     """`concurrency` clients x `waves` streaming requests of `new_tokens` against the stub engine."""
     engine = StubEngine(step_ms)
     engine.thread.start()
-    # the stub has what the streaming completions endpoint uses of an Engine (submit, abort, health, vocab_size,
-    # token_text), nothing more: another endpoint would fail loudly on the missing attribute
-    app = create_app(cast(Engine, engine), IdTokenizer(engine.vocab_size), model_name=MODEL_NAME,
-                     metrics=ServerMetrics(), encode_chat=no_chat)
+    # the stub has what the streaming completions endpoint and GET /v1/models use of an Engine (submit, abort,
+    # health, vocab_size, token_text, limits.max_model_len), nothing more: another endpoint would fail loudly
+    metrics = ServerMetrics()
+    app = create_app(cast(Engine, engine), IdTokenizer(engine.vocab_size), model_name=MODEL_NAME, metrics=metrics,
+                     encode_chat=no_chat)
     prompt = list(range(1, 129))
     try:
         with ServerThread(app) as server:
@@ -87,8 +90,10 @@ def run(concurrency: int, step_ms: float, per_process: int, waves: int, new_toke
                                           per_process)
     finally:
         engine.stopped.set()
+    warm = next((float(line.split()[-1]) for line in metrics.render().decode().splitlines()
+                 if line.startswith("k3v_requests_total") and 'endpoint="/v1/models"' in line), 0.0)
     return {"concurrency": concurrency, "step_ms": step_ms, "engine_rate": concurrency * 1e3 / step_ms,
-            "engine_steps": engine.steps, **wave_stats(result, new_tokens)}
+            "engine_steps": engine.steps, "warm_up_requests": int(warm), **wave_stats(result, new_tokens)}
 
 
 def main() -> None:

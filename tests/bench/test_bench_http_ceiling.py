@@ -11,6 +11,7 @@ def test_clients_split_over_processes_deliver_every_token() -> None:
     is attributed to its client, and the rate cannot exceed what the stub engine emits."""
     row = run(concurrency=5, step_ms=2.0, per_process=2, waves=2, new_tokens=8)
     assert row["client_processes"] == 3
+    assert row["warm_up_requests"] == 5, "each client's connection is opened and warmed before the timed requests"
     assert row["tokens"] == 5 * 2 * 8
     assert 0 < row["tok_s"] <= row["engine_rate"] * 1.05, row
 
