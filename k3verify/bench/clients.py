@@ -99,7 +99,7 @@ async def run_clients(url: str, model: str, waves: list[list[list[int]]], new_to
         await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
         wall = time.perf_counter() - start
     return {"wall_s": wall, "requests": [r for per_client in records for r in per_client],
-            "order": [[i, r] for i in range(n) for r in range(len(waves))], "warm_connections": n}
+            "order": [[i, r] for i in range(n) for r in range(len(waves))]}
 
 
 def main() -> int:
