@@ -70,7 +70,7 @@ def main() -> None:
         row = rows[(ev.key, str(shapes))]
         row[0] += ev.count
         row[1] += ev.device_time_total
-        row[2] = prod(weight) * 2 if weight else 0
+        row[2] = prod(weight) * dtype.itemsize if weight else 0
     linears = {k: v for k, v in rows.items() if k[0] == "aten::linear"}
     shown = linears or rows
     total = sum(v[1] for v in shown.values()) / a.steps

@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from k3verify.kernels.kda import verify_kernels as vk
+from k3verify.kernels.kda import verify_triton as vt
 
 REGS_PER_SM, WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 FUSED_SIG = {
@@ -40,21 +41,19 @@ RECORD_SIG = {
     "slots_ptr": "*i64", "rec_ptr": "*fp32", "o_ptr": "*bf16", "scale": "fp32", "H": "i32", "DK": "i32", "DV": "i32"}
 
 
-def compile_kernel(kind: str, value_block: int, warps: int, maxnreg: int | None, head_dim: int, positions: int,
-                   width: int) -> Any:
+def compile_kernel(kind: str, launch: vt.Launch, head_dim: int, positions: int, width: int) -> Any:
+    """The fused or the record kernel compiled for sm_90 with `launch`'s options (the launchers' own)."""
     log2 = head_dim.bit_length() - 1
     if kind == "fused":
         fn, sig = vk.kda_verify_fused_kernel, dict(FUSED_SIG)
-        const: dict[str, Any] = dict(N=positions, W=width, BK=head_dim, BV=value_block, NVB=head_dim // value_block,
-                                     BVF=head_dim, LOG2K=log2, LOG2V=log2, BF16=True)
+        const: dict[str, Any] = dict(N=positions, W=width, BK=head_dim, BV=launch.value_block,
+                                     NVB=head_dim // launch.value_block, BVF=head_dim, LOG2K=log2, LOG2V=log2,
+                                     BF16=True)
     else:
         fn, sig = vk.kda_record_kernel, dict(RECORD_SIG)
-        const = dict(N=positions, BK=head_dim, BV=value_block, LOG2K=log2, BF16=True)
+        const = dict(N=positions, BK=head_dim, BV=launch.value_block, LOG2K=log2, BF16=True)
     sig.update({name: "constexpr" for name in const})
-    options: dict[str, Any] = {"num_warps": warps, "enable_fp_fusion": False}
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=launch.options())
 
 
 def resource_usage(kernel: Any) -> tuple[int, int]:
@@ -89,14 +88,13 @@ def main() -> None:
     for kind in ("fused", "record"):
         for spec in launches:
             bv, warps, cap = spec.split(":")
-            maxnreg = None if cap == "-" else int(cap)
-            kernel = compile_kernel(kind, int(bv), int(warps), maxnreg, a.head_dim, a.positions, a.width)
+            launch = vt.Launch(int(bv), int(warps), None if cap == "-" else int(cap))
+            kernel = compile_kernel(kind, launch, a.head_dim, a.positions, a.width)
             regs, spill = resource_usage(kernel)
             shared = int(kernel.metadata.shared)
-            per_sm = programs_per_sm(regs, int(warps), shared)
-            print(f"{kind:7s} {int(bv):3d} {int(warps):6d} {cap:>8s} {regs:5d} {spill:8d} {shared:7d} {per_sm:12d} "
-                  f"{per_sm * int(warps):9d}")
-
+            per_sm = programs_per_sm(regs, launch.num_warps, shared)
+            print(f"{kind:7s} {launch.value_block:3d} {launch.num_warps:6d} {cap:>8s} {regs:5d} {spill:8d} "
+                  f"{shared:7d} {per_sm:12d} {per_sm * launch.num_warps:9d}")
 
 if __name__ == "__main__":
     main()

@@ -2,12 +2,12 @@
 
 The fused verify's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02): its cost
 grew in whole waves. Built by Triton 3.6 for the H200 a program of either kernel held 170-200 registers, so two
-fit on an SM. This script launches the
-recording kernel and the fused kernel with other value blocks, warp counts and register caps (`maxnreg`: the
-compiler spills the rest) at each row count on one KDA layer of `--preset`, checks that every output (o, y, conv
-records, state records) has the shipped launch's bits, and prints the median microseconds per call (`--calls`
-back-to-back calls in one CUDA graph), the unfused path as its total (conv + record + norm kernels). The first
-launch of each list is the shipped one (verify_triton.RECORD_LAUNCH / FUSED_LAUNCH).
+fit on an SM. This script launches the recording kernel and the fused kernel with other value blocks, warp counts
+and register caps (`maxnreg`: the compiler spills the rest) at each row count on one KDA layer of `--preset`,
+checks that every output (o, y, conv records, state records) has the shipped launch's bits, and prints the median
+microseconds per call (`--calls` back-to-back calls in one CUDA graph), the unfused path as its total (conv +
+record + norm kernels). The first launch of each list is the shipped one (verify_triton.RECORD_LAUNCH /
+FUSED_LAUNCH).
 
     python scripts/verify_tune.py [--preset kl-48b-8l] [--rows 1,2,4,8,16]
 """

@@ -22,8 +22,7 @@ def test_shipped_launch_compiles_within_its_register_cap(kind: str) -> None:
     spec.loader.exec_module(regs_tool)
     launch = vt.FUSED_LAUNCH if kind == "fused" else vt.RECORD_LAUNCH
     assert launch.maxnreg is not None, "the shipped launch has a register cap"
-    kernel = regs_tool.compile_kernel(kind, launch.value_block, launch.num_warps, launch.options().get("maxnreg"),
-                                      head_dim=128, positions=5, width=4)
+    kernel = regs_tool.compile_kernel(kind, launch, head_dim=128, positions=5, width=4)
     regs, _ = regs_tool.resource_usage(kernel)
     assert regs <= launch.maxnreg, f"{kind}: {regs} registers over the cap {launch.maxnreg}"
     assert regs_tool.programs_per_sm(regs, launch.num_warps, int(kernel.metadata.shared)) >= 4

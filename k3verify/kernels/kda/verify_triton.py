@@ -29,8 +29,10 @@ class Launch:
     num_warps: int = 4
     maxnreg: int | None = None
 
-    def options(self) -> dict[str, int]:
-        return {"num_warps": self.num_warps} | ({} if self.maxnreg is None else {"maxnreg": self.maxnreg})
+    def options(self) -> dict[str, int | bool]:
+        """Launch / compile options: no mul+add contracted into an fma (verify_kernels.py: the bit-identity rules)."""
+        cap = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False} | cap
 
 
 # Capped at 128 registers (the compiler spills ~90 bytes): a program of either kernel otherwise holds 170-200
@@ -167,7 +169,7 @@ def record_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     BV = min(launch.value_block, _pow2(DV)[0])
     mod.kda_record_kernel[(B, H, -(-DV // BV))](q, k, v, g, beta, pool_state, slots, records, o, scale, H, DK, DV, N=N,
                                                 BK=BK, BV=BV, LOG2K=log2k, BF16=v.dtype == torch.bfloat16,
-                                                enable_fp_fusion=False, **launch.options())
+                                                **launch.options())
     return o
 
 
@@ -198,7 +200,7 @@ def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, 
         *xs, *(w.contiguous() for w in weights), *windows, *windows[0].stride(), slots, keep, pool_state, g, beta,
         gate, norm_weight, conv_records, state_records, o, y, head_counters(g.device), scale, eps, H, DK, DK, N=N,
         W=weights[0].shape[-1], BK=BK, BV=BV, NVB=-(-DK // BV), BVF=BK, LOG2K=log2k, LOG2V=log2k,
-        BF16=xs[0].dtype == torch.bfloat16, enable_fp_fusion=False, **launch.options())
+        BF16=xs[0].dtype == torch.bfloat16, **launch.options())
     return o, y
 
 
