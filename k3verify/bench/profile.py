@@ -47,6 +47,9 @@ _CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
 )
 
 
+TOP_KERNELS = 40  # kernels listed by name per profile: enough to see every small launch of a batch-1 step
+
+
 def category(name: str) -> str:
     low = name.lower()
     for cat, keys in _CATEGORIES:
@@ -118,7 +121,7 @@ def summarize(events: list[dict[str, Any]], steps: int, host_step_s: list[float]
         "by_category": [{"category": k, "ms_per_step": v[0] / 1e3 / n, "kernels_per_step": v[1] / n}
                         for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1][0])],
         "top_kernels": [{"name": k, "ms_per_step": v[0] / 1e3 / n, "count_per_step": v[1] / n}
-                        for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:15]],
+                        for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
     }
 
 
