@@ -50,12 +50,37 @@ MUTANTS = [
         killers=["kernel.kda.*", "serving.*"],
     ),
     Mutant(
+        id="kernel.fla.decode_gated_bias_dropped", devices=("cuda",),
+        fault="the serving decode's in-kernel forget gate never adds dt_bias (None handed to fla)",
+        target=f"{FLA}:kda_decode_slots_gated_fla",
+        old="A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,",
+        new="A_log=a_log, dt_bias=None, lower_bound=lower_bound,",
+        killers=["kernel.kda.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.fla.decode_gated_beta_raw", devices=("cuda",),
+        fault="the serving decode hands fla raw beta logits with its in-kernel sigmoid off (nobody squashes beta)",
+        target=f"{FLA}:kda_decode_slots_gated_fla",
+        old="use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,",
+        new="use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False,",
+        killers=["kernel.kda.*", "serving.*"],
+    ),
+    Mutant(
         id="kernel.norm.triton_weight_before_cast", devices=("cuda",),
         fault="the Triton RMSNorm multiplies by its weight in fp32 and casts once, instead of casting the "
               "normalized row back to x's dtype first",
         target=f"{NORM}:rms_norm_fwd_kernel",
         old="normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)",
         new="normed = x * rstd",
+        killers=["kernel.norm.*"],
+    ),
+    Mutant(
+        id="kernel.norm.add_rms_sum_not_rounded", devices=("cuda",),
+        fault="the fused residual add + RMSNorm normalizes the fp32 sum instead of the sum rounded to bf16 (the "
+              "stored stream and the normed row disagree by a rounding)",
+        target=f"{NORM}:add_rms_norm_fwd_kernel",
+        old="s32 = (x + r).to(s_ptr.dtype.element_ty).to(tl.float32)  # the stored s",
+        new="s32 = (x + r)  # the stored s",
         killers=["kernel.norm.*"],
     ),
     Mutant(

@@ -143,21 +143,26 @@ class ServingModel(nn.Module):
             h = self.finish(x, blocks)
             del blocks  # the per-pass block buffer is released here
         else:
+            pending: torch.Tensor | None = None  # each layer's FFN output, added inside the next norm
             for layer in self.model.decoder_layers():
-                x = layer(x, ctx, captures)
-            h = self.finish(x, None)
+                x, pending = layer.forward_deferred(x, pending, ctx, captures)
+            h = self.finish(x, None, pending)
         if captures is not None:
             captures["final_hidden"] = h
         # a verify pass needs every token's logits; anything else only each sequence's last
         logits = self.lm_head(h if ctx.verify is not None else h.index_select(0, b.last_token_index))
         return ForwardOutput(logits, self.lm_head(h) if all_logits else None, captures, ctx.stats)
 
-    def finish(self, x: torch.Tensor, blocks: Blocks | None) -> torch.Tensor:
-        """Residual stream -> lm_head input: mix-then-norm with Block Attention Residuals, else norm."""
+    def finish(self, x: torch.Tensor, blocks: Blocks | None, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stream -> lm_head input: mix-then-norm with Block Attention Residuals, else norm (of x + pending,
+        the last layer's FFN output, added inside the norm)."""
         if blocks is not None:
+            if pending is not None:
+                raise ValueError("Block Attention Residuals add every FFN output in the layer; nothing is pending")
             x = attn_res_mix(x, blocks.view(), self.model.output_attn_res_norm.weight,
                              self.model.output_attn_res_proj.weight, self.cfg.rms_norm_eps)
-        return self.model.norm(x)
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, pending)[1]
 
     def _new_blocks(self, x: torch.Tensor, ctx: ForwardContext) -> Blocks:
         if self.attn_res_storage == "prealloc":

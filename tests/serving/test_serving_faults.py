@@ -49,9 +49,10 @@ def _latent_norm_before_experts(self: SparseMoE, x: torch.Tensor) -> torch.Tenso
     return self.routed_expert_up_proj(self.combine(x_in, weights, idx).to(x.dtype)) + self.shared_experts(x)
 
 
-def _norm_then_mix(self: ServingModel, x: torch.Tensor, blocks: object) -> torch.Tensor:
+def _norm_then_mix(self: ServingModel, x: torch.Tensor, blocks: object, pending: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     if blocks is None:
-        return self.model.norm(x)
+        return self.model.norm(x if pending is None else x + pending)
     return attn_res.attn_res_mix(self.model.norm(x), blocks.view(), self.model.output_attn_res_norm.weight,  # type: ignore[attr-defined]
                                  self.model.output_attn_res_proj.weight, self.cfg.rms_norm_eps)
 

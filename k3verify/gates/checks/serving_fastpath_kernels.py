@@ -54,6 +54,36 @@ def check_norm_triton(ctx: CheckContext) -> Trial:
                         f"weight, eps {ctx.cfg.rms_norm_eps}"])
 
 
+@register_check(
+    id="kernel.norm.add_rms_triton", component="kernel", level="kernel", kind=Kind.BITEXACT, devices=("cuda",),
+    control="the norm taken of x alone (the residual stored in the sum but left out of the norm)",
+)
+def check_norm_add_triton(ctx: CheckContext) -> Trial:
+    """The residual add fused into the RMSNorm (norm.add_rms through our registry) writes the bits of the add
+    followed by the Triton RMSNorm: the sum and the normed row, bf16 activations over 4.5 decades of row scale,
+    bf16 and fp32 weights (the fused kernel repeats the RMSNorm kernel's arithmetic on the rounded sum)."""
+    fx.require_fast_path("Triton norm path", norm_triton.available())
+    ref, cand, ctrl = {}, {}, {}
+    g = ctx.generator
+    for W in NORM_WIDTHS:
+        scale = 10 ** (torch.rand(NORM_ROWS, 1, generator=g) * 4.5 - 3.5)
+        x = (torch.randn(NORM_ROWS, W, generator=g) * scale).bfloat16().to(ctx.device)
+        r = (torch.randn(NORM_ROWS, W, generator=g) * scale).bfloat16().to(ctx.device)
+        for wname, w in (("w_bf16", torch.randn(W, generator=g).bfloat16()), ("w_fp32", torch.randn(W, generator=g))):
+            w = w.to(ctx.device)
+            key = f"W{W}.{wname}"
+            s, y = norm_ops.add_rms_norm(x, r, w, ctx.cfg.rms_norm_eps)
+            fx.assert_routed(norm_ops.ADD_RMS, backend=TRITON)
+            cand[f"{key}.sum"], cand[f"{key}.norm"] = s.float(), y.float()
+            ref[f"{key}.sum"] = (x + r).float()
+            ref[f"{key}.norm"] = norm_triton.rms_norm_triton(x + r, w, ctx.cfg.rms_norm_eps).float()
+            ctrl[f"{key}.sum"] = ref[f"{key}.sum"]
+            ctrl[f"{key}.norm"] = norm_triton.rms_norm_triton(x, w, ctx.cfg.rms_norm_eps).float()
+    return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
+        f"{NORM_ROWS} rows x widths {NORM_WIDTHS}, bf16 x and residual, bf16 and fp32 weights, eps "
+        f"{ctx.cfg.rms_norm_eps}; reference: torch's add, then the Triton RMSNorm"])
+
+
 ROUTER_TOKENS = 257
 
 

@@ -217,3 +217,47 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
     fx.assert_routed(kda_ops.DECODE_SLOTS, backend=TRITON)
     return Trial(reference=run(TORCH, x["beta"]), candidate=cand, control=run(None, torch.sigmoid(x["beta"])),
                  notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v, fp32 state"])
+
+
+@register_check(
+    id="kernel.kda.decode_gated_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=5e-3,
+    bar_reason="fla's own bar for its Triton KDA against a torch reference; bf16 q/k/v and gate input, the gate and "
+    "beta's sigmoid computed in-kernel in fp32 with fla's exp / softplus (CUDA only, not measured on CPU)",
+    control="beta squashed before the kernel, which squashes it again",
+)
+@fx.single_thread
+def check_kda_decode_gated_triton(ctx: CheckContext) -> Trial:
+    """The serving decode as the layer calls it: fla's fused_recurrent_kda making the forget gate (plain and safe)
+    and beta's sigmoid from their raw inputs in-kernel, states in the pool by slot, vs the torch path (kda_gate,
+    kda_beta, gather, step, scatter). Rows out of slot order; untouched slots are part of the compared state."""
+    fx.require_fast_path("Triton KDA path", fla_triton.available())
+    B, n_slots = 5, 9
+    x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, B, n_slots).items()}
+    g = ctx.generator
+    raw = {"f": (torch.randn(B, H * DK, generator=g) * 3.0).to(ctx.device, torch.bfloat16),
+           "dt_bias": torch.randn(H * DK, generator=g).to(ctx.device),
+           "a_log": (torch.randn(H, generator=g) * 0.5).to(ctx.device),
+           "b": torch.randn(B, H, generator=g).to(ctx.device, torch.bfloat16)}
+    slots = torch.tensor([7, 2, 5, 1, 8], device=ctx.device)
+    bf = {k: x[k].bfloat16() for k in ("q", "k", "v")}
+
+    def run(backend: str | None, b_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, bound in (("plain", None), ("safe", -5.0)):
+            pool = x["s0"].clone()
+            REGISTRY.force(kda_ops.DECODE_SLOTS_GATED, backend)
+            try:
+                o = kda_ops.kda_decode_slots_gated(bf["q"], bf["k"], bf["v"], raw["f"], raw["dt_bias"], raw["a_log"],
+                                                   b_logits, pool, slots, DK**-0.5, bound)
+            finally:
+                REGISTRY.force(kda_ops.DECODE_SLOTS_GATED, None)
+            out[f"{name}.o"], out[f"{name}.pool"] = o.float(), pool
+        return out
+
+    cand = run(None, raw["b"])
+    fx.assert_routed(kda_ops.DECODE_SLOTS_GATED, backend=TRITON)
+    return Trial(reference=run(TORCH, raw["b"]), candidate=cand,
+                 control=run(None, torch.sigmoid(raw["b"].float()).bfloat16()),
+                 notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v and gate input, "
+                        "fp32 state; the plain gate and a safe gate at -5"])

@@ -28,11 +28,11 @@ TIE_FRACTION = 1e-3  # a divergence at a top-2 gap below this share of the logit
 def _wrong_finish(model: ServingModel) -> Any:
     """Attn-res models: final norm BEFORE the output mix; others: final norm skipped."""
     if model.cfg.uses_attn_res:
-        def norm_then_mix(x: torch.Tensor, blocks: Any) -> torch.Tensor:
+        def norm_then_mix(x: torch.Tensor, blocks: Any, pending: Any = None) -> torch.Tensor:
             return attn_res_mix(model.model.norm(x), blocks.view(), model.model.output_attn_res_norm.weight,
                                 model.model.output_attn_res_proj.weight, model.cfg.rms_norm_eps)
         return fx.patched(model, "finish", norm_then_mix)
-    return fx.patched(model, "finish", lambda x, blocks: x)
+    return fx.patched(model, "finish", lambda x, blocks, pending=None: x if pending is None else x + pending)
 
 
 def _capture_layers(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> list[tuple[str, Any, Any]]:

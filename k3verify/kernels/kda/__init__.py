@@ -14,6 +14,7 @@ from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 PREFILL = "kda.prefill"
 DECODE_SLOTS = "kda.decode_slots"
+DECODE_SLOTS_GATED = "kda.decode_slots_gated"
 CHUNK = torch_ref.CHUNK
 
 REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
@@ -22,6 +23,9 @@ REGISTRY.register(PREFILL, TRITON, fla_triton.kda_prefill_fla, accepts=fla_trito
 REGISTRY.register(DECODE_SLOTS, TORCH, torch_ref.kda_decode_slots_torch)
 REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts=fla_triton.accepts_decode_slots,
                   available=fla_triton.available)
+REGISTRY.register(DECODE_SLOTS_GATED, TORCH, torch_ref.kda_decode_slots_gated_torch)
+REGISTRY.register(DECODE_SLOTS_GATED, TRITON, fla_triton.kda_decode_slots_gated_fla,
+                  accepts=fla_triton.accepts_decode_slots_gated, available=fla_triton.available)
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -38,5 +42,16 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """torch_ref.kda_decode_torch over states that live in the pool: pool_state [n_slots, h, dk, dv] fp32 (one layer's
     view), slots [B]; row b reads and then overwrites pool_state[slots[b]] -> o [B, h, dv]."""
     return dispatch(DECODE_SLOTS, q, k, v, g, beta, pool_state, slots, scale, device=q.device)
+
+def kda_decode_slots_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_raw: torch.Tensor,
+                           dt_bias: torch.Tensor, a_log: torch.Tensor, b_logits: torch.Tensor,
+                           pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                           lower_bound: float | None) -> torch.Tensor:
+    """The serving decode step: kda_decode_slots with the gate and beta made from their raw inputs (f_b_proj's
+    output f_raw [B, h*dk], dt_bias [h*dk], a_log [h] fp32, b_logits [B, h]) as torch_ref.kda_gate / kda_beta
+    make them; on CUDA inside fla's recurrence kernel."""
+    return dispatch(DECODE_SLOTS_GATED, q, k, v, f_raw, dt_bias, a_log, b_logits, pool_state, slots, scale,
+                    lower_bound, device=q.device)
+
 
 from k3verify.kernels.kda import verify as _verify  # noqa: E402,F401  (registers the kda.verify_* ops)

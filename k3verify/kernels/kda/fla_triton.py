@@ -23,7 +23,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 _SLOTS_PARAMS = ("scale", "initial_state", "inplace_final_state", "ssm_state_indices", "use_qk_l2norm_in_kernel",
-                 "use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
+                 "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "A_log", "dt_bias", "lower_bound")
 
 
 @functools.cache
@@ -133,5 +133,40 @@ def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         scale=scale, initial_state=pool_state, inplace_final_state=True, output_final_state=True,
         ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False,
+    )
+    return o[:, 0].to(v.dtype)
+
+
+def accepts_decode_slots_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_raw: torch.Tensor,
+                               dt_bias: torch.Tensor, a_log: torch.Tensor, b_logits: torch.Tensor,
+                               pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                               lower_bound: float | None) -> str | None:
+    B, h, dk = q.shape
+    if f_raw.shape != (B, h * dk) or not f_raw.is_contiguous():
+        return f"the gate input must be contiguous [{B}, {h * dk}]; got {tuple(f_raw.shape)}, stride {f_raw.stride()}"
+    if dt_bias.shape != (h * dk,) or dt_bias.dtype != torch.float32 or not dt_bias.is_contiguous():
+        return f"dt_bias must be contiguous fp32 [{h * dk}]; got {tuple(dt_bias.shape)} {dt_bias.dtype}"
+    if a_log.shape != (h,) or a_log.dtype != torch.float32 or not a_log.is_contiguous():
+        return f"A_log must be contiguous fp32 [{h}] (one entry per head); got {tuple(a_log.shape)} {a_log.dtype}"
+    if b_logits.shape != (B, h):
+        return f"b_logits must be [{B}, {h}]; got {tuple(b_logits.shape)}"
+    return accepts_decode_slots(q, k, v, f_raw, b_logits, pool_state, slots, scale)
+
+
+def kda_decode_slots_gated_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_raw: torch.Tensor,
+                               dt_bias: torch.Tensor, a_log: torch.Tensor, b_logits: torch.Tensor,
+                               pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                               lower_bound: float | None) -> torch.Tensor:
+    """kda_decode_slots_fla with the forget gate and beta's sigmoid computed inside the recurrence kernel
+    (fla's use_gate_in_kernel / use_beta_sigmoid_in_kernel: the same math as torch_ref.kda_gate / kda_beta, to
+    rounding): five elementwise launches fewer per KDA layer and step. beta reaches the kernel as raw logits,
+    squashed there once; nothing before it applies a sigmoid."""
+    _, fwd = _loaded_ops()
+    B, h, dk = q.shape
+    o, _ = fwd(
+        q=q[:, None], k=k[:, None], v=v[:, None], g=f_raw.view(B, 1, h, dk), beta=b_logits.contiguous()[:, None],
+        A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, initial_state=pool_state,
+        inplace_final_state=True, output_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
     )
     return o[:, 0].to(v.dtype)

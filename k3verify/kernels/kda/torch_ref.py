@@ -22,6 +22,7 @@ at a multiple of 64 and handed over in fp32 reproduces the unsegmented result bi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 64
 L2_EPS = 1e-6
@@ -125,9 +126,38 @@ def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o.to(v.dtype), S.to(state.dtype)
 
 
+def kda_gate(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, heads: int,
+             lower_bound: float | None) -> torch.Tensor:
+    """The forget gate from f_b_proj's output f_raw [T, h*dk] (activation dtype), dt_bias [h*dk] and the per-head
+    decay rate A = exp(A_log) [h, 1] (fp32) -> log-space decay [T, h, dk] fp32: plain -A softplus(f + dt_bias),
+    or the safe gate L sigmoid(A (f + dt_bias))."""
+    # bf16 + fp32 promotes to fp32 in one kernel: exactly .float() + dt_bias, one launch fewer
+    raw = torch.add(f_raw, dt_bias.float())
+    raw = raw.view(-1, heads, raw.shape[-1] // heads)
+    if lower_bound is None:
+        return -A * F.softplus(raw)
+    return lower_bound * torch.sigmoid(A * raw)
+
+
+def kda_beta(b_logits: torch.Tensor) -> torch.Tensor:
+    """b_proj(x) [T, h] -> [T, h] fp32: the one and only sigmoid on beta (the recurrences get post-sigmoid values)."""
+    return torch.sigmoid(b_logits.float())
+
+
 def kda_decode_slots_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """kda_decode_torch on the rows' states gathered from the pool, written back in place."""
     o, final = kda_decode_torch(q, k, v, g, beta, pool_state.index_select(0, slots), scale)
     pool_state.index_copy_(0, slots, final.to(pool_state.dtype))
     return o
+
+
+def kda_decode_slots_gated_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_raw: torch.Tensor,
+                                 dt_bias: torch.Tensor, a_log: torch.Tensor, b_logits: torch.Tensor,
+                                 pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                                 lower_bound: float | None) -> torch.Tensor:
+    """kda_decode_slots_torch from the gate's and beta's raw inputs: f_raw [B, h*dk] (f_b_proj's output), dt_bias
+    [h*dk], a_log [h] fp32 (A_log's first h entries), b_logits [B, h]; the gate and beta as the prefill gets them
+    (kda_gate, kda_beta), op for op."""
+    g = kda_gate(f_raw, dt_bias, a_log.exp()[:, None], q.shape[1], lower_bound)
+    return kda_decode_slots_torch(q, k, v, g, kda_beta(b_logits), pool_state, slots, scale)

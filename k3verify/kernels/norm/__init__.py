@@ -13,9 +13,13 @@ from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 RMS = "norm.rms"
 GATED_RMS = "norm.gated_rms"
+ADD_RMS = "norm.add_rms"
 
 REGISTRY.register(RMS, TORCH, torch_ref.rms_norm_torch)
 REGISTRY.register(RMS, TRITON, triton_impl.rms_norm_triton, accepts=triton_impl.accepts_rms,
+                  available=triton_impl.available)
+REGISTRY.register(ADD_RMS, TORCH, torch_ref.add_rms_norm_torch)
+REGISTRY.register(ADD_RMS, TRITON, triton_impl.add_rms_norm_triton, accepts=triton_impl.accepts_add,
                   available=triton_impl.available)
 REGISTRY.register(GATED_RMS, TORCH, torch_ref.gated_rms_norm_torch)
 REGISTRY.register(GATED_RMS, TRITON, triton_impl.gated_rms_norm_triton, accepts=triton_impl.accepts_gated,
@@ -25,6 +29,13 @@ REGISTRY.register(GATED_RMS, TRITON, triton_impl.gated_rms_norm_triton, accepts=
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., W]; weight [W] -> [..., W] in promote_types(weight.dtype, x.dtype)."""
     return dispatch(RMS, x, weight, eps, device=x.device)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it: (s, rms_norm(s)) with s = x + residual [..., W] in x's dtype;
+    on CUDA one launch."""
+    return dispatch(ADD_RMS, x, residual, weight, eps, device=x.device)  # type: ignore[no-any-return]
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,6 +17,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it: (s, rms_norm_torch(s)) with s = x + residual in x's dtype."""
+    s = x + residual
+    return s, rms_norm_torch(s, weight, eps)
+
+
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate [..., W]; weight [W] -> [..., W] in x.dtype."""
     x32 = x.float()

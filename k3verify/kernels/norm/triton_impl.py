@@ -45,6 +45,19 @@ def accepts_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None
     return _row_reason(x, weight)
 
 
+def accepts_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        return (f"residual {tuple(residual.shape)} {residual.dtype} differs from x {tuple(x.shape)} {x.dtype} "
+                "(no broadcasting or promotion here)")
+    reason = _row_reason(x, weight)
+    if reason is not None:
+        return reason
+    if residual.device != x.device or residual.stride(-1) != 1:
+        return f"residual must be on {x.device} with a contiguous last dim; got {residual.device}, stride " \
+               f"{residual.stride(-1)}"
+    return None
+
+
 def accepts_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
     if gate.shape != x.shape:
         return f"gate shape {tuple(gate.shape)} differs from x shape {tuple(x.shape)} (no broadcasting here)"
@@ -73,6 +86,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     loaded(_kernels).rms_norm_fwd_kernel[(x2.shape[0],)](
         x2, weight, y, x2.stride(0), W, W, eps, BLOCK=block, num_warps=num_warps)
     return y
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., W] (last dims contiguous); weight [W] -> (x + residual in x's dtype, its RMSNorm): one
+    launch for the add and the norm, the same bits as the add followed by rms_norm_triton."""
+    W = x.shape[-1]
+    x2, r2 = x.reshape(-1, W), residual.reshape(-1, W)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0] == 0:
+        return s, y
+    block, num_warps = _launch_shape(W)
+    loaded(_kernels).add_rms_norm_fwd_kernel[(x2.shape[0],)](
+        x2, r2, weight, s, y, x2.stride(0), r2.stride(0), W, W, W, eps, BLOCK=block, num_warps=num_warps)
+    return s, y
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

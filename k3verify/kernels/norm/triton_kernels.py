@@ -34,6 +34,37 @@ def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, x_row_stride, y_row_stride, W, eps,
 
 
 @triton.jit
+def add_rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, x_row_stride, r_row_stride, s_row_stride,
+                            y_row_stride, W, eps, BLOCK: tl.constexpr):
+    """s = (x + r) rounded to s's dtype, stored; then rms_norm_fwd_kernel's arithmetic on the rounded s (y)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    r_row = r_ptr + row * r_row_stride
+    s_row = s_ptr + row * s_row_stride
+    y_row = y_ptr + row * y_row_stride
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, W, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < W
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(s_ptr.dtype.element_ty)
+        tl.store(s_row + cols, s, mask=mask)
+        s32 = s.to(tl.float32)
+        acc += s32 * s32
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / W + eps)
+    for start in range(0, W, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < W
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        s32 = (x + r).to(s_ptr.dtype.element_ty).to(tl.float32)  # the stored s, recomputed (no read-after-write)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = (s32 * rstd).to(s_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_row + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gated_rms_norm_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, x_row_stride, g_row_stride, y_row_stride, W, eps,
                               BLOCK: tl.constexpr):
     """y = (x * rstd * w * sigmoid(g)).to(y's dtype), all in fp32 with one cast at the end."""

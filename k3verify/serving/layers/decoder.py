@@ -60,11 +60,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, captures: Captures) -> torch.Tensor:
         """Plain residual stream x [T, H] -> x."""
-        a = self.self_attn(self.input_layernorm(x), ctx)
-        x = x + a
-        f = self.ffn(self.post_attention_layernorm(x))
-        self._capture(captures, a, f)
+        x, f = self.forward_deferred(x, None, ctx, captures)
         return x + f
+
+    def forward_deferred(self, x: torch.Tensor, pending: torch.Tensor | None, ctx: ForwardContext,
+                         captures: Captures) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain residual stream x + pending (pending: the previous layer's FFN output, not yet added) -> (x, f),
+        the stream after the attention residual and this layer's FFN output, for the next norm to add. Each
+        residual add runs inside the norm that follows it (RMSNorm.add_forward): the same bits as forward()."""
+        x, h = self.input_layernorm.add_forward(x, pending)
+        a = self.self_attn(h, ctx)
+        x, h = self.post_attention_layernorm.add_forward(x, a)
+        f = self.ffn(h)
+        self._capture(captures, a, f)
+        return x, f
 
     def forward_attn_res(self, p: torch.Tensor, blocks: Blocks, ctx: ForwardContext,
                          captures: Captures) -> torch.Tensor:

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.conv import causal_conv_qkv, conv_decode_qkv
-from k3verify.kernels.kda import CHUNK, kda_decode_slots, kda_prefill
+from k3verify.kernels.kda import CHUNK, kda_decode_slots_gated, kda_prefill
+from k3verify.kernels.kda.torch_ref import kda_beta, kda_gate
 from k3verify.kernels.kda.verify import kda_verify
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.fused import FusedLinears
@@ -108,16 +108,14 @@ class KimiDeltaAttention(nn.Module):
         gate_in = self.g_proj if cfg.use_full_rank_gate else self.g_a_proj
         self.in_proj = FusedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj])
 
+    def gate_input(self, f_a: torch.Tensor) -> torch.Tensor:
+        """f_a_proj(x) [T, dk] -> f_b_proj's output [T, D]: the forget gate's raw input (no activation between)."""
+        return self.f_b_proj(f_a)
+
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """f_a_proj(x) [T, dk] -> log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe
-        L sigmoid(exp(A) .)."""
-        # bf16 + fp32 promotes to fp32 in one kernel: exactly .float() + dt_bias, one launch fewer
-        raw = torch.add(self.f_b_proj(f_a), self.dt_bias.float())
-        raw = raw.view(-1, self.heads, self.head_dim)
-        A = self.decay_rate()
-        if self.lower_bound is None:
-            return -A * F.softplus(raw)
-        return self.lower_bound * torch.sigmoid(A * raw)
+        L sigmoid(exp(A) .) (kernels/kda/torch_ref.kda_gate, which the decode step's torch path shares)."""
+        return kda_gate(self.gate_input(f_a), self.dt_bias, self.decay_rate(), self.heads, self.lower_bound)
 
     def _from_weights(self, key: Any, params: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
         """A value derived from parameters, made once and remade when any of them is reloaded (copy_
@@ -129,13 +127,17 @@ class KimiDeltaAttention(nn.Module):
             self._derived[key] = hit
         return hit[1]
 
+    def a_log_row(self) -> torch.Tensor:
+        """A_log's first `heads` entries [h] fp32, contiguous (a constant of the weights)."""
+        def make() -> torch.Tensor:
+            row = self.A_log.float().reshape(-1)[: self.heads]  # K3 pads A_log past the heads
+            return row.contiguous()
+
+        return self._from_weights("a_log", (self.A_log,), make)
+
     def decay_rate(self) -> torch.Tensor:
         """exp(A_log) per head [h, 1] fp32 (a constant of the weights)."""
-        def make() -> torch.Tensor:
-            A = self.A_log.float().reshape(-1)[: self.heads].exp()[:, None]  # K3 pads A_log past the heads
-            return A
-
-        return self._from_weights("decay", (self.A_log,), make)
+        return self._from_weights("decay", (self.A_log,), lambda: self.a_log_row().exp()[:, None])
 
     def output_gate(self, gate_in: torch.Tensor) -> torch.Tensor:
         """g_proj(x) (full rank: already the gate) or g_a_proj(x) [T, dk] -> the gate [T, D]."""
@@ -144,8 +146,8 @@ class KimiDeltaAttention(nn.Module):
         return self.g_b_proj(gate_in)
 
     def beta(self, b_logits: torch.Tensor) -> torch.Tensor:
-        """b_proj(x) [T, h] -> [T, h] fp32: the one and only sigmoid on beta (the kernels get post-sigmoid values)."""
-        return torch.sigmoid(b_logits.float())
+        """b_proj(x) [T, h] -> [T, h] fp32: the one and only sigmoid on beta (kernels/kda/torch_ref.kda_beta)."""
+        return kda_beta(b_logits)
 
     def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
         """q/k/v conv weights [D, W] in the activation dtype (K3 ships them fp32), cast once per dtype."""
@@ -186,14 +188,17 @@ class KimiDeltaAttention(nn.Module):
         keep = ctx.fresh_mask(x.dtype)  # [B, 1, 1]: 0 for fresh sequences (zero windows/state), else 1
         q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
         q, k, v = (t.view(T, h, dk) for t in self.short_convs((q_in, k_in, v_in), ctx, keep, continuing))
-        g, beta, scale = self.forget_gate(f_a), self.beta(b_logits), dk**-0.5
+        scale = dk**-0.5  # q's scale, decode and prefill alike
         if b.is_decode:
             if pool is None or b.slots is None:
                 raise ValueError("KDA decode needs the state pool and batch.slots")
             # States are read and updated in place, by slot. No `keep` mask: a slot is zeroed when it is
-            # allocated (gated by serving.state.slot_reuse), so a sequence's first step reads zeros.
-            o = kda_decode_slots(q, k, v, g, beta, pool.state_view(self.layer_idx), b.slots, scale)
+            # allocated (gated by serving.state.slot_reuse), so a sequence's first step reads zeros. The gate
+            # and beta go in raw: the step makes them (kda_gate, kda_beta; on CUDA inside the recurrence kernel).
+            o = kda_decode_slots_gated(q, k, v, self.gate_input(f_a), self.dt_bias, self.a_log_row(), b_logits,
+                                       pool.state_view(self.layer_idx), b.slots, scale, self.lower_bound)
         else:
+            g, beta = self.forget_gate(f_a), self.beta(b_logits)
             if continuing:
                 assert pool is not None and b.slots is not None
                 state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]

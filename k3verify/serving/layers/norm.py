@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3verify.kernels.norm import gated_rms_norm, rms_norm
+from k3verify.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s)) with s = x + residual (x itself when residual is None): the residual add fused into the
+        norm (one launch on CUDA), the same bits as the add followed by forward()."""
+        if residual is None:
+            return x, self.forward(x)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
