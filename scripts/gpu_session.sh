@@ -60,6 +60,8 @@
 #   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
 #   bash scripts/gpu_session.sh verify-tune  launch configurations of the Triton KDA verify kernels, timed, bits held
 #   bash scripts/gpu_session.sh sdpa         fused SDPA's host time per backend at MLA prefill shapes
+#   bash scripts/gpu_session.sh decode-fusions  the batch-1 decode fusions' CUDA checks (in-kernel KDA gate, residual add
+#                                        in the norm) and their CUDA mutants (THEN=bench to measure the step)
 #   bash scripts/gpu_session.sh mutate-moe   the CUDA mutants of the MoE decode kernels and the conv prefill (MUTANTS_S)
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
@@ -267,6 +269,15 @@ served-profile)
                 2>&1 | quiet | tail -75
         done
     done
+    ;;
+decode-fusions)
+    # The batch-1 decode fusions (tenth session): fla's in-kernel forget gate and beta sigmoid
+    # (kernel.kda.decode_gated_triton), the residual add inside the RMSNorm (kernel.norm.add_rms_triton), with the
+    # KDA module checks on CUDA; then their CUDA mutants. THEN=bench measures the step.
+    step "cuda checks kernel.kda.* kernel.norm.* kda.* (k3-syn-25)"
+    timeout "${CHECKS_S:-200}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.kda.*' \
+        --only 'kernel.norm.*' --only 'kda.*' --report-dir "$OUT/parity-fusions" 2>&1 | quiet | tail -16
+    MUTANTS=${MUTANTS:-"kernel.fla.decode_gated* kernel.norm.add_rms*"} MUTATE_S=${MUTATE_S:-240} THEN= bash "$0" mutate-cuda
     ;;
 mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"
