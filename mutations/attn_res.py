@@ -37,8 +37,8 @@ MUTANTS = [
         id="attn_res.output_mix_skipped",
         fault="the model-level output mix (output_attn_res_norm/proj) before the final norm is skipped",
         target=f"{MODEL}:ServingModel.finish",
-        old="        if blocks is not None:\n            x = attn_res_mix(",
-        new="        if False:\n            x = attn_res_mix(",
+        old="            x = attn_res_mix(x, blocks.view(),",
+        new="            x = x if True else attn_res_mix(x, blocks.view(),",
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(

@@ -149,6 +149,22 @@ MUTANTS = [
         killers=["kernel.moe.*", "serving.*"],
     ),
     Mutant(
+        id="kernel.moe.decode_shared_not_added", devices=("cuda",),
+        fault="the MoE decode finish launch casts the routed sum but never adds the shared expert's output",
+        target=f"{MOE_DECODE}:moe_finish_kernel",
+        old="acc = acc.to(shared.dtype).to(tl.float32) + shared.to(tl.float32)",
+        new="acc = acc.to(shared.dtype).to(tl.float32)",
+        killers=["kernel.moe.*", "serving.*"],
+    ),
+    Mutant(
+        id="kernel.moe.decode_finish_first_term_only", devices=("cuda",),
+        fault="the MoE decode finish launch keeps each token's first route term and drops the other k-1",
+        target=f"{MOE_DECODE}:moe_finish_kernel",
+        old="    for j in tl.static_range(1, K_ROUTE):",
+        new="    for j in tl.static_range(1, 1):",
+        killers=["kernel.moe.*", "serving.*"],
+    ),
+    Mutant(
         id="kernel.moe.tail_route_weight_dropped", devices=("cuda",),
         fault="the grouped MoE combine's Triton tail sums the expert outputs without their route weights",
         target=f"{MOE_TAIL}:moe_sorted_sum_kernel",

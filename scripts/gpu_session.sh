@@ -272,12 +272,16 @@ served-profile)
     ;;
 decode-fusions)
     # The batch-1 decode fusions (tenth session): fla's in-kernel forget gate and beta sigmoid
-    # (kernel.kda.decode_gated_triton), the residual add inside the RMSNorm (kernel.norm.add_rms_triton), with the
-    # KDA module checks on CUDA; then their CUDA mutants. THEN=bench measures the step.
-    step "cuda checks kernel.kda.* kernel.norm.* kda.* (k3-syn-25)"
-    timeout "${CHECKS_S:-200}" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only 'kernel.kda.*' \
-        --only 'kernel.norm.*' --only 'kda.*' --report-dir "$OUT/parity-fusions" 2>&1 | quiet | tail -16
-    MUTANTS=${MUTANTS:-"kernel.fla.decode_gated* kernel.norm.add_rms*"} MUTATE_S=${MUTATE_S:-240} THEN= bash "$0" mutate-cuda
+    # (kernel.kda.decode_gated_triton), the residual add inside the RMSNorm (kernel.norm.add_rms_triton), the MoE
+    # decode finish with the shared expert added (kernel.moe.decode_vs_torch); then their CUDA mutants.
+    # THEN=bench measures the step.
+    # kl-tiny: a k3-syn-25 run of these checks (kda.* module checks included) found no end in 150 s on a cold machine
+    step "cuda checks kernel.kda.* kernel.norm.* kernel.moe.* (kl-tiny)"
+    timeout "${CHECKS_S:-200}" python3 -m k3verify parity --device cuda --preset kl-tiny --only 'kernel.kda.*' \
+        --only 'kernel.norm.*' --only 'kernel.moe.*' --report-dir "$OUT/parity-fusions" >"$OUT/checks.log" 2>&1
+    echo "cuda checks exit $?"; grep -E "kernel\.|PASS|FAIL" "$OUT/checks.log" | quiet | tail -24
+    MUTANTS=${MUTANTS:-"kernel.fla.decode_gated* kernel.norm.add_rms* kernel.moe.decode_shared* kernel.moe.decode_finish*"} \
+        MUTATE_S=${MUTATE_S:-240} JOBS=${JOBS:-6} THEN= bash "$0" mutate-cuda
     ;;
 mutate-cuda)
     step "k3verify mutate --device cuda (CUDA-path mutants)"

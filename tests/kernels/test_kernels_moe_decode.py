@@ -84,6 +84,20 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
                 report["cases"][f"{shape}-{name}-{grid}"] = {
                     "rel": _rel(got, ref), "pairs": case[4].numel(),
                     "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
+    for shape in ("t1", "t5"):  # the finish launch with the shared expert's output added (the layer's call)
+        case = _case(*SHAPES[shape], seed=7)
+        shared = torch.randn(case[0].shape, generator=torch.Generator().manual_seed(8)).bfloat16()
+        ref = reference(case, SPECS["silu"]).to(torch.bfloat16) + shared
+        for grid, tiles in GRIDS.items():
+            got = decode_path.combine(*case, SPECS["silu"], mod=decode_kernel, tiles=tiles, add=shared)
+            report["cases"][f"{shape}-silu-{grid}-added"] = {
+                "rel": _rel(got.float(), ref.float()), "pairs": case[4].numel(), "dtype": str(got.dtype),
+                "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
+        module = broken_variant(decode_kernel, f"shared_not_added_{shape}",
+                                "acc = acc.to(shared.dtype).to(tl.float32) + shared.to(tl.float32)",
+                                "acc = acc.to(shared.dtype).to(tl.float32)", tmp)
+        got = decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"], add=shared)
+        report["broken"][f"shared_not_added_{shape}"] = _rel(got.float(), ref.float())
     case = _case(*SHAPES["blocks"], seed=99)
     for name, (old, new) in BROKEN.items():
         module = broken_variant(decode_kernel, name, old, new, tmp)
@@ -109,6 +123,8 @@ def test_decode_combine_matches_the_loop_under_interpreter(interpreter_report: d
     assert cases["max-silu-compact"]["pairs"] == decode_path.MAX_PAIRS
     for name, r in cases.items():
         assert r["rel"] < 1e-3, (name, r)
+    assert sum(name.endswith("-added") for name in cases) == 4
+    assert all(r["dtype"] == "torch.bfloat16" for name, r in cases.items() if name.endswith("-added"))
 
 
 def test_interpreter_comparison_catches_broken_decode_kernels(interpreter_report: dict[str, Any]) -> None:
@@ -153,3 +169,25 @@ def test_cuda_decode_combine_vs_loop_and_routing() -> None:
     grouped.combine_grouped(moe, x[:64], weights[:64], idx[:64])
     grouped.combine_grouped(moe, x, weights, idx)
     assert grouped.PATHS["decode"] == before["decode"] + 1 and grouped.PATHS["grouped"] == before["grouped"] + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_layer_adds_its_shared_expert_in_the_combine_bit_for_bit(dtype: torch.dtype) -> None:
+    """SparseMoE.forward hands the shared expert's output to the combine (`add`): on the torch path the same bits
+    as the routed sum cast to the activation dtype plus the shared expert, as the layer added them before."""
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+    from k3verify.kernels.moe import moe_combine
+    from k3verify.presets import get_preset
+    from k3verify.serving.layers.moe import SparseMoE
+    from k3verify.serving.model import ServingModel
+
+    cfg = get_preset("kl-tiny")
+    model = ServingModel(cfg, dtype).load(synthetic_tensors(cfg, seed=0))
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    assert not (moe.latent or moe.is_packed)
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        weights, idx = moe.gate(x)
+        old = moe_combine(moe, x, weights, idx).to(dtype) + moe.shared_experts(x)
+        assert torch.equal(moe(x), old)
+        assert not torch.equal(moe_combine(moe, x, weights, idx, add=moe.shared_experts(x) * 2), old)

@@ -5,7 +5,8 @@ two grouped GEMMs over the stacked experts (larger bf16 steps) or a per-pair wei
 (fp32): static shapes, no host sync, so a decode step that contains it can be captured in a CUDA graph. The
 module checks (`moe.module.*`) compare our MoE with the reference bit for bit in fp32, which these paths match
 only to rounding, so those pin the torch loop and these checks hold the fast paths to it: every MoE layer of
-the preset, the preset's own routing of random inputs, the same (weights, ids) for both sides.
+the preset, the preset's own routing of random inputs, the same (weights, ids) for both sides; for layers whose shared
+expert joins the combine (neither latent nor packed), also the combine with the shared expert's output added.
 Control: every (token, slot) routed to the next expert id (the combine's expert offsets off by one).
 """
 
@@ -53,6 +54,12 @@ def combine_trial(ctx: CheckContext, dtype: torch.dtype, tokens: tuple[int, ...]
                 raise RuntimeError(f"the combine did not run the {path} kernels (paths so far {dict(grouped.PATHS)})")
             ref[key] = moe_ref.combine_loop(moe, x_in, weights, idx)
             ctrl[key] = moe_combine(moe, x_in, weights, (idx + 1) % len(moe.experts))
+            if not (moe.latent or moe.is_packed):  # the layer's call: the shared expert added in the combine
+                shared = moe.shared_experts(x)
+                cand[f"{key}.shared_added"] = moe_combine(moe, x_in, weights, idx, add=shared).float()
+                ref[f"{key}.shared_added"] = moe_ref.combine_loop(moe, x_in, weights, idx, add=shared).float()
+                ctrl[f"{key}.shared_added"] = moe_combine(moe, x_in, weights, (idx + 1) % len(moe.experts),
+                                                          add=shared).float()
     return Trial(reference=ref, candidate=cand, control=ctrl,
                  notes=[f"{len(layers)} MoE layer(s), {', '.join(map(str, tokens))} tokens, {dtype}, "
                         f"routing of the preset's gate" + (f", the {path} kernels" if path else "")])

@@ -20,7 +20,9 @@ REGISTRY.register(COMBINE, TORCH, torch_ref.combine_loop)
 REGISTRY.register(COMBINE, CUDA, grouped.combine_grouped, accepts=grouped.accepts, available=grouped.available)
 
 
-def moe_combine(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def moe_combine(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
     """moe: the SparseMoE (expert weights, activation); x_in [T, D]; weights [T, k] fp32; idx [T, k]
-    -> [T, D] fp32."""
-    return dispatch(COMBINE, moe, x_in, weights, idx, device=x_in.device)
+    -> [T, D] fp32; with `add` [T, D] (the shared expert's output) -> that sum rounded to add's dtype plus add,
+    in add's dtype (on CUDA's decode kernels one launch with the k-sum)."""
+    return dispatch(COMBINE, moe, x_in, weights, idx, add=add, device=x_in.device)

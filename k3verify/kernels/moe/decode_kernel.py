@@ -9,8 +9,10 @@ token they belong to and results stored at their pair index.
 
 - `moe_gate_up_kernel`: a[pair] = glu(x[token] @ W1[e]^T, x[token] @ W3[e]^T) with the gate and up columns
   of one block computed side by side (w13 stacks W1 rows then W3 rows) and the GLU applied in registers.
-- `moe_down_kernel`: terms[pair] = w[pair] * bf16(a[pair] @ W2[e]^T) in fp32; the caller sums each token's
-  k terms in route order (deterministic: no atomics).
+- `moe_down_kernel`: terms[pair] = w[pair] * bf16(a[pair] @ W2[e]^T) in fp32 (deterministic: no atomics).
+- `moe_finish_kernel`: each token's k terms summed in route order in fp32, and optionally rounded to the
+  activation dtype and added to another [T, D] row (the shared expert's output), one launch for what took a
+  reduction, a cast and an add.
 - The compact grid (COMPACT): `moe_active_experts_kernel` first lists the experts the step touches, and the
   GEMM grids get one row per slot of that list (min(pairs, experts) rows) instead of one per expert, so a
   batch-1 step launches 8 rows of programs rather than 256 of which 248 return at once.
@@ -146,3 +148,20 @@ def moe_down_kernel(a_ptr, idx_ptr, experts_ptr, rw_ptr, w_ptr, y_ptr, M, N, K, 
         y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None]
         out = y_ptr + pairs.to(tl.int64)[:, None] * s_ym + cols[None, :]
         tl.store(out, y, mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_finish_kernel(terms_ptr, add_ptr, out_ptr, D, K_ROUTE: tl.constexpr, HAS_ADD: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program (token t, column block): acc = terms[t, 0] + terms[t, 1] + ... (route order, fp32); out = acc, or
+    with HAS_ADD out = (acc rounded to add's dtype) + add[t] rounded to out's dtype (torch's y.to(dtype) + add)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    acc = tl.load(terms_ptr + (t * K_ROUTE) * D + cols, mask=ok, other=0.0)
+    for j in tl.static_range(1, K_ROUTE):
+        acc = acc + tl.load(terms_ptr + (t * K_ROUTE + j) * D + cols, mask=ok, other=0.0)
+    if HAS_ADD:
+        shared = tl.load(add_ptr + t * D + cols, mask=ok, other=0.0)
+        acc = acc.to(shared.dtype).to(tl.float32) + shared.to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -95,9 +95,11 @@ def _next_pow2(n: int) -> int:
 
 
 def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-            glu: GluSpec, mod: ModuleType | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+            glu: GluSpec, mod: ModuleType | None = None, tiles: Tiles | None = None,
+            add: torch.Tensor | None = None) -> torch.Tensor:
     """x_in [T, D] bf16; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32; idx [T, k]
-    -> sum_k w_k expert_k(x_in) as fp32 [T, D], each token's terms added in route order. `mod` runs a test's
+    -> sum_k w_k expert_k(x_in) as fp32 [T, D], each token's terms added in route order; with `add` ([T, D], the
+    shared expert's output) that sum rounded to add's dtype plus add, in add's dtype. `mod` runs a test's
     variant of the kernel module; `tiles` overrides pick_tiles (benchmarks)."""
     mod = loaded(_kernels) if mod is None else mod
     T, D = x_in.shape
@@ -126,4 +128,11 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
         a, flat, experts, weights.reshape(-1), w2, terms, M, D, I, a.stride(0), w2.stride(0), w2.stride(1),
         terms.stride(0), COMPACT=t.compact, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
         num_warps=t.num_warps, num_stages=t.num_stages)
-    return terms.view(T, k, D).sum(dim=1)
+    if add is not None and (add.shape != (T, D) or not add.is_contiguous() or add.device != x_in.device):
+        raise ValueError(f"add must be a contiguous [{T}, {D}] on {x_in.device}; got {tuple(add.shape)}, stride "
+                         f"{add.stride()}, {add.device}")
+    out = torch.empty(T, D, dtype=torch.float32 if add is None else add.dtype, device=x_in.device)
+    block = 1024  # one program per token and 1024 columns: k loads and adds a column, in route order
+    mod.moe_finish_kernel[(T, -(-D // block))](terms, out if add is None else add, out, D, K_ROUTE=k,
+                                               HAS_ADD=add is not None, BLOCK=block, num_warps=4)
+    return out

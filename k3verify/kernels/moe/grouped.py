@@ -62,7 +62,10 @@ def available() -> str | None:
 GATHER_BUDGET_BYTES = 1 << 30
 
 
-def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> str | None:
+def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+            add: torch.Tensor | None = None) -> str | None:
+    if add is not None and (add.shape != x_in.shape or not add.is_contiguous()):
+        return f"the row to add must be contiguous {tuple(x_in.shape)}; got {tuple(add.shape)}, stride {add.stride()}"
     if x_in.dtype != torch.bfloat16:
         max_pairs = GATHER_BUDGET_BYTES // (3 * moe.intermediate_size * x_in.shape[-1] * x_in.element_size())
         if idx.numel() > max_pairs:  # one message per model and dtype: the registry warns once per reason
@@ -213,13 +216,20 @@ DECODE = "decode kernels"  # the path's name in the registry's refusals and disa
 
 
 
-def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def added(out: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """moe.combine's `add`: the fp32 sum rounded to add's dtype plus add (as the layer added its shared expert)."""
+    return out if add is None else out.to(add.dtype) + add
+
+
+def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                    add: torch.Tensor | None = None) -> torch.Tensor:
     """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`); bf16 steps of at most
-    decode_path.MAX_PAIRS pairs run the decode kernels, larger ones two grouped GEMMs; other dtypes the per-pair
-    gather. A decode-sized step the decode kernels refuse runs the grouped GEMMs with the reason logged once."""
+    decode_path.MAX_PAIRS pairs run the decode kernels (with `add`, summed, cast and added in their finish
+    launch), larger ones two grouped GEMMs; other dtypes the per-pair gather. A decode-sized step the decode
+    kernels refuse runs the grouped GEMMs with the reason logged once."""
     w13, w2 = moe.stacked_weights()
     if x_in.dtype != torch.bfloat16:
-        return moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act)
+        return added(moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act), add)
     forced = _FORCED[-1] if _FORCED else None
     if forced == "decode" or (forced is None and not decode_path.too_large(idx.numel())):
         refusal = (REGISTRY.broken_inside(OP, DECODE) or decode_path.available()
@@ -227,9 +237,10 @@ def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: to
         if forced == "decode" and refusal is not None:
             raise RuntimeError(f"moe.combine pinned to the decode kernels, which refused: {refusal}")
         out = REGISTRY.run_inside(OP, DECODE, refusal, lambda: decode_path.combine(x_in, w13, w2, weights, idx,
-                                                                                   moe.glu), "the grouped GEMMs")
+                                                                                   moe.glu, add=add),
+                                  "the grouped GEMMs")
         if out is not None:
             PATHS["decode"] += 1
             return out
     PATHS["grouped"] += 1
-    return moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act)
+    return added(moe_grouped_combine(x_in, w13, w2, weights, idx, moe.act), add)

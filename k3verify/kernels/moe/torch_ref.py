@@ -8,5 +8,8 @@ from typing import Any
 import torch
 
 
-def combine_loop(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return moe.combine(x_in, weights, idx)
+def combine_loop(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+    """The loop's fp32 sum; with `add`, rounded to add's dtype plus add (the layer's shared-expert add)."""
+    out = moe.combine(x_in, weights, idx)
+    return out if add is None else out.to(add.dtype) + add

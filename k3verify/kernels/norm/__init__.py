@@ -35,7 +35,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the RMSNorm after it: (s, rms_norm(s)) with s = x + residual [..., W] in x's dtype;
     on CUDA one launch."""
-    return dispatch(ADD_RMS, x, residual, weight, eps, device=x.device)  # type: ignore[no-any-return]
+    return dispatch(ADD_RMS, x, residual, weight, eps, device=x.device)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

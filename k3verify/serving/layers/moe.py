@@ -224,11 +224,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
+        if not (self.latent or self.is_packed):  # the shared expert's output joins the routed sum's last launch
+            return moe_combine(self, x, weights, idx, add=self.shared_experts(x))
         x_in = self.routed_expert_down_proj(x) if self.latent else x
         if self.is_packed:
             y = moe_packed_combine(x_in, self.packed_experts(), weights, idx, self.act).to(x.dtype)
         else:
-            y = moe_combine(self, x_in, weights, idx).to(x.dtype)
+            y = moe_combine(self, x_in, weights, idx).to(x.dtype)  # latent: the norm and up_proj come first
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
