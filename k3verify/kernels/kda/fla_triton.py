@@ -1,9 +1,11 @@
 """fla's Triton KDA kernels behind the same contract as torch_ref (CUDA only).
 
-The layer hands over raw q/k (normalized in-kernel), the finished log decay g (fp32) and the
-post-sigmoid beta, so the kernels' own gate and beta-sigmoid stages stay off: beta is squashed
-exactly once, in the layer. fla is probed by signature, not version: an older fla silently swallows
-unknown keyword arguments via **kwargs and computes something else.
+Prefill (and the post-gate decode op) get raw q/k (normalized in-kernel), the finished log decay g (fp32)
+and the post-sigmoid beta, so the kernels' own gate and beta-sigmoid stages stay off. The serving decode
+(`kda_decode_slots_gated_fla`) hands over the gate's and beta's raw inputs instead and turns both stages on:
+beta is still squashed exactly once, either in the layer (torch_ref.kda_beta) or in the kernel, never both.
+fla is probed by signature, not version: an older fla silently swallows unknown keyword arguments via
+**kwargs and computes something else.
 """
 
 from __future__ import annotations
