@@ -233,7 +233,7 @@ verify-tune)
     # Launch configurations of the Triton KDA verify kernels (value block, warps, register cap), each held to the
     # shipped launch bit for bit, microseconds per call at 1-16 rows (scripts/verify_tune.py)
     step "KDA verify launches (kl-48b-8l, one layer)"
-    timeout "${DIAG_S:-240}" python3 scripts/verify_tune.py 2>&1 | quiet | tail -"${TAIL:-75}"
+    timeout "${DIAG_S:-240}" python3 scripts/verify_tune.py --rows "${ROWS:-1,2,4,8,16}" 2>&1 | quiet | tail -"${TAIL:-75}"
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"

@@ -26,8 +26,11 @@ from k3verify.gates.checks._spec_common import bits, op_case
 from k3verify.kernels.kda import verify_triton as vt
 from k3verify.presets import get_preset
 
-FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(32, 4, 96), vt.Launch(16, 2, 128), vt.Launch(64, 8, 128)]
-RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(32, 4, 96), vt.Launch(16, 2, 128)]
+# Wider value blocks with more warps keep 32 state values per thread but run a head's q/k conv, L2 norms and gate
+# in fewer programs (one at BV = dv: no head ticket is waited on)
+WIDE = [vt.Launch(64, 8, 128), vt.Launch(64, 8), vt.Launch(128, 16, 128), vt.Launch(128, 16), vt.Launch(128, 8)]
+FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *WIDE]
+RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *WIDE]
 
 
 def _desc(launch: vt.Launch) -> str:
