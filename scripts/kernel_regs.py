@@ -32,7 +32,7 @@ from k3verify.kernels.kda import verify_triton as vt
 REGS_PER_SM, WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 FUSED_SIG = {
     "xq": "*bf16", "xk": "*bf16", "xv": "*bf16", "wq": "*bf16", "wk": "*bf16", "wv": "*bf16", "winq": "*fp32",
-    "wink": "*fp32", "winv": "*fp32", "s_slot": "i32", "s_d": "i32", "s_tap": "i32", "slots_ptr": "*i64",
+    "wink": "*fp32", "winv": "*fp32", "s_x": "i32", "s_slot": "i32", "s_d": "i32", "s_tap": "i32", "slots_ptr": "*i64",
     "keep_ptr": "*fp32", "state_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32", "gate_ptr": "*bf16",
     "nw_ptr": "*bf16", "conv_rec": "*fp32", "state_rec": "*fp32", "o_ptr": "*bf16", "y_ptr": "*bf16",
     "counter_ptr": "*i32", "scale": "fp32", "eps": "fp32", "H": "i32", "DK": "i32", "DV": "i32"}

@@ -44,7 +44,9 @@ def _case(rows: int, n: int, h: int, dk: int, w: int, dtype: torch.dtype, seed: 
     state = rnd(NUM_SLOTS, h, dk, dk) * 0.3
     for t in (*windows, state):
         t[0] = float("nan")  # slot 0 is nobody's: a read of it poisons the result
-    return {"xs": tuple(rnd(rows, n, D).to(dtype) for _ in range(3)),
+    # the projections as the layer hands them over: [B, n, D] views of column slices of one wider GEMM output
+    wide = rnd(rows * n, 3 * D + 5).to(dtype)
+    return {"xs": tuple(wide[:, i * D:(i + 1) * D].reshape(rows, n, D) for i in range(3)),
             "weights": tuple((rnd(D, w) * 0.5).to(dtype) for _ in range(3)), "windows": windows, "state": state,
             "slots": torch.tensor(_slots(rows)), "keep": torch.ones(rows, dtype=dtype),
             "g": -torch.rand(rows, n, h, dk, generator=g) * 0.7 - 0.01, "beta": torch.rand(rows, n, h, generator=g),
@@ -136,6 +138,14 @@ def test_gates_refuse_what_the_kernels_cannot_do() -> None:
                                          tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"], c["slots"],
                                          c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 2))
     assert bad_rec is not None and "conv records" in bad_rec
+    xs = tuple(x.to(torch.bfloat16) for x in c["xs"])  # contiguous copies: one row stride for all three
+    mixed = (xs[0], c["xs"][1].to(torch.bfloat16), xs[2].transpose(1, 2).contiguous().transpose(1, 2))
+    bad_x = verify_triton.accepts_conv(mixed, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"],
+                                       c["slots"], c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 3))
+    assert bad_x is not None and "row stride" in bad_x
+    assert verify_triton.accepts_conv(xs, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"], c["slots"],
+                                      c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 3)) == \
+        "tensors are not all on CUDA"
 
 
 def test_fused_request_on_cpu_runs_the_unfused_reference() -> None:

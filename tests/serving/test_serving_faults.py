@@ -13,8 +13,8 @@ from k3verify.gates import REGISTRY, Status, make_context_factory
 from k3verify.gates.checks.serving_packing import plain_triangle
 from k3verify.gates.suite import ContextFactory, run_check
 from k3verify.kernels.conv import torch_ref as conv_ref
+from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.serving.layers import attn_res, kda, mla, mlp
-from k3verify.serving.layers.kda import KimiDeltaAttention
 from k3verify.serving.layers.moe import SparseMoE
 from k3verify.serving.model import ServingModel
 from k3verify.serving.state_cache import KDAStatePool
@@ -75,10 +75,10 @@ FAULTS: dict[str, tuple[Fault, list[str]]] = {
                             ["serving.packed.equal_lengths", "serving.packed.unequal_lengths"]),
     "conv_boundary_reset": (lambda mp: mp.setattr(conv_ref, "_sources", _leaky_sources),
                             ["kda.conv.packed_boundary"]),
-    "beta_sigmoid_missing": (lambda mp: mp.setattr(KimiDeltaAttention, "beta", lambda self, b: b.float()),
+    "beta_sigmoid_missing": (lambda mp: mp.setattr(kda_ref, "kda_beta", lambda b: b.float()),
                              ["kda.module.fp32"]),
-    "beta_sigmoid_twice": (lambda mp: mp.setattr(KimiDeltaAttention, "beta",
-                                                 lambda self, b: torch.sigmoid(torch.sigmoid(b.float()))),
+    "beta_sigmoid_twice": (lambda mp: mp.setattr(kda_ref, "kda_beta",
+                                                 lambda b: torch.sigmoid(torch.sigmoid(b.float()))),
                            ["kda.module.fp32"]),
     "situ_linear_cap_dropped": (lambda mp: mp.setattr(mlp, "situ_glu", lambda g, u, b, lb: _situ(g, u, b, None)),
                                 ["mlp.module.fp32", "moe.module.fp32"]),

@@ -261,3 +261,43 @@ def check_kda_decode_gated_triton(ctx: CheckContext) -> Trial:
                  control=run(None, torch.sigmoid(raw["b"].float()).bfloat16()),
                  notes=[f"{B} rows on slots {slots.tolist()} of a {n_slots}-slot pool; bf16 q/k/v and gate input, "
                         "fp32 state; the plain gate and a safe gate at -5"])
+
+
+@register_check(
+    id="kernel.kda.gate_beta_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
+    bar=1e-5,
+    bar_reason="the same fp32 arithmetic as torch's kda_gate / kda_beta with Triton's exp and log (a few ulps): "
+    "1.2e-8 to 1.7e-8 under the interpreter on CPU (tests/kernels/test_kernels_kda_gate.py); far below any gate "
+    "fault (a dropped bias moves it 0.1)",
+    control="beta squashed before the kernel, which squashes it again",
+)
+@fx.single_thread
+def check_kda_gate_beta_triton(ctx: CheckContext) -> Trial:
+    """The prefill / verify gate as the layer calls it: one Triton launch making the forget gate (plain and safe)
+    and beta from f_b_proj's output and b_proj's logits, both column slices of one wider row (the fused projection
+    GEMM's layout), vs the torch path (kda_gate, kda_beta). Inputs span softplus' threshold both ways."""
+    g = ctx.generator
+    T, width = 7, 2 * H * DK + H + 5
+    row = (torch.randn(T, width, generator=g) * 3.0)
+    row[0, :H * DK] = torch.linspace(-30.0, 30.0, H * DK)
+    row = row.to(ctx.device, torch.bfloat16)
+    f, b = row[:, :H * DK], row[:, 2 * H * DK:2 * H * DK + H]
+    dt_bias = torch.randn(H * DK, generator=g).to(ctx.device)
+    A = (torch.randn(H, generator=g) * 0.5).exp()[:, None].to(ctx.device)
+
+    def run(backend: str | None, b_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, bound in (("plain", None), ("safe", -5.0)):
+            REGISTRY.force(kda_ops.GATE_BETA, backend)
+            try:
+                out[f"{name}.g"], out[f"{name}.beta"] = kda_ops.kda_gate_beta(f, dt_bias, A, b_logits, H, bound)
+            finally:
+                REGISTRY.force(kda_ops.GATE_BETA, None)
+        return out
+
+    cand = run(None, b)
+    fx.assert_routed(kda_ops.GATE_BETA, backend=TRITON)
+    ctrl_b = torch.sigmoid(b.float()).bfloat16()
+    return Trial(reference=run(TORCH, b), candidate=cand, control=run(None, ctrl_b),
+                 notes=[f"{T} tokens, {H} heads x {DK}; bf16 inputs as strided column slices; the plain gate and a "
+                        "safe gate at -5"])

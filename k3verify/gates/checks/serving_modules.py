@@ -74,7 +74,10 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: Fault, 
 
 
 def _beta_twice(layer: Any) -> Any:
-    return fx.patched(layer, "beta", lambda b_logits: torch.sigmoid(torch.sigmoid(b_logits.float())))
+    """beta's logits squashed before the layer's gate op, which squashes them again."""
+    inner = layer.gate_and_beta
+    return fx.patched(layer, "gate_and_beta",
+                      lambda f_a, b_logits: inner(f_a, torch.sigmoid(b_logits.float()).to(b_logits.dtype)))
 
 
 @register_check(

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.kda import fla_triton, torch_ref
+from k3verify.kernels.kda import fla_triton, gate_triton, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 PREFILL = "kda.prefill"
 DECODE_SLOTS = "kda.decode_slots"
 DECODE_SLOTS_GATED = "kda.decode_slots_gated"
+GATE_BETA = "kda.gate_beta"
 CHUNK = torch_ref.CHUNK
 
 REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
@@ -26,6 +27,9 @@ REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts
 REGISTRY.register(DECODE_SLOTS_GATED, TORCH, torch_ref.kda_decode_slots_gated_torch)
 REGISTRY.register(DECODE_SLOTS_GATED, TRITON, fla_triton.kda_decode_slots_gated_fla,
                   accepts=fla_triton.accepts_decode_slots_gated, available=fla_triton.available)
+REGISTRY.register(GATE_BETA, TORCH, torch_ref.kda_gate_beta)
+REGISTRY.register(GATE_BETA, TRITON, gate_triton.gate_beta_triton, accepts=gate_triton.accepts,
+                  available=gate_triton.available)
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -52,6 +56,14 @@ def kda_decode_slots_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_
     make them; on CUDA inside fla's recurrence kernel."""
     return dispatch(DECODE_SLOTS_GATED, q, k, v, f_raw, dt_bias, a_log, b_logits, pool_state, slots, scale,
                     lower_bound, device=q.device)
+
+
+def kda_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor, heads: int,
+                  lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forget gate and beta of a prefill or verify pass from their raw inputs (f_b_proj's output f_raw [T, D],
+    dt_bias [D] fp32, the decay rate A = exp(A_log) [h] fp32, b_logits [T, h]) -> (g [T, h, dk], beta [T, h]), fp32:
+    torch_ref.kda_gate and kda_beta (six launches); on CUDA in bf16 one Triton launch (kernels/kda/gate_kernel.py)."""
+    return dispatch(GATE_BETA, f_raw, dt_bias, A, b_logits, heads, lower_bound, device=f_raw.device)
 
 
 from k3verify.kernels.kda import verify as _verify  # noqa: E402,F401  (registers the kda.verify_* ops)

@@ -144,6 +144,12 @@ def kda_beta(b_logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(b_logits.float())
 
 
+def kda_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor, heads: int,
+                  lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kda_gate, kda_beta) of one layer's raw inputs: A [h] or [h, 1] -> (g [T, h, dk] fp32, beta [T, h] fp32)."""
+    return kda_gate(f_raw, dt_bias, A.reshape(-1, 1), heads, lower_bound), kda_beta(b_logits)
+
+
 def kda_decode_slots_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """kda_decode_torch on the rows' states gathered from the pool, written back in place."""

@@ -42,17 +42,17 @@ def _tree_sum_rows(x, LOG2: tl.constexpr):
 
 
 @triton.jit
-def _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, C, N: tl.constexpr, W: tl.constexpr,
+def _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, s_x, s_slot, s_d, s_tap, C, N: tl.constexpr, W: tl.constexpr,
               BF16: tl.constexpr):
-    """Entry C of [pool window (W-1 taps) | x of positions 0..N-1] for channels d, in fp32."""
+    """Entry C of [pool window (W-1 taps) | x of positions 0..N-1] for channels d, in fp32 (x rows s_x apart)."""
     from_win = (tl.zeros_like(d) + C) < W - 1  # a vector mask (C is a runtime scalar)
     win = tl.load(win_ptr + slot * s_slot + d * s_d + C * s_tap, mask=mask & from_win, other=0.0)
-    x = tl.load(x_ptr + (b * N + C - (W - 1)) * D + d, mask=mask & ~from_win, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (b * N + C - (W - 1)) * s_x + d, mask=mask & ~from_win, other=0.0).to(tl.float32)
     return tl.where(from_win, _round(win, BF16) * keep, x)
 
 
 @triton.jit
-def _conv_pos(x_ptr, w_ptr, win_ptr, rec_ptr, b, slot, keep, d, mask, rec_mask, D, s_slot, s_d, s_tap,
+def _conv_pos(x_ptr, w_ptr, win_ptr, rec_ptr, b, slot, keep, d, mask, rec_mask, D, s_x, s_slot, s_d, s_tap,
               CONV: tl.constexpr, J, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr):
     """silu(conv) at position J for channels d (rounded as the activation dtype), and conv CONV's window after J
     stored to rec[b, J, CONV, d, :] where rec_mask. Op order of kernels/conv: acc = round(acc + round(tap * w)),
@@ -60,7 +60,7 @@ def _conv_pos(x_ptr, w_ptr, win_ptr, rec_ptr, b, slot, keep, d, mask, rec_mask, 
     acc = tl.zeros(d.shape, dtype=tl.float32)
     rec = rec_ptr + (((b * N + J) * 3 + CONV) * D + d) * (W - 1)
     for t in tl.static_range(W):
-        tap = _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, D, s_slot, s_d, s_tap, J + t, N, W, BF16)
+        tap = _conv_tap(x_ptr, win_ptr, b, slot, keep, d, mask, s_x, s_slot, s_d, s_tap, J + t, N, W, BF16)
         if t > 0:
             tl.store(rec + (t - 1), tap, mask=rec_mask)
         w = tl.load(w_ptr + d * W + t, mask=mask, other=0.0).to(tl.float32)
@@ -91,9 +91,10 @@ def _gated_norm(x, gate, w, eps, DV, LOG2V: tl.constexpr):
 
 @triton.jit
 def spec_conv_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, outq, outk, outv, rec_ptr, slots_ptr, keep_ptr,
-                     D, s_slot, s_d, s_tap, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr,
+                     D, s_x, s_slot, s_d, s_tap, N: tl.constexpr, W: tl.constexpr, BF16: tl.constexpr,
                      BLOCK_D: tl.constexpr):
-    """Program (row b, channel block): the three convs at every position; outputs [B*N, D], records."""
+    """Program (row b, channel block): the three convs at every position (inputs' rows s_x apart: column slices
+    of the fused projection GEMM); outputs [B*N, D], records."""
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < D
@@ -101,11 +102,11 @@ def spec_conv_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, outq, outk, outv,
     keep = tl.load(keep_ptr + b).to(tl.float32)
     for j in range(N):  # a runtime loop: one body to compile, not N
         out = (b * N + j) * D + d
-        y = _conv_pos(xq, wq, winq, rec_ptr, b, slot, keep, d, mask, mask, D, s_slot, s_d, s_tap, 0, j, N, W, BF16)
+        y = _conv_pos(xq, wq, winq, rec_ptr, b, slot, keep, d, mask, mask, D, s_x, s_slot, s_d, s_tap, 0, j, N, W, BF16)
         tl.store(outq + out, y.to(outq.dtype.element_ty), mask=mask)
-        y = _conv_pos(xk, wk, wink, rec_ptr, b, slot, keep, d, mask, mask, D, s_slot, s_d, s_tap, 1, j, N, W, BF16)
+        y = _conv_pos(xk, wk, wink, rec_ptr, b, slot, keep, d, mask, mask, D, s_x, s_slot, s_d, s_tap, 1, j, N, W, BF16)
         tl.store(outk + out, y.to(outk.dtype.element_ty), mask=mask)
-        y = _conv_pos(xv, wv, winv, rec_ptr, b, slot, keep, d, mask, mask, D, s_slot, s_d, s_tap, 2, j, N, W, BF16)
+        y = _conv_pos(xv, wv, winv, rec_ptr, b, slot, keep, d, mask, mask, D, s_x, s_slot, s_d, s_tap, 2, j, N, W, BF16)
         tl.store(outv + out, y.to(outv.dtype.element_ty), mask=mask)
 
 
@@ -153,7 +154,7 @@ def gated_norm_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, eps, DV, BV: tl.constexpr, 
 
 
 @triton.jit
-def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_slot, s_d, s_tap, slots_ptr, keep_ptr,
+def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, slots_ptr, keep_ptr,
                             state_ptr, g_ptr, beta_ptr, gate_ptr, nw_ptr, conv_rec, state_rec, o_ptr, y_ptr,
                             counter_ptr, scale, eps, H, DK, DV, N: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, NVB: tl.constexpr, BVF: tl.constexpr, LOG2K: tl.constexpr,
@@ -172,12 +173,12 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_slot, s_
     S = tl.load(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], mask=m2, other=0.0)
     for j in range(N):  # a runtime loop: one body to compile, not N
         t = b * N + j
-        q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_slot, s_d, s_tap, 0,
+        q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 0,
                       j, N, W, BF16)
-        k = _conv_pos(xk, wk, wink, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_slot, s_d, s_tap, 1,
+        k = _conv_pos(xk, wk, wink, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 1,
                       j, N, W, BF16)
-        v = _conv_pos(xv, wv, winv, conv_rec, b, slot, keep, h * DV + vv, mv, mv, D, s_slot, s_d, s_tap, 2, j, N, W,
-                      BF16)
+        v = _conv_pos(xv, wv, winv, conv_rec, b, slot, keep, h * DV + vv, mv, mv, D, s_x, s_slot, s_d, s_tap, 2, j,
+                      N, W, BF16)
         g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
         beta = tl.load(beta_ptr + t * H + h)
         S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)

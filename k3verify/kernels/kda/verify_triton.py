@@ -67,8 +67,10 @@ def _conv_reason(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, keep:
                  records: torch.Tensor) -> str | None:
     B, N, D = xs[0].shape
     W = weights[0].shape[-1]
-    if any(x.shape != (B, N, D) or not x.is_contiguous() for x in xs):
-        return f"q/k/v projections must be contiguous [{B}, {N}, {D}]; got {[tuple(x.shape) for x in xs]}"
+    s_x = xs[0].stride(1)
+    if any(x.shape != (B, N, D) or x.stride() != (N * s_x, s_x, 1) for x in xs) or s_x < D:
+        return (f"q/k/v projections must be [{B}, {N}, {D}] with unit column stride and one row stride (column "
+                f"slices of a GEMM's rows are fine); got {[(tuple(x.shape), x.stride()) for x in xs]}")
     if any(w.shape != (D, W) or w.dtype != xs[0].dtype for w in weights):
         return f"conv weights must be [{D}, W] in {xs[0].dtype}; got {[(tuple(w.shape), w.dtype) for w in weights]}"
     if not 2 <= W <= MAX_WIDTH or not 2 <= N <= MAX_POSITIONS:
@@ -151,7 +153,7 @@ def spec_conv_triton(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, k
     block = min(512, max(32, _pow2(D)[0]))
     mod.spec_conv_kernel[(B, -(-D // block))](
         *xs, *(w.contiguous() for w in weights), *windows, out[0], out[1], out[2], records, slots, keep, D,
-        *windows[0].stride(), N=N, W=W, BF16=xs[0].dtype == torch.bfloat16, BLOCK_D=block,
+        xs[0].stride(1), *windows[0].stride(), N=N, W=W, BF16=xs[0].dtype == torch.bfloat16, BLOCK_D=block,
         num_warps=4 if block >= 256 else 1, enable_fp_fusion=False)
     return out[0], out[1], out[2]
 
@@ -197,7 +199,8 @@ def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, 
     BK, log2k = _pow2(DK)
     BV = min(launch.value_block, BK)
     mod.kda_verify_fused_kernel[(B, H, -(-DK // BV))](
-        *xs, *(w.contiguous() for w in weights), *windows, *windows[0].stride(), slots, keep, pool_state, g, beta,
+        *xs, *(w.contiguous() for w in weights), *windows, xs[0].stride(1), *windows[0].stride(), slots, keep,
+        pool_state, g, beta,
         gate, norm_weight, conv_records, state_records, o, y, head_counters(g.device), scale, eps, H, DK, DK, N=N,
         W=weights[0].shape[-1], BK=BK, BV=BV, NVB=-(-DK // BV), BVF=BK, LOG2K=log2k, LOG2V=log2k,
         BF16=xs[0].dtype == torch.bfloat16, **launch.options())

@@ -17,8 +17,8 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.conv import causal_conv_qkv, conv_decode_qkv
-from k3verify.kernels.kda import CHUNK, kda_decode_slots_gated, kda_prefill
-from k3verify.kernels.kda.torch_ref import kda_beta, kda_gate
+from k3verify.kernels.kda import CHUNK, kda_decode_slots_gated, kda_gate_beta, kda_prefill
+from k3verify.kernels.kda.torch_ref import kda_gate
 from k3verify.kernels.kda.verify import kda_verify
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.fused import FusedLinears
@@ -145,9 +145,11 @@ class KimiDeltaAttention(nn.Module):
             return gate_in
         return self.g_b_proj(gate_in)
 
-    def beta(self, b_logits: torch.Tensor) -> torch.Tensor:
-        """b_proj(x) [T, h] -> [T, h] fp32: the one and only sigmoid on beta (kernels/kda/torch_ref.kda_beta)."""
-        return kda_beta(b_logits)
+    def gate_and_beta(self, f_a: torch.Tensor, b_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forget_gate(f_a) and beta [T, h] fp32 of a prefill or verify pass, beta's one and only sigmoid included:
+        op kda.gate_beta (torch_ref.kda_gate / kda_beta; on CUDA in bf16 one Triton launch for their six)."""
+        return kda_gate_beta(self.gate_input(f_a), self.dt_bias, self.decay_rate(), b_logits, self.heads,
+                             self.lower_bound)
 
     def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
         """q/k/v conv weights [D, W] in the activation dtype (K3 ships them fp32), cast once per dtype."""
@@ -198,7 +200,7 @@ class KimiDeltaAttention(nn.Module):
             o = kda_decode_slots_gated(q, k, v, self.gate_input(f_a), self.dt_bias, self.a_log_row(), b_logits,
                                        pool.state_view(self.layer_idx), b.slots, scale, self.lower_bound)
         else:
-            g, beta = self.forget_gate(f_a), self.beta(b_logits)
+            g, beta = self.gate_and_beta(f_a, b_logits)
             if continuing:
                 assert pool is not None and b.slots is not None
                 state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
@@ -227,13 +229,13 @@ class KimiDeltaAttention(nn.Module):
         if T != B * n:
             raise ValueError(f"a verify pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
         q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
-        # the verify kernel's layout: [B, n, D] contiguous (the fused GEMM's outputs are column slices)
-        xs = (q_in.reshape(B, n, -1).contiguous(), k_in.reshape(B, n, -1).contiguous(),
-              v_in.reshape(B, n, -1).contiguous())
+        # [B, n, D] views of the fused GEMM's column slices: the verify kernels take their row stride, no copies
+        xs = (q_in.reshape(B, n, -1), k_in.reshape(B, n, -1), v_in.reshape(B, n, -1))
         state_records, conv_records = spec.arena.records(self.layer_idx, B)
+        g, beta = self.gate_and_beta(f_a, b_logits)
         _, y = kda_verify(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
                           pool.state_view(self.layer_idx), b.slots, ctx.fresh_mask(x.dtype).view(-1),
-                          self.forget_gate(f_a).view(B, n, h, dk), self.beta(b_logits).view(B, n, h),
+                          g.view(B, n, h, dk), beta.view(B, n, h),
                           self.output_gate(gate_in).reshape(B, n, h, dk).contiguous(), self.o_norm.weight,
                           self.o_norm.eps, dk**-0.5, conv_records, state_records, fused=spec.fused)
         ctx.bump("kda_verify")
