@@ -404,6 +404,23 @@ def test_cost_gate_take_plain_step_follows_its_last_decision_and_reprobes() -> N
     assert not gate.take_plain_step(4), "after a verify the gate is not declining"
 
 
+@pytest.mark.parametrize(("decode_ms", "verifies"), [(1.19, False), (1.6, True)])
+def test_cost_gate_third_verify_at_zero_acceptance_depends_on_the_plain_step_time(decode_ms: float,
+                                                                                    verifies: bool) -> None:
+    """H200 batch 1, k=4, verify 2.1 ms, two probes that accepted 0 of 4 drafts: 1 + 4 * (0 + 2) / (8 + 4) = 1.67
+    tokens a row expected; against a launch-ahead plain step (1.19 ms: 1.76x) the gate declines, against the
+    in-order step's wall time (1.6 ms: 1.31x) it verifies a third time."""
+    gate, policy, stats = CostGate(), SpecPolicy(), SpecStats()
+    for _ in range(gate.probes):
+        assert gate.verify_now(1, [stats], 0, K), "probe"
+        gate.record_verify(1, 2.1e-3)
+        policy.record(stats, K, 0)
+    assert not stats.off, "the request's own auto-off waits for its third verify"
+    assert not gate.verify_now(1, [stats], 0, K), "verify timed, plain not yet: a plain step to time"
+    gate.record_decode(1, decode_ms * 1e-3)
+    assert gate.verify_now(1, [stats], 0, K) is verifies
+
+
 def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_model: ServingModel) -> None:
     """commit_greedy (acceptance on the device, commit behind the verify) leaves the caches and the runner's counts
     exactly as the host rule + commit would, on rows that accept none, some and all of their drafts; verify before
