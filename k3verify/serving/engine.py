@@ -48,6 +48,7 @@ from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
 from k3verify.serving.scheduler import Scheduler, StepPlan
 from k3verify.serving.scoring import score_prompt
+from k3verify.serving.spec.timing import StepTimer
 from k3verify.serving.step_loop import LaunchedStep, RowResult, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
@@ -350,12 +351,16 @@ class Engine:
                     self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
             plan.decode = rest
         timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
-        start = time.perf_counter()
+        # what a plain step of this batch costs the launch-ahead loop (the gate's alternative to a verify), without
+        # this in-order step's readback and delivery (spec/timing.py)
+        timer = StepTimer(self.runner.device) if timed else None
         launched = self.launcher.launch(plan, self._requests) if plan else None
+        if timer is not None:
+            timer.launched()
         if launched is not None:
             self._process(launched)
-            if timed:  # what a plain step of this batch costs, for the speculator's cost gate
-                self.speculator.record_plain_step(whole, time.perf_counter() - start)
+            if timer is not None:
+                self.speculator.record_plain_step(whole, timer.seconds())
         elif not plan:
             self._refuse_unadmittable_head()
         self.num_steps += 1

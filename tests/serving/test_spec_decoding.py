@@ -18,6 +18,7 @@ from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter, Witho
 from k3verify.serving.spec.offline import generate_speculative
 from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
+from k3verify.serving.spec.timing import StepTimer
 from k3verify.serving.spec.verifier import SpecVerifier
 from k3verify.tokenizer import default_tokenizer
 
@@ -419,6 +420,69 @@ def test_cost_gate_third_verify_at_zero_acceptance_depends_on_the_plain_step_tim
     assert not gate.verify_now(1, [stats], 0, K), "verify timed, plain not yet: a plain step to time"
     gate.record_decode(1, decode_ms * 1e-3)
     assert gate.verify_now(1, [stats], 0, K) is verifies
+
+
+def test_step_timer_on_cpu_times_the_wall_clock_around_the_step() -> None:
+    """On the CPU the step's span is the clock from construction to seconds() (readback included); seconds()
+    before launched() is refused; a device it cannot time is refused."""
+    timer = StepTimer(torch.device("cpu"))
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    timer.launched()
+    assert timer.seconds() > 0.0
+    now = [10.0]
+    timer = StepTimer(torch.device("cpu"), clock=lambda: now[0])
+    with pytest.raises(RuntimeError, match="before launched"):
+        timer.seconds()
+    now[0] = 10.001
+    timer.launched()
+    now[0] = 10.0016  # after the readback
+    assert timer.seconds() == pytest.approx(1.6e-3)
+    with pytest.raises(ValueError, match="meta"):
+        StepTimer(torch.device("meta"))
+
+
+def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (events faked) the time is the events' interval on the step's stream (1.19 ms), not the clock
+    around the step (1.6 ms), and the end event is waited for before it is read."""
+    stream, device_ms = object(), iter([5.0, 6.19])
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing, "an event without timing has no elapsed_time"
+            self.ms: float | None = None
+            self.done = False
+
+        def record(self, on: object = None) -> None:
+            assert on is stream, "recorded on the step's stream"
+            self.ms = next(device_ms)
+
+        def synchronize(self) -> None:
+            self.done = True
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            if not end.done or self.ms is None or end.ms is None:
+                raise RuntimeError("CUDA error: device not ready")
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    ticks = iter([10.0, 10.0016, 10.0016])
+    timer = StepTimer(torch.device("cuda"), clock=lambda: next(ticks))
+    timer.launched()
+    assert timer.seconds() == pytest.approx(1.19e-3)
+
+
+def test_offline_round_and_engine_give_the_gate_the_step_timers_plain_time(tiny_model: ServingModel,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain step both paths time for the gate is StepTimer's (a sentinel here), offline and in the engine."""
+    monkeypatch.setattr(StepTimer, "seconds", lambda self: 0.25)
+    gate = CostGate(verify_s={3: 1e-9})  # verify settled, plain not yet: the first drafted round decodes plainly
+    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    generate_speculative(verifier, NgramDrafter(K), _prompts(), 8, gate=gate)
+    assert gate.decode_s == {3: 0.25}
+    gate = CostGate(verify_s={3: 10.0}, reprobe_after=1000)
+    _gated_engine_run(tiny_model, 8, gate)
+    assert gate.decode_s == {3: 0.25}
 
 
 def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_model: ServingModel) -> None:

@@ -8,6 +8,10 @@ their own: on the H200 a kl-48b-8l batch of 16 that ran a verify and a decode st
 0.62x plain speed (2026-12-01), although a verify step there costs ~1.2 decode steps. Sequences without room
 take one plain decode step. Greedy acceptance, then a commit of each verified row's accepted prefix. Tokens past
 max_new_tokens are dropped.
+
+With a cost gate (policy.CostGate), a round whose whole batch is one kind of step is timed for it: a verify round
+by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time, without the round trip
+that this in-order step pays and the launch-ahead _plain_tail it stands for does not).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from k3verify.serving.scheduler import spec_reservation
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
+from k3verify.serving.spec.timing import StepTimer
 from k3verify.serving.spec.verifier import SpecVerifier
 
 if TYPE_CHECKING:
@@ -157,11 +162,15 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         run.rider_rows += len(rows) - drafted
     if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round
         step = [(ids[i], run.tokens[i][-1]) for i in plain]
-        start = time.perf_counter()
-        for i, tok in zip(plain, verifier.runner.decode(step, decode_graphs).argmax(-1).tolist(), strict=True):
+        # the gate's alternative to a verify is a launch-ahead plain step (_plain_tail): timed without the round trip
+        timer = StepTimer(verifier.runner.device) if gate is not None and len(plain) == len(live) else None
+        best = verifier.runner.decode(step, decode_graphs).argmax(-1)
+        if timer is not None:
+            timer.launched()
+        for i, tok in zip(plain, best.tolist(), strict=True):
             run.tokens[i].append(tok)
-        if gate is not None and len(plain) == len(live):
-            gate.record_decode(len(live), time.perf_counter() - start)
+        if gate is not None and timer is not None:
+            gate.record_decode(len(live), timer.seconds())
         run.decode_steps += 1
     return True
 

@@ -48,6 +48,15 @@ class CostGate:
     """Batch-level: a verify step runs only when it is expected to emit more tokens per second than a plain decode
     step of the same batch would, with both step times measured where it runs.
 
+    The two times are not measured alike, because the two steps are not run alike. verify_s is the wall time of a
+    verify round, launch to readback: a verify is always in order (acceptance needs its ids on the host before the
+    next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
+    launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time between
+    events around the launch (timing.StepTimer), not the in-order timed step's wall time. On the H200 (kl-48b-8l,
+    batch 1, k=4; timing.py names the runs) that wall time was 1.6 ms against 1.19 ms a launch-ahead step,
+    and with it the gate verified a third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.6 = 1.31)
+    where the launch-ahead time declines (2.1 / 1.19 = 1.76).
+
     Why: per-request acceptance is not the whole cost. A verify pass puts k+1 tokens of every row through the MoE
     layers, which then touch many more experts than a decode step's one token per row: on the H200 (kl-48b-8l,
     k=4, 2026-12-02) a verify step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
@@ -68,7 +77,7 @@ class CostGate:
     prior_accepted_fraction: float = 0.5
     reprobe_after: int = 64  # declined steps of a batch size before one verify probes again (doubling each time)
     verify_s: dict[int, float] = field(default_factory=dict)  # fastest verify step seen, by batch size
-    decode_s: dict[int, float] = field(default_factory=dict)  # fastest plain step seen, by batch size
+    decode_s: dict[int, float] = field(default_factory=dict)  # fastest plain step seen (launch-ahead), by batch
     _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # verify steps timed, by batch
     _declined: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _reprobe: dict[int, int] = field(default_factory=dict, init=False, repr=False)

@@ -102,8 +102,8 @@ class SpeculativeStep:
         return True
 
     def record_plain_step(self, batch: int, seconds: float) -> None:
-        """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it): the gate's
-        other half."""
+        """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it) as the
+        launch-ahead loop would pay for it (timing.StepTimer): the gate's other half."""
         if self.gate is not None:
             self.gate.record_decode(batch, seconds)
 
