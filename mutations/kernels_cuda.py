@@ -142,6 +142,15 @@ MUTANTS = [
         killers=["kernel.moe.*"],
     ),
     Mutant(
+        id="kernel.moe.decode_cols_first_axes_crossed", devices=("cuda",),
+        fault="the MoE decode kernels' column-first grid (steps past 128 pairs) reads its column block from the "
+              "expert axis: programs compute the wrong columns",
+        target=f"{MOE_DECODE}:_col_block",
+        old="return tl.program_id(0) if COLS_FIRST else tl.program_id(1)",
+        new="return tl.program_id(1)",
+        killers=["kernel.moe.*", "serving.*"],
+    ),
+    Mutant(
         id="kernel.moe.decode_route_weight_dropped", devices=("cuda",),
         fault="the MoE decode down kernel stores the expert outputs without their route weights",
         target=f"{MOE_DECODE}:moe_down_kernel",

@@ -3,7 +3,14 @@ trailing "c": the compact grid) against the grouped GEMMs (sort, gather, torch._
 size; microseconds per layer and the touched experts' bytes over that time. A measuring tool for choosing
 decode_path.pick_tiles, not a gate (the combine's parity is kernel.moe.decode_vs_torch).
 
-    python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,2,4,5,16,64]
+Routing: top-k of randn(T, E) + skew * bias(E), one bias per run. skew 0 spreads pairs evenly (64 tokens touch
+~224 of 256 experts); the bench's random-weight kl-48b-8l router is skewed: it touched 55 and 91 distinct
+experts per layer at 16 and 64 tokens (bench.json distinct_experts_per_layer, 2026-12-03), which skew 1 gives
+(54 and 98, the busiest expert 10 and 39 pairs). A "c" is the compact grid, "f" the grid with an expert's column
+blocks launched back to back (Tiles.cols_first); `bits` says whether that grid wrote the other's bits.
+
+    python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,2,4,5,16,64
+                                        --skew 0,1]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=1024)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", default="1,2,4,5,16,64")
+    ap.add_argument("--skew", default="0,1", help="router skew values, one table each")
     args = ap.parse_args()
     E, D, I, k = args.experts, args.hidden, args.inter, args.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -47,32 +55,44 @@ def main() -> None:
     spec = decode_path.GluSpec("silu")
     tiles = [decode_path.Tiles(bn, 4, st) for bn in (16, 32, 64) for st in (3, 4)]
     tiles += [decode_path.Tiles(bn, 4, 4, compact=True) for bn in (32, 64)]
-    print(f"E={E} D={D} I={I} k={k}; us per layer (CUDA graph replay); GB/s of the touched experts' bytes")
-    names = [f"bn{t.block_n}/s{t.num_stages}" + ("c" if t.compact else "") for t in tiles]
-    print(f"{'tokens':>6} {'experts':>7} {'grouped':>9} {'decode(pick)':>13} " +
-          " ".join(f"{n:>9}" for n in names) + "  best GB/s")
-    for T in (int(t) for t in args.tokens.split(",")):
-        _row(T, E, D, k, w13, w2, spec, tiles, g)
+    tiles += [decode_path.Tiles(bn, 4, st, cols_first=True) for bn in (32, 64, 128) for st in (3, 4)]
+    tiles += [decode_path.Tiles(64, 4, 4, compact=True, cols_first=True)]
+    names = [f"bn{t.block_n}/s{t.num_stages}" + ("c" if t.compact else "") + ("f" if t.cols_first else "")
+             for t in tiles]
+    for skew in (float(v) for v in args.skew.split(",")):
+        print(f"E={E} D={D} I={I} k={k} skew={skew}; us per layer (CUDA graph replay); GB/s of the touched experts' "
+              "bytes")
+        print(f"{'tokens':>6} {'experts':>7} {'busiest':>7} {'grouped':>9} {'decode(pick)':>13} " +
+              " ".join(f"{n:>9}" for n in names) + "  best GB/s")
+        bias = torch.randn(E, device="cuda", generator=g) * skew
+        for T in (int(t) for t in args.tokens.split(",")):
+            _row(T, E, D, k, w13, w2, spec, tiles, g, bias)
 
 
 def _row(T: int, E: int, D: int, k: int, w13: torch.Tensor, w2: torch.Tensor, spec: decode_path.GluSpec,
-         tiles: list[decode_path.Tiles], g: torch.Generator) -> None:
+         tiles: list[decode_path.Tiles], g: torch.Generator, bias: torch.Tensor) -> None:
     I = w2.shape[-1]
     x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    weights, idx = torch.randn(T, E, device="cuda", generator=g).sigmoid().topk(k, dim=1)
+    weights, idx = (torch.randn(T, E, device="cuda", generator=g) + bias).sigmoid().topk(k, dim=1)
     weights = weights.float()
     touched = int(idx.unique().numel())
+    busiest = int(torch.bincount(idx.flatten()).max())
     nbytes = touched * 3 * I * D * 2
     ref = grouped.moe_grouped_combine(x, w13, w2, weights, idx, silu_glu)
     got = decode_path.combine(x, w13, w2, weights, idx, spec)
     rel = float((got - ref).norm() / ref.norm())
+    one = decode_path.combine(x, w13, w2, weights, idx, spec, tiles=decode_path.Tiles(64, 4, 4))
+    bits = torch.equal(one, decode_path.combine(x, w13, w2, weights, idx, spec,
+                                                tiles=decode_path.Tiles(64, 4, 4, cols_first=True)))
     t_grouped = _time_us(lambda: grouped.moe_grouped_combine(x, w13, w2, weights, idx, silu_glu))
     t_pick = _time_us(lambda: decode_path.combine(x, w13, w2, weights, idx, spec))
     per_tile = [_time_us(lambda t=t: decode_path.combine(x, w13, w2, weights, idx, spec, tiles=t))
                 for t in tiles]
     best = min([t_pick, *per_tile])
-    print(f"{T:>6} {touched:>7} {t_grouped:>9.1f} {t_pick:>13.1f} " + " ".join(f"{t:>9.1f}" for t in per_tile) +
-          f"  {nbytes / best / 1e3:>6.0f} (grouped {nbytes / t_grouped / 1e3:.0f}); rel vs grouped {rel:.1e}")
+    print(f"{T:>6} {touched:>7} {busiest:>7} {t_grouped:>9.1f} {t_pick:>13.1f} " +
+          " ".join(f"{t:>9.1f}" for t in per_tile) +
+          f"  {nbytes / best / 1e3:>6.0f} (grouped {nbytes / t_grouped / 1e3:.0f}); rel vs grouped {rel:.1e}; "
+          f"bits {bits}")
 
 
 if __name__ == "__main__":

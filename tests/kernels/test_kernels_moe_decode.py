@@ -53,7 +53,9 @@ SPECS = {"silu": GluSpec("silu"), "situ": GluSpec("situ", 2.0, 3.0), "situ-nolin
 # (E, D, I, k, T): one token; a few; more rows per expert than one 16-row block; the most pairs the kernels take
 SHAPES = {"t1": (8, 64, 32, 2, 1), "t5": (8, 72, 48, 2, 5), "blocks": (4, 64, 32, 2, 40), "max": (64, 32, 16, 8, 64),
           "e12": (12, 48, 80, 3, 7)}  # expert count, width and intermediate no powers of two (a k3-skew-like shape)
-GRIDS = {"all": decode_path.Tiles(64, 4, 4), "compact": decode_path.Tiles(64, 4, 4, compact=True)}
+GRIDS = {"all": decode_path.Tiles(64, 4, 4), "compact": decode_path.Tiles(64, 4, 4, compact=True),
+         "cols_first": decode_path.Tiles(64, 4, 4, cols_first=True),
+         "compact_cols_first": decode_path.Tiles(64, 4, 4, compact=True, cols_first=True)}
 BROKEN = {  # controls: the kernel's own source with one fault, compared the same way (compact grid)
     "first_pair_dropped": ("rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1",
                            "rank = tl.cumsum(hit.to(tl.int32), axis=0)"),
@@ -99,6 +101,11 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
         got = decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"], add=shared)
         report["broken"][f"shared_not_added_{shape}"] = _rel(got.float(), ref.float())
     case = _case(*SHAPES["blocks"], seed=99)
+    module = broken_variant(decode_kernel, "cols_first_axes_crossed",
+                            "return tl.program_id(0) if COLS_FIRST else tl.program_id(1)", "return tl.program_id(1)",
+                            tmp)
+    got = decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["cols_first"])
+    report["broken"]["cols_first_axes_crossed"] = _rel(got, reference(case, SPECS["silu"]))
     for name, (old, new) in BROKEN.items():
         module = broken_variant(decode_kernel, name, old, new, tmp)
         report["broken"][name] = _rel(decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"]),
@@ -123,14 +130,14 @@ def test_decode_combine_matches_the_loop_under_interpreter(interpreter_report: d
     assert cases["max-silu-compact"]["pairs"] == decode_path.MAX_PAIRS
     for name, r in cases.items():
         assert r["rel"] < 1e-3, (name, r)
-    assert sum(name.endswith("-added") for name in cases) == 4
+    assert sum(name.endswith("-added") for name in cases) == 2 * len(GRIDS)
     assert all(r["dtype"] == "torch.bfloat16" for name, r in cases.items() if name.endswith("-added"))
 
 
 def test_interpreter_comparison_catches_broken_decode_kernels(interpreter_report: dict[str, Any]) -> None:
     """Controls: a rank off by one, rows past the first 16 never computed, the route weight dropped, SiLU
-    without its sigmoid, rows read from the wrong token and an expert list that drops its highest expert all fail
-    the same comparison (a variant that reads
+    without its sigmoid, rows read from the wrong token, an expert list that drops its highest expert and the
+    column-first grid reading its column block from the expert axis all fail the same comparison (a variant that reads
     past its rows may give inf or NaN: that fails too)."""
     for name, rel in interpreter_report["broken"].items():
         assert not rel <= 5e-2, (name, rel)
@@ -160,8 +167,12 @@ def test_cuda_decode_combine_vs_loop_and_routing() -> None:
         case = _case(64, 2304, 1024, 8, T, seed=T, device="cuda")
         ref = reference(case, SPECS["silu"])
         assert _rel(decode_path.combine(*case, SPECS["silu"]), ref) < 1e-2
-        compact = decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["compact"])
-        assert torch.equal(compact, decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["all"]))
+        every = decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["all"])
+        for grid in ("compact", "cols_first", "compact_cols_first"):
+            assert torch.equal(decode_path.combine(*case, SPECS["silu"], tiles=GRIDS[grid]), every), (T, grid)
+        for pairs in (8, 40, 512):  # every size's pick writes the same bits: a pair's result never depends on its batch
+            picked = decode_path.pick_tiles(pairs)
+            assert torch.equal(decode_path.combine(*case, SPECS["silu"], tiles=picked), every), (T, picked)
     x, w13, w2, weights, idx = _case(64, 256, 128, 8, 65, seed=1, device="cuda")
     moe = SimpleNamespace(stacked_weights=lambda: (w13, w2), glu=SPECS["silu"],
                           act=lambda g, u: _glu(SPECS["silu"], g, u))

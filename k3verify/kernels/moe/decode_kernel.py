@@ -72,11 +72,18 @@ def moe_active_experts_kernel(idx_ptr, list_ptr, M, E, SLOTS, M_PAD: tl.constexp
 
 
 @triton.jit
-def _expert_of(experts_ptr, COMPACT: tl.constexpr):
-    """This program's expert: its grid row (one per expert), or the list entry of its slot (-1: none)."""
+def _expert_of(experts_ptr, COMPACT: tl.constexpr, COLS_FIRST: tl.constexpr):
+    """This program's expert: its grid row (one per expert), or the list entry of its slot (-1: none). With
+    COLS_FIRST the grid is (column blocks, experts): an expert's column blocks are launched one after another."""
+    slot = tl.program_id(1) if COLS_FIRST else tl.program_id(0)
     if COMPACT:
-        return tl.load(experts_ptr + tl.program_id(0))
-    return tl.program_id(0)
+        return tl.load(experts_ptr + slot)
+    return slot
+
+
+@triton.jit
+def _col_block(COLS_FIRST: tl.constexpr):
+    return tl.program_id(0) if COLS_FIRST else tl.program_id(1)
 
 
 @triton.jit
@@ -87,12 +94,13 @@ def _tanh(x):
 @triton.jit
 def moe_gate_up_kernel(x_ptr, idx_ptr, experts_ptr, w_ptr, a_ptr, M, TOP_K, I, K, s_xm, s_we, s_wn, s_am, beta,
                        lin_beta, ACT: tl.constexpr, HAS_LIN: tl.constexpr, COMPACT: tl.constexpr,
-                       M_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    expert = _expert_of(experts_ptr, COMPACT)
+                       M_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       COLS_FIRST: tl.constexpr):
+    expert = _expert_of(experts_ptr, COMPACT, COLS_FIRST)
     hit, rank, count = _routed(idx_ptr, M, expert, M_PAD)  # a slot without an expert (-1) matches no pair
     if count == 0:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = _col_block(COLS_FIRST) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     gate_rows = w_ptr + expert.to(tl.int64) * s_we + cols.to(tl.int64)[:, None] * s_wn  # [BN, 1]
     up_rows = gate_rows + I * s_wn
@@ -126,12 +134,12 @@ def moe_gate_up_kernel(x_ptr, idx_ptr, experts_ptr, w_ptr, a_ptr, M, TOP_K, I, K
 @triton.jit
 def moe_down_kernel(a_ptr, idx_ptr, experts_ptr, rw_ptr, w_ptr, y_ptr, M, N, K, s_am, s_we, s_wn, s_ym,
                     COMPACT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    expert = _expert_of(experts_ptr, COMPACT)
+                    BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
+    expert = _expert_of(experts_ptr, COMPACT, COLS_FIRST)
     hit, rank, count = _routed(idx_ptr, M, expert, M_PAD)
     if count == 0:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = _col_block(COLS_FIRST) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = w_ptr + expert.to(tl.int64) * s_we + cols.to(tl.int64)[:, None] * s_wn  # [BN, 1]
     kk = tl.arange(0, BLOCK_K)

@@ -45,6 +45,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     compact: bool = False  # the grid over the step's touched experts (one more launch) instead of all experts
+    cols_first: bool = False  # grid (column blocks, experts): an expert's column blocks launched back to back
 
 
 def available() -> str | None:
@@ -78,15 +79,21 @@ def accepts(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
 
 
 COMPACT_MAX_PAIRS = 16
+COLS_FIRST_MIN_PAIRS = 129  # past 16 tokens of top-8
 
 
 def pick_tiles(pairs: int) -> Tiles:
-    """64-column blocks at every size: on the H200 (2026-12-02, scripts/moe_decode_bench.py, kl-48b shapes) they
-    beat 32 and 16 columns from 1 to 64 tokens (1 token: 51 us a layer against 58 with 32 columns, 91 with 16);
-    4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact grid at
-    up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at two (16 pairs)
-    65.4 against 68.7, at four (32 pairs) 114.8-117.5 against 112.8-113.1, and lost at every larger size (two H200
-    runs of 2026-12-02, moe-combine-microbench.txt)."""
+    """64-column blocks up to COLS_FIRST_MIN_PAIRS: on the H200 (2026-12-02, scripts/moe_decode_bench.py, kl-48b
+    shapes) they beat 32 and 16 columns from 1 to 64 tokens (1 token: 51 us a layer against 58 with 32 columns, 91
+    with 16); 4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact
+    grid at up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at two (16
+    pairs) 65.4 against 68.7, at four (32 pairs) 114.8-117.5 against 112.8-113.1, and lost at every larger size (two
+    H200 runs of 2026-12-02, moe-combine-microbench.txt). Past 128 pairs, 128-column blocks with an expert's column
+    blocks launched back to back (cols_first): 64 tokens over a skewed router like the bench's (106 experts touched)
+    took 417 us a layer against 451, and 801 against 826 with uniform routing (229 experts); at 16 tokens and fewer
+    no grid won by more than 1% (2026-12-04, docs/results/h200-2026-12-04/moe-microbench.txt)."""
+    if pairs >= COLS_FIRST_MIN_PAIRS:
+        return Tiles(block_n=128, num_warps=4, num_stages=3, cols_first=True)
     return Tiles(block_n=64, num_warps=4, num_stages=4 if pairs <= 64 else 3, compact=pairs <= COMPACT_MAX_PAIRS)
 
 
@@ -118,16 +125,19 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
         mod.moe_active_experts_kernel[(1,)](flat, experts, M, E, rows, M_PAD=m_pad, E_PAD=max(_next_pow2(E), 16),
                                             CHUNK=min(m_pad, 64), num_warps=4)
     a = torch.empty(M, I, dtype=x_in.dtype, device=x_in.device)
-    mod.moe_gate_up_kernel[(rows, -(-I // t.block_n))](
+    def grid(cols: int) -> tuple[int, int]:
+        return (cols, rows) if t.cols_first else (rows, cols)
+
+    mod.moe_gate_up_kernel[grid(-(-I // t.block_n))](
         x_in, flat, experts, w13, a, M, k, I, D, x_in.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         float(glu.beta), float(glu.linear_beta or 1.0), ACT=0 if glu.kind == "silu" else 1,
         HAS_LIN=glu.linear_beta is not None, COMPACT=t.compact, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
-        BLOCK_K=BLOCK_K, num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_K=BLOCK_K, COLS_FIRST=t.cols_first, num_warps=t.num_warps, num_stages=t.num_stages)
     terms = torch.empty(M, D, dtype=torch.float32, device=x_in.device)
-    mod.moe_down_kernel[(rows, -(-D // t.block_n))](
+    mod.moe_down_kernel[grid(-(-D // t.block_n))](
         a, flat, experts, weights.reshape(-1), w2, terms, M, D, I, a.stride(0), w2.stride(0), w2.stride(1),
         terms.stride(0), COMPACT=t.compact, M_PAD=m_pad, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        COLS_FIRST=t.cols_first, num_warps=t.num_warps, num_stages=t.num_stages)
     if add is not None and (add.shape != (T, D) or not add.is_contiguous() or add.device != x_in.device):
         raise ValueError(f"add must be a contiguous [{T}, {D}] on {x_in.device}; got {tuple(add.shape)}, stride "
                          f"{add.stride()}, {add.device}")
