@@ -19,6 +19,7 @@ speculator, steps run in order (the drafter proposes from the tokens the host ho
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -354,7 +355,8 @@ class Engine:
         # what a plain step of this batch costs the launch-ahead loop (the gate's alternative to a verify), without
         # this in-order step's readback and delivery (spec/timing.py)
         timer = StepTimer(self.runner.device) if timed else None
-        launched = self.launcher.launch(plan, self._requests) if plan else None
+        with timer.starting_at_replay(self.launcher.graphs) if timer is not None else contextlib.nullcontext():
+            launched = self.launcher.launch(plan, self._requests) if plan else None
         if timer is not None:
             timer.launched()
         if launched is not None:

@@ -156,6 +156,9 @@ class GraphDecoder:
         self.captures = 0  # how many captures happened (re-captures included): tests assert on it
         self.eager_buckets: dict[int, str] = {}  # bucket -> why its capture failed (decoded eagerly, warned once)
         self.check_signature = True  # the control of the shrink test turns this off to show what it prevents
+        # called right before a step's graph replay (or eager decode), its inputs filled: spec/timing.StepTimer
+        # starts the cost gate's plain-step time there
+        self.before_replay: Callable[[], None] | None = None
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -225,6 +228,8 @@ class GraphDecoder:
         inputs = self._static(bucket)
         entry = self.ensure_captured(bucket)
         fill(inputs)
+        if self.before_replay is not None:
+            self.before_replay()
         if entry is None:
             with torch.no_grad():
                 return static_decode(self.model, inputs, self.max_context)[:n]

@@ -10,6 +10,7 @@ import torch
 
 from k3verify.gates.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner, generate_greedy
 from k3verify.serving.sampler import SamplingParams
@@ -355,7 +356,7 @@ def test_cost_gate_sends_an_expensive_verify_to_plain_decode_offline(tiny_model:
     assert runs[1.0].verify_steps > 0 and not runs[1.0].gated_off and runs[1.0].acceptance == 1.0
 
 
-def _gated_engine_run(model: ServingModel, new: int, gate: CostGate
+def _gated_engine_run(model: ServingModel, new: int, gate: CostGate, graphs: bool = False
                       ) -> tuple[list[list[int]], list[list[int]], SpeculativeStep]:
     """Plain greedy tokens of _prompts(), then the engine's greedy tokens with a speculative step under `gate`
     (drafts: plain greedy's continuation, none corrupted), and that step."""
@@ -365,7 +366,8 @@ def _gated_engine_run(model: ServingModel, new: int, gate: CostGate
     refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
     step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
                            SpecPolicy(min_mean_accepted=0.0), gate)
-    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
+    engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step,
+                    graphs=GraphDecoder(model, 128, buckets=(4,), use_graphs=False) if graphs else None)
     events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
                                   for p in prompts])
     return plain, [[t for e in evs for t in e.token_ids] for evs in events], step
@@ -470,6 +472,80 @@ def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypa
     timer = StepTimer(torch.device("cuda"), clock=lambda: next(ticks))
     timer.launched()
     assert timer.seconds() == pytest.approx(1.19e-3)
+
+
+def test_step_timer_starts_at_the_replay_inside_starting_at_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (events faked) a step timed inside starting_at_replay starts where the graphs call their hook (right
+    before the replay, inputs filled): 1.19 ms of replay, not the 1.40 ms from before the fill and launch. The hook
+    is the graphs' only while inside (cleared after an exception too); a second timer on the same step is
+    refused; without graphs nothing is hooked."""
+    from types import SimpleNamespace
+
+    stream, device_ms = object(), iter([0.0, 5.0, 5.21, 6.40])
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.ms: float | None = None
+
+        def record(self, on: object = None) -> None:
+            self.ms = next(device_ms)
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            assert self.ms is not None and end.ms is not None
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    graphs = SimpleNamespace(before_replay=None)
+    other = StepTimer(torch.device("cuda"))  # 0.0
+    timer = StepTimer(torch.device("cuda"))  # 5.0: before the fill and launch
+    with timer.starting_at_replay(graphs):  # type: ignore[arg-type]
+        assert graphs.before_replay == timer.restart
+        with pytest.raises(RuntimeError, match="already set"), other.starting_at_replay(graphs):  # type: ignore[arg-type]
+            pass
+        graphs.before_replay()  # the replay: 5.21
+    timer.launched()  # 6.40
+    assert graphs.before_replay is None
+    assert timer.seconds() == pytest.approx(1.19e-3)
+    with pytest.raises(KeyError), timer.starting_at_replay(graphs):  # type: ignore[arg-type]
+        raise KeyError("the step failed")
+    assert graphs.before_replay is None
+    with timer.starting_at_replay(None):
+        pass
+
+
+def test_graph_decoder_calls_its_hook_once_per_step_after_the_fill(tiny_model: ServingModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """GraphDecoder calls before_replay once per decode step, after its inputs were filled (here: the eager static
+    step, which the hook precedes the same way), and the timed plain steps of the offline round and of the engine
+    start their timer there."""
+    runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    graphs = GraphDecoder(tiny_model, 128, buckets=(4,), use_graphs=False)
+    runner.admit(0, 40)
+    last = runner.prefill([(0, [5, 6, 7])]).argmax(-1).tolist()
+    filled: list[bool] = []
+    graphs.before_replay = lambda: filled.append(bool((graphs._inputs[4].input_ids[:1] == last[0]).all()))
+    runner.decode([(0, last[0])], graphs)
+    assert filled == [True]
+    graphs.before_replay = None
+    runner.release(0)
+
+    restarts: list[int] = []
+    real_restart = StepTimer.restart
+    monkeypatch.setattr(StepTimer, "restart", lambda self: (restarts.append(1), real_restart(self)))
+    gate = CostGate(verify_s={3: 1e-9})  # verify settled: the first drafted round is the gate's plain step
+    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    decode_graphs = GraphDecoder(verifier.runner.model, 128, buckets=(4,), use_graphs=False)
+    generate_speculative(verifier, NgramDrafter(K), _prompts(), 8, gate=gate, decode_graphs=decode_graphs)
+    assert 3 in gate.decode_s and len(restarts) >= 1
+    assert decode_graphs.before_replay is None
+    restarts.clear()
+    gate = CostGate(verify_s={3: 10.0}, reprobe_after=1000)  # the engine's in-order plain step, timed for the gate
+    _gated_engine_run(tiny_model, 8, gate, graphs=True)
+    assert 3 in gate.decode_s and len(restarts) >= 1
 
 
 def test_offline_round_and_engine_give_the_gate_the_step_timers_plain_time(tiny_model: ServingModel,

@@ -10,12 +10,14 @@ take one plain decode step. Greedy acceptance, then a commit of each verified ro
 max_new_tokens are dropped.
 
 With a cost gate (policy.CostGate), a round whose whole batch is one kind of step is timed for it: a verify round
-by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time, without the round trip
-that this in-order step pays and the launch-ahead _plain_tail it stands for does not).
+by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time from the graph replay
+on, without the input fill and round trip that this in-order step pays and the launch-ahead _plain_tail it stands
+for does not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -164,7 +166,8 @@ def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts
         step = [(ids[i], run.tokens[i][-1]) for i in plain]
         # the gate's alternative to a verify is a launch-ahead plain step (_plain_tail): timed without the round trip
         timer = StepTimer(verifier.runner.device) if gate is not None and len(plain) == len(live) else None
-        best = verifier.runner.decode(step, decode_graphs).argmax(-1)
+        with timer.starting_at_replay(decode_graphs) if timer is not None else contextlib.nullcontext():
+            best = verifier.runner.decode(step, decode_graphs).argmax(-1)
         if timer is not None:
             timer.launched()
         for i, tok in zip(plain, best.tolist(), strict=True):

@@ -51,8 +51,10 @@ class CostGate:
     The two times are not measured alike, because the two steps are not run alike. verify_s is the wall time of a
     verify round, launch to readback: a verify is always in order (acceptance needs its ids on the host before the
     next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
-    launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time between
-    events around the launch (timing.StepTimer), not the in-order timed step's wall time. On the H200 (kl-48b-8l,
+    launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time from right
+    before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay), not the
+    in-order timed step's wall time (1.6 ms) nor the events around its whole launch (1.4 ms, input fill
+    included; docs/results/h200-2026-12-04/spec.json). On the H200 (kl-48b-8l,
     batch 1, k=4; timing.py names the runs) that wall time was 1.6 ms against 1.19 ms a launch-ahead step,
     and with it the gate verified a third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.6 = 1.31)
     where the launch-ahead time declines (2.1 / 1.19 = 1.76).

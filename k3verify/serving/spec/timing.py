@@ -8,19 +8,29 @@ in order (the drafter needs their tokens on the host), and their wall time carri
 (kl-48b-8l, batch 1) 1.6 ms a step in order (docs/results/h200-2026-12-03b, spec.json's cost_gate) against 1.19
 ms launch-ahead (docs/results/h200-2026-12-03), enough for the gate to keep verifying at 0% acceptance. So on
 CUDA the step is timed on the device, between an event recorded before its launch and one recorded after it.
-That interval still holds this step's input fill and launch whenever the device waits for them (an idle device
-reaches the start event at once), which a launch-ahead step hides behind the step before; with graphs that is a
-short stretch of host work (not measured separately), against the whole round trip the wall clock adds. On the
-CPU every launch runs to completion, so launch-ahead saves no time there and the wall clock around the step is
-what it costs.
+An event recorded before the launch still counts the step's input fill and launch, which an idle device waits
+for and a launch-ahead step hides behind the step before: on the H200 that measured 1.4 ms where the
+launch-ahead step takes 1.2 (docs/results/h200-2026-12-04/spec.json, the gate's decode_ms), and the gate still
+verified a third time at 0% acceptance (1.67 tokens a row >= 2.1 / 1.4). So where the step runs through a
+GraphDecoder, `starting_at_replay` moves the start to right before the graph's replay, its inputs filled: the
+interval is then the replay's device time (plus the sampling an engine step launches behind it), which is what a
+launch-ahead step costs while the host keeps ahead of the device, as it does in the bench's steady state (GPU span
+1.197 ms of a 1.198 ms step at batch 1, docs/results/h200-2026-12-04/bench.json). Where the host falls behind, a
+launch-ahead step costs more than this: the gate then leans towards verifying. On the CPU every launch runs to
+completion, so launch-ahead saves no time there and the wall clock around the step is what it costs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from k3verify.serving.graphs import GraphDecoder
 
 
 class StepTimer:
@@ -41,6 +51,27 @@ class StepTimer:
             self._events[0].record(self._stream)
         else:
             self._start = clock()
+
+    def restart(self) -> None:
+        """On CUDA, the step's time starts here (the start event recorded again); on the CPU the span keeps its
+        start (there the host's work before the launch is part of what a step costs)."""
+        if self._events is not None:
+            self._events[0].record(self._stream)
+
+    @contextlib.contextmanager
+    def starting_at_replay(self, graphs: GraphDecoder | None) -> Iterator[None]:
+        """Inside: a step through `graphs` restarts this timer right before its replay (the fill and launch
+        before it are not timed); the graphs' hook is cleared on the way out, whatever happens inside."""
+        if graphs is None:
+            yield
+            return
+        if graphs.before_replay is not None:
+            raise RuntimeError("the graphs' before_replay hook is already set: two timers on one step")
+        graphs.before_replay = self.restart
+        try:
+            yield
+        finally:
+            graphs.before_replay = None
 
     def launched(self) -> None:
         """The step's work is all issued."""
