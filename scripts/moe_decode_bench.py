@@ -7,7 +7,9 @@ Routing: top-k of randn(T, E) + skew * bias(E), one bias per run. skew 0 spreads
 ~224 of 256 experts); the bench's random-weight kl-48b-8l router is skewed: it touched 55 and 91 distinct
 experts per layer at 16 and 64 tokens (bench.json distinct_experts_per_layer, 2026-12-03), which skew 1 gives
 (54 and 98, the busiest expert 10 and 39 pairs). A "c" is the compact grid, "f" the grid with an expert's column
-blocks launched back to back (Tiles.cols_first); `bits` says whether that grid wrote the other's bits.
+blocks launched back to back (Tiles.cols_first); `bits` says whether that grid wrote the other's bits; "expert
+list alone" times the compact grid's one-program prep (decode_path.active_experts) by itself: at 64 tokens the
+compact grid lost ~250 us a layer (2026-12-04), and whether that is its prep is what this column says.
 
     python scripts/moe_decode_bench.py [--experts 256 --hidden 2304 --inter 1024 --top-k 8 --tokens 1,2,4,5,16,64
                                         --skew 0,1]
@@ -88,11 +90,13 @@ def _row(T: int, E: int, D: int, k: int, w13: torch.Tensor, w2: torch.Tensor, sp
     t_pick = _time_us(lambda: decode_path.combine(x, w13, w2, weights, idx, spec))
     per_tile = [_time_us(lambda t=t: decode_path.combine(x, w13, w2, weights, idx, spec, tiles=t))
                 for t in tiles]
+    flat = idx.reshape(-1)
+    t_list = _time_us(lambda: decode_path.active_experts(flat, E))  # the compact grid's one-program prep alone
     best = min([t_pick, *per_tile])
     print(f"{T:>6} {touched:>7} {busiest:>7} {t_grouped:>9.1f} {t_pick:>13.1f} " +
           " ".join(f"{t:>9.1f}" for t in per_tile) +
           f"  {nbytes / best / 1e3:>6.0f} (grouped {nbytes / t_grouped / 1e3:.0f}); rel vs grouped {rel:.1e}; "
-          f"bits {bits}")
+          f"bits {bits}; expert list alone {t_list:.1f} us")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def active_experts(flat: torch.Tensor, num_experts: int, mod: ModuleType | None = None) -> torch.Tensor:
+    """The compact grid's list: the experts the step's route ids [M] name, ascending, then -1, min(M, E) entries
+    (one program scans every id against every expert: scripts/moe_decode_bench.py times it alone)."""
+    mod = loaded(_kernels) if mod is None else mod
+    M = flat.numel()
+    m_pad, rows = max(_next_pow2(M), 16), min(M, num_experts)
+    experts = torch.empty(rows, dtype=torch.int32, device=flat.device)
+    mod.moe_active_experts_kernel[(1,)](flat, experts, M, num_experts, rows, M_PAD=m_pad,
+                                        E_PAD=max(_next_pow2(num_experts), 16), CHUNK=min(m_pad, 64), num_warps=4)
+    return experts
+
+
 def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
             glu: GluSpec, mod: ModuleType | None = None, tiles: Tiles | None = None,
             add: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,9 +133,7 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     rows, experts = E, flat  # experts: unread unless compact
     if t.compact:
         rows = min(M, E)
-        experts = torch.empty(rows, dtype=torch.int32, device=x_in.device)
-        mod.moe_active_experts_kernel[(1,)](flat, experts, M, E, rows, M_PAD=m_pad, E_PAD=max(_next_pow2(E), 16),
-                                            CHUNK=min(m_pad, 64), num_warps=4)
+        experts = active_experts(flat, E, mod)
     a = torch.empty(M, I, dtype=x_in.dtype, device=x_in.device)
     def grid(cols: int) -> tuple[int, int]:
         return (cols, rows) if t.cols_first else (rows, cols)
