@@ -134,10 +134,11 @@ def combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     if t.compact:
         rows = min(M, E)
         experts = active_experts(flat, E, mod)
-    a = torch.empty(M, I, dtype=x_in.dtype, device=x_in.device)
+
     def grid(cols: int) -> tuple[int, int]:
         return (cols, rows) if t.cols_first else (rows, cols)
 
+    a = torch.empty(M, I, dtype=x_in.dtype, device=x_in.device)
     mod.moe_gate_up_kernel[grid(-(-I // t.block_n))](
         x_in, flat, experts, w13, a, M, k, I, D, x_in.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         float(glu.beta), float(glu.linear_beta or 1.0), ACT=0 if glu.kind == "silu" else 1,

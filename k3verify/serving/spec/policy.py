@@ -52,12 +52,11 @@ class CostGate:
     verify round, launch to readback: a verify is always in order (acceptance needs its ids on the host before the
     next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
     launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time from right
-    before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay), not the
-    in-order timed step's wall time (1.6 ms) nor the events around its whole launch (1.4 ms, input fill
-    included; docs/results/h200-2026-12-04/spec.json). On the H200 (kl-48b-8l,
-    batch 1, k=4; timing.py names the runs) that wall time was 1.6 ms against 1.19 ms a launch-ahead step,
-    and with it the gate verified a third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.6 = 1.31)
-    where the launch-ahead time declines (2.1 / 1.19 = 1.76).
+    before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay). On the H200
+    (kl-48b-8l, batch 1, k=4; timing.py names the runs) the in-order step's wall time was 1.6 ms and events around
+    its whole launch 1.4 ms, against 1.2 ms a launch-ahead step; with either of the first two the gate verified a
+    third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.4), with the last it declines after its
+    probes (2.1 / 1.2 = 1.76).
 
     Why: per-request acceptance is not the whole cost. A verify pass puts k+1 tokens of every row through the MoE
     layers, which then touch many more experts than a decode step's one token per row: on the H200 (kl-48b-8l,

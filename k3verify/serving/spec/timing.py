@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 
 class StepTimer:
-    """Started at construction, right before the step's first launch; `launched()` right after its last launch,
-    before the readback; `seconds()` after the readback (on the CPU the step's span ends there: the readback and
-    the host's work on the step are paid in order there, launch-ahead or not)."""
+    """Started at construction, right before the step's first launch (`restart()` moves the start on CUDA, as
+    `starting_at_replay` does at the replay); `launched()` right after its last launch, before the readback;
+    `seconds()` after the readback (on the CPU the step's span ends there: the readback and the host's work on the
+    step are paid in order there, launch-ahead or not)."""
 
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
         if device.type not in ("cuda", "cpu"):
