@@ -137,8 +137,8 @@ def test_decode_combine_matches_the_loop_under_interpreter(interpreter_report: d
 def test_interpreter_comparison_catches_broken_decode_kernels(interpreter_report: dict[str, Any]) -> None:
     """Controls: a rank off by one, rows past the first 16 never computed, the route weight dropped, SiLU
     without its sigmoid, rows read from the wrong token, an expert list that drops its highest expert and the
-    column-first grid reading its column block from the expert axis all fail the same comparison (a variant that reads
-    past its rows may give inf or NaN: that fails too)."""
+    column-first grid reading its column block from the expert axis all fail the same comparison (a variant that
+    reads past its rows may give inf or NaN: that fails too)."""
     for name, rel in interpreter_report["broken"].items():
         assert not rel <= 5e-2, (name, rel)
 

@@ -443,10 +443,10 @@ def test_step_timer_on_cpu_times_the_wall_clock_around_the_step() -> None:
         StepTimer(torch.device("meta"))
 
 
-def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA (events faked) the time is the events' interval on the step's stream (1.19 ms), not the clock
-    around the step (1.6 ms), and the end event is waited for before it is read."""
-    stream, device_ms = object(), iter([5.0, 6.19])
+def _fake_cuda_events(monkeypatch: pytest.MonkeyPatch, device_ms: list[float]) -> None:
+    """torch.cuda.Event and current_stream faked: each record() on the one fake stream takes the next of
+    `device_ms`, and elapsed_time() refuses an end event that was not waited for (as CUDA does)."""
+    stream, times = object(), iter(device_ms)
 
     class FakeEvent:
         def __init__(self, enable_timing: bool = False) -> None:
@@ -456,7 +456,7 @@ def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypa
 
         def record(self, on: object = None) -> None:
             assert on is stream, "recorded on the step's stream"
-            self.ms = next(device_ms)
+            self.ms = next(times)
 
         def synchronize(self) -> None:
             self.done = True
@@ -468,6 +468,12 @@ def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypa
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+
+
+def test_step_timer_on_cuda_takes_the_event_interval_not_the_wall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (events faked) the time is the events' interval on the step's stream (1.19 ms), not the clock
+    around the step (1.6 ms), and the end event is waited for before it is read."""
+    _fake_cuda_events(monkeypatch, [5.0, 6.19])
     ticks = iter([10.0, 10.0016, 10.0016])
     timer = StepTimer(torch.device("cuda"), clock=lambda: next(ticks))
     timer.launched()
@@ -481,24 +487,7 @@ def test_step_timer_starts_at_the_replay_inside_starting_at_replay(monkeypatch: 
     refused; without graphs nothing is hooked."""
     from types import SimpleNamespace
 
-    stream, device_ms = object(), iter([0.0, 5.0, 5.21, 6.40])
-
-    class FakeEvent:
-        def __init__(self, enable_timing: bool = False) -> None:
-            self.ms: float | None = None
-
-        def record(self, on: object = None) -> None:
-            self.ms = next(device_ms)
-
-        def synchronize(self) -> None:
-            pass
-
-        def elapsed_time(self, end: FakeEvent) -> float:
-            assert self.ms is not None and end.ms is not None
-            return end.ms - self.ms
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    _fake_cuda_events(monkeypatch, [0.0, 5.0, 5.21, 6.40])
     graphs = SimpleNamespace(before_replay=None)
     other = StepTimer(torch.device("cuda"))  # 0.0
     timer = StepTimer(torch.device("cuda"))  # 5.0: before the fill and launch
