@@ -95,8 +95,8 @@ MUTANTS = [
         fault="the captured verify step is replayed before the live rows are copied into its static inputs: each "
               "replay verifies the previous pack (the first one the capture's scratch rows)",
         target=f"{GRAPHS}:VerifyGraphs.verify",
-        old="        inputs.fill(ids, slots, tables, starts, n)\n        graph.replay()\n",
-        new="        graph.replay()\n        inputs.fill(ids, slots, tables, starts, n)\n",
+        old="        inputs.fill(ids, slots, tables, starts, n, self.staging)\n        graph.replay()\n",
+        new="        graph.replay()\n        inputs.fill(ids, slots, tables, starts, n, self.staging)\n",
         killers=("spec.verify.graph_vs_eager",), presets=PRESETS,
     ),
     Mutant(

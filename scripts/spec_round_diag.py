@@ -12,12 +12,23 @@ on the host (perf_counter), with the verify's device time (CUDA events) beside t
   readback  the argmax ids and counts, .tolist(): waits for the verify and commit (the GPU's time, not host work)
   accept    the host's greedy rule, held to the device's counts, and the runner's bookkeeping
 
-and prints the medians per round: host work between two verifies is the GPU's idle time at batch 1.
+and prints the medians per round: host work between two verifies is the GPU's idle time at batch 1. On CUDA it also
+splits the verify: `to replay` (host time from the verify call to the graph's launch: checks, signature, input
+fill), the replay call itself, the graph's device time (an event right before the launch to one right after), and
+the gap (host time from one round's readback to the next round's launch, the accept of one round plus the propose and
+`to replay` of the next: the GPU idles through all of it).
+
+--profile then runs the offline loop itself (offline.generate_speculative with verify and decode graphs, as the bench
+runs it) on the converged reference: its decode phase's wall time per verify round beside the verify's device time,
+and a cProfile of the same run (top functions by own host time), to say which host work the round pays for.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -27,11 +38,12 @@ import torch
 from k3verify.bench.speeds import DeviceMarks, generate_ours
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
+from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import ControlledDrafter
-from k3verify.serving.spec.offline import pad_drafts
+from k3verify.serving.spec.offline import generate_speculative, pad_drafts
 from k3verify.serving.spec.verifier import SpecVerifier
 
 
@@ -45,6 +57,8 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true", help="the one-launch KDA verify")
     ap.add_argument("--converge", type=int, default=6, help="untimed runs to make the reference the path's own")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="then the offline loop itself, timed and under cProfile: its TOP functions by own time")
     a = ap.parse_args()
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -57,6 +71,18 @@ def main() -> None:
     graphs = verifier.make_graphs(ctx, (1,)) if dev.type == "cuda" else None
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
     host: dict[str, list[float]] = defaultdict(list)
+    replays: list[tuple[float, float, object]] = []  # (host time before, after the launch, event before it)
+    if dev.type == "cuda":
+        plain_replay = torch.cuda.CUDAGraph.replay
+
+        def marked_replay(graph: torch.cuda.CUDAGraph) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            t = time.perf_counter()
+            plain_replay(graph)
+            replays.append((t, time.perf_counter(), event))
+
+        torch.cuda.CUDAGraph.replay = marked_replay  # type: ignore[method-assign]
     gpu_ms: list[float] = []
     rounds_ms: list[float] = []
     accepted: list[int] = []
@@ -84,10 +110,17 @@ def main() -> None:
             t5 = time.perf_counter()
             tokens += result.tokens
             if timed:
+                gpu_ms.append(1e3 * marks.seconds(0, 1))
                 for name, dt in (("propose", t1 - t0), ("verify", t2 - t1), ("commit", t3 - t2),
                                  ("readback", t4 - t3), ("accept", t5 - t4)):
                     host[name].append(1e3 * dt)
-                gpu_ms.append(1e3 * marks.seconds(0, 1))
+                if replays:
+                    before, after, event = replays[-1]
+                    host["to replay"].append(1e3 * (before - t1))
+                    host["replay call"].append(1e3 * (after - before))
+                    host["gap"].append(1e3 * (before - t0 + t5 - t4))  # propose .. launch, + accept
+                    marks.points[0] = event  # the graph's own device time: from its launch
+                    host["graph (device)"].append(1e3 * marks.seconds(0, 1))
                 rounds_ms.append(1e3 * (t5 - t0))
                 accepted.append(result.num_accepted)
         runner.release(sid)
@@ -106,7 +139,7 @@ def main() -> None:
         reference = prompt[0].tolist() + out
     one_run(reference, 10 + a.converge, timed=True)
     med = {name: statistics.median(v) for name, v in host.items()}
-    work = sum(v for name, v in med.items() if name != "readback")
+    work = sum(v for name, v in med.items() if name in ("propose", "verify", "commit", "accept"))
     print(f"{a.preset} batch 1, k={k}, nominal acceptance {a.accept:.0%}, {a.rounds} rounds "
           f"(mean accepted {statistics.mean(accepted):.2f}), KDA verify {'fused' if a.fused else 'unfused'}, reference "
           + (f"converged after {converged_after} untimed runs" if converged_after else
@@ -116,6 +149,39 @@ def main() -> None:
         print(f"{name:10s} {v:17.3f}")
     print(f"round {statistics.median(rounds_ms):.3f} ms; verify on the device {statistics.median(gpu_ms):.3f} ms; "
           f"host work outside the readback wait {work:.3f} ms a round (the GPU's idle time at batch 1)")
+    if a.profile:
+        profile_loop(a, runner, verifier, graphs, reference, prompt[0].tolist(), new, ctx, statistics.median(gpu_ms))
+
+
+def profile_loop(a: argparse.Namespace, runner: ModelRunner, verifier: SpecVerifier, graphs: object,
+                 reference: list[int], prompt: list[int], new: int, ctx: int, verify_gpu_ms: float) -> None:
+    """The bench's loop (offline.generate_speculative, no cost gate: every round verifies): wall per round of its
+    decode phase, then the same run under cProfile."""
+    k, dev = a.num_draft, runner.device
+    dgraphs = GraphDecoder(runner.model, ctx, buckets=(1,), use_graphs=dev.type == "cuda")
+
+    def run() -> tuple[float, int]:
+        drafter = ControlledDrafter(k, {0: reference}, 1.0 - a.accept, runner.model.cfg.vocab_size, 0)
+        marks = DeviceMarks(dev)
+        out = generate_speculative(verifier, drafter, [prompt], new, verify_graphs=graphs,  # type: ignore[arg-type]
+                                   decode_graphs=dgraphs, after_prefill=marks.mark)
+        marks.mark()
+        return marks.seconds(0, 1), out.verify_steps + out.decode_steps
+
+    run()  # warm-up: the decode graph's capture
+    walls = [run() for _ in range(5)]
+    wall, steps = statistics.median(w for w, _ in walls), walls[0][1]
+    print(f"offline loop: decode phase {1e3 * wall:.2f} ms over {steps} steps = {1e3 * wall / steps:.3f} ms a step; "
+          f"verify on the device {verify_gpu_ms:.3f} ms: {1e3 * wall / steps - verify_gpu_ms:.3f} ms a step more")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        run()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.profile)
+    print(f"cProfile of 3 runs ({3 * steps} steps): by own time")
+    print("\n".join(line for line in s.getvalue().splitlines()[4:] if line.strip()))
 
 
 if __name__ == "__main__":

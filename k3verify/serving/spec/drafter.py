@@ -51,21 +51,23 @@ class ControlledDrafter:
                              f"{vocab_size}")
         self.num_draft, self.corrupt, self.vocab_size, self.seed = num_draft, corrupt, vocab_size, seed
         self.references = {k: list(v) for k, v in references.items()}
+        # every position's draft, drawn once here (a propose is then a slice: the draws are a pure function of
+        # (seed, sequence, position), and the bench times propose inside each speculative round)
+        self._drafts = {k: [self._draft(k, pos, tok) for pos, tok in enumerate(v)] for k, v in self.references.items()}
+
+    def _draft(self, seq_id: int, pos: int, tok: int) -> int:
+        # the same (seed, sequence, position) always draws the same: runs are reproducible
+        rng = random.Random(f"{self.seed}:{seq_id}:{pos}")
+        if rng.random() < self.corrupt:
+            tok = (tok + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
+        return tok
 
     def propose(self, seq_id: int, tokens: Sequence[int]) -> list[int]:
-        ref = self.references.get(seq_id)
-        if ref is None:
+        drafts = self._drafts.get(seq_id)
+        if drafts is None:
             raise KeyError(f"ControlledDrafter has no reference continuation for sequence {seq_id}")
         m = len(tokens)
-        drafts = []
-        for pos in range(m, min(m + self.num_draft, len(ref))):
-            tok = ref[pos]
-            # the same (seed, sequence, position) always draws the same: runs are reproducible
-            rng = random.Random(f"{self.seed}:{seq_id}:{pos}")
-            if rng.random() < self.corrupt:
-                tok = (tok + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            drafts.append(tok)
-        return drafts
+        return drafts[m:m + self.num_draft]
 
 
 class WithoutDrafts:

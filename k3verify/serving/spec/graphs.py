@@ -24,52 +24,77 @@ from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.spec.arena import VerifyArena, VerifyPass
+from k3verify.serving.staging import HostStaging
 
 log = logging.getLogger("k3verify.graphs")
 
 
 @dataclass
 class VerifyInputs:
-    """Device buffers of one bucket (B rows x n positions); rows past the live ones hold scratch values."""
+    """Device buffers of one bucket (B rows x n positions); rows past the live ones hold scratch values. The
+    per-pass inputs are views of one int64 buffer (`live`), so a fill is one staged host-to-device copy."""
 
-    input_ids: torch.Tensor  # [B * n]
-    slots: torch.Tensor  # [B]
-    page_table: torch.Tensor  # [B, P]
-    starts: torch.Tensor  # [B] tokens cached before the verify
-    positions: torch.Tensor  # [B * n]
+    live: torch.Tensor  # [B * n + 2 * B + B * n + B * P]: input_ids, slots, starts, positions, page_table
     seg_ids: torch.Tensor  # [B * n] constant
     local_pos: torch.Tensor  # [B * n] constant
     cu_seqlens: torch.Tensor  # [B + 1] constant
+    rows: int
+    n: int
 
     @classmethod
     def allocate(cls, rows: int, n: int, pages_per_seq: int, device: torch.device) -> VerifyInputs:
-        def z(*shape: int) -> torch.Tensor:
-            return torch.full(shape, SCRATCH, dtype=torch.long, device=device)
-
         seg = torch.arange(rows, device=device).repeat_interleave(n)
         local = torch.arange(n, device=device).repeat(rows)
         cu = torch.arange(0, rows * n + 1, n, device=device)
-        return cls(z(rows * n), z(rows), z(rows, pages_per_seq), z(rows), local.clone(), seg, local, cu)
+        live = torch.full((2 * rows * n + 2 * rows + rows * pages_per_seq,), SCRATCH, dtype=torch.long, device=device)
+        inputs = cls(live, seg, local, cu, rows, n)
+        inputs.positions.copy_(local)
+        return inputs
+
+    def _part(self, start: int, size: int) -> torch.Tensor:
+        return self.live[start:start + size]
 
     @property
-    def rows(self) -> int:
-        return self.slots.shape[0]
+    def input_ids(self) -> torch.Tensor:  # [B * n]
+        return self._part(0, self.rows * self.n)
 
-    def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int], n: int) -> None:
+    @property
+    def slots(self) -> torch.Tensor:  # [B]
+        return self._part(self.rows * self.n, self.rows)
+
+    @property
+    def starts(self) -> torch.Tensor:  # [B] tokens cached before the verify
+        return self._part(self.rows * (self.n + 1), self.rows)
+
+    @property
+    def positions(self) -> torch.Tensor:  # [B * n]
+        return self._part(self.rows * (self.n + 2), self.rows * self.n)
+
+    @property
+    def page_table(self) -> torch.Tensor:  # [B, P]
+        B, n = self.rows, self.n
+        return self.live[2 * B * (n + 1):].view(B, -1)
+
+    def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int], n: int,
+             staging: HostStaging | None = None) -> None:
+        """The live rows first, padded rows on the scratch slot and page: one copy of the whole `live` buffer
+        (through `staging`'s pinned ring when given, so the host never waits for the GPU)."""
         B, P, live = self.rows, self.page_table.shape[1], len(slots)
-        if live > B or any(len(t) > P for t in tables) or len(ids) != live * n:
+        if n != self.n or live > B or any(len(t) > P for t in tables) or len(ids) != live * n:
             raise ValueError(f"{live} rows / {len(ids)} tokens / tables {[len(t) for t in tables]} do not fit a "
-                             f"bucket of {B} rows x {n} tokens, {P} pages")
+                             f"bucket of {B} rows x {self.n} tokens, {P} pages")
         pad = B - live
-        table = [list(t) + [SCRATCH] * (P - len(t)) for t in tables] + [[SCRATCH] * P] * pad
         starts_all = [*starts, *[0] * pad]
-        positions = [s + j for s in starts_all for j in range(n)]
-        dev = self.input_ids.device
-        host = host_tensor([*ids, *[0] * (pad * n), *slots, *[SCRATCH] * pad, *starts_all, *positions], dev)
-        sizes = [B * n, B, B, B * n]
-        for dst, src in zip((self.input_ids, self.slots, self.starts, self.positions), host.split(sizes), strict=True):
-            dst.copy_(src, non_blocking=True)
-        self.page_table.copy_(host_tensor(table, dev), non_blocking=True)
+        values = [*ids, *[0] * (pad * n), *slots, *[SCRATCH] * pad, *starts_all,
+                  *[s + j for s in starts_all for j in range(n)]]
+        for t in tables:
+            values += t
+            values += [SCRATCH] * (P - len(t))
+        values += [SCRATCH] * (pad * P)
+        if staging is not None:
+            staging.copy_into(self.live, values)
+        else:
+            self.live.copy_(host_tensor(values, self.live.device), non_blocking=True)
 
 
 def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,
@@ -119,6 +144,7 @@ class VerifyGraphs:
         self.recorder: Recorder = cuda_graph_recorder if recorder is None else recorder
         self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
         self._inputs: dict[int, VerifyInputs] = {}
+        self.staging = HostStaging(model.device)  # the fills' pinned ring
         self._graphs: dict[int, tuple[Replayable, torch.Tensor, torch.Tensor, Signature]] = {}
         self.captures = 0
 
@@ -173,12 +199,12 @@ class VerifyGraphs:
         bucket = self.bucket_for(B)
         inputs = self._static(bucket)
         if not self.use_graphs:
-            inputs.fill(ids, slots, tables, starts, n)
+            inputs.fill(ids, slots, tables, starts, n, self.staging)
             with torch.no_grad():
                 logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
             return logits[: B * n], inputs.slots[:B], rows[: B * n]
         graph, logits, rows, _ = self._entry(bucket)
-        inputs.fill(ids, slots, tables, starts, n)
+        inputs.fill(ids, slots, tables, starts, n, self.staging)
         graph.replay()
         return logits[: B * n], inputs.slots[:B], rows[: B * n]
 
