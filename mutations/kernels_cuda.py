@@ -44,26 +44,24 @@ MUTANTS = [
         id="kernel.fla.decode_beta_sigmoid_in_kernel", devices=("cuda",),
         fault="the in-place (slot-indexed) fused_recurrent_kda squashes the already-sigmoided beta again",
         target=f"{FLA}:kda_decode_slots_fla",
-        old="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"
-            "        use_beta_sigmoid_in_kernel=False,",
-        new="ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,\n"
-            "        use_beta_sigmoid_in_kernel=True,",
+        old="gate_in_kernel=False, beta_sigmoid_in_kernel=False)",
+        new="gate_in_kernel=False, beta_sigmoid_in_kernel=True)",
         killers=["kernel.kda.*", "serving.*"],
     ),
     Mutant(
         id="kernel.fla.decode_gated_bias_dropped", devices=("cuda",),
         fault="the serving decode's in-kernel forget gate never adds dt_bias (None handed to fla)",
         target=f"{FLA}:kda_decode_slots_gated_fla",
-        old="A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,",
-        new="A_log=a_log, dt_bias=None, lower_bound=lower_bound,",
+        old="a_log=a_log, dt_bias=dt_bias,\n",
+        new="a_log=a_log, dt_bias=None,\n",
         killers=["kernel.kda.*", "serving.*"],
     ),
     Mutant(
         id="kernel.fla.decode_gated_beta_raw", devices=("cuda",),
         fault="the serving decode hands fla raw beta logits with its in-kernel sigmoid off (nobody squashes beta)",
         target=f"{FLA}:kda_decode_slots_gated_fla",
-        old="use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,",
-        new="use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False,",
+        old="gate_in_kernel=True, beta_sigmoid_in_kernel=True,",
+        new="gate_in_kernel=True, beta_sigmoid_in_kernel=False,",
         killers=["kernel.kda.*", "serving.*"],
     ),
     Mutant(

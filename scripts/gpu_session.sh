@@ -55,6 +55,14 @@
 #   bash scripts/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
 #   bash scripts/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the verify's device
 #                                        time (scripts/spec_round_diag.py), unfused and fused
+#   bash scripts/gpu_session.sh diag     three host/kernel diagnostics in one call: a 1k prefill's host time
+#                                        (prefill_diag.py), the MoE decode kernels at 64 tokens with skewed routing
+#                                        (moe_decode_bench.py, the expert list alone among its columns), a batch-1
+#                                        speculative round and the offline loop under cProfile (spec_round_diag.py)
+#   bash scripts/gpu_session.sh kda-decode-tune  launch configurations of fla's KDA decode recurrence at batch 1/16/64
+#                                        (scripts/kda_decode_tune.py), then the batch-1 speculative round by piece
+#   bash scripts/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
+#                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
 #   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
@@ -221,6 +229,29 @@ spec-round)
         step "speculative round at batch 1 (kl-48b-8l) ${fused:-unfused}"
         timeout "${DIAG_S:-120}" python3 scripts/spec_round_diag.py $fused 2>&1 | quiet | tail -9
     done
+    ;;
+diag)
+    step "prefill host time (kl-48b-8l, 1 x 1024)"
+    timeout "${DIAG_S:-100}" python3 scripts/prefill_diag.py --shapes 1x1024 --top "${TOP:-30}" 2>&1 | quiet
+    step "MoE decode kernels, 64 tokens, skewed routing"
+    timeout 90 python3 scripts/moe_decode_bench.py --tokens 64 --skew 1 2>&1 | quiet | tail -12
+    step "speculative round at batch 1 (kl-48b-8l), fused, and the offline loop profiled"
+    timeout "${DIAG_S:-150}" python3 scripts/spec_round_diag.py --fused --profile "${TOP:-30}" 2>&1 | quiet
+    ;;
+spec-b1)
+    b=${SPEC_BATCH:-1}
+    step "spec bench kl-48b-8l, batch $b, acceptance 0/50/80%, fused KDA verify"
+    timeout "${SPEC_S:-300}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
+        --batch "$b" --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec-b${b//,/-}.json" \
+        2>"$OUT/spec-b${b//,/-}.log" >/dev/null
+    echo "spec bench exit $?"
+    [ -f "$OUT/spec-b${b//,/-}.json" ] && python3 -m k3verify bench --table "$OUT/spec-b${b//,/-}.json"
+    ;;
+kda-decode-tune)
+    step "fla's KDA decode recurrence, launch configurations (kl-48b-8l, one layer)"
+    timeout "${DIAG_S:-120}" python3 scripts/kda_decode_tune.py 2>&1 | quiet
+    step "speculative round at batch 1 (kl-48b-8l), fused"
+    timeout "${DIAG_S:-150}" python3 scripts/spec_round_diag.py --fused --converge 10 2>&1 | quiet
     ;;
 gemm)
     # The eager decode step's matmuls grouped by input shape: us per call against the weight bytes each reads

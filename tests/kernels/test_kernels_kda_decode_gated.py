@@ -61,9 +61,11 @@ def test_torch_path_is_the_old_decode_bit_for_bit(dtype: torch.dtype, bound: flo
 # ---- fla's kernel under the interpreter (a subprocess: TRITON_INTERPRET must precede the import) ----
 
 BROKEN = {  # controls: fla_triton's own source with one fault in the call, compared the same way
-    "bias_dropped": ("A_log=a_log, dt_bias=dt_bias,", "A_log=a_log, dt_bias=None,"),
-    "beta_not_squashed": ("use_beta_sigmoid_in_kernel=True,", "use_beta_sigmoid_in_kernel=False,"),
-    "gate_not_made": ("use_gate_in_kernel=True,", "use_gate_in_kernel=False,"),
+    "bias_dropped": ("a_log=a_log, dt_bias=dt_bias,\n", "a_log=a_log, dt_bias=None,\n"),
+    "beta_not_squashed": ("gate_in_kernel=True, beta_sigmoid_in_kernel=True,", "gate_in_kernel=True, "
+                          "beta_sigmoid_in_kernel=False,"),
+    "gate_not_made": ("gate_in_kernel=True, beta_sigmoid_in_kernel=True,", "gate_in_kernel=False, "
+                      "beta_sigmoid_in_kernel=True,"),
 }
 
 
@@ -99,6 +101,20 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     for name, (old, new) in BROKEN.items():
         module = broken_variant(fla_triton, name, old, new, tmp)
         report["broken"][name] = {str(b): _compare(module.kda_decode_slots_gated_fla, b) for b in BOUNDS}
+    # fla's own launch, as when the signature probe refuses the direct one: the same results, one warning
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("k3verify.kernels").addHandler(handler)
+    probe = fla_triton._recurrent_kernel
+    fla_triton._recurrent_kernel = lambda: "the probe refused it (test)"  # type: ignore[assignment]
+    try:
+        report["fla_launch"] = {str(b): _compare(fla_triton.kda_decode_slots_gated_fla, b) for b in BOUNDS}
+    finally:
+        fla_triton._recurrent_kernel = probe  # type: ignore[assignment]
+    report["fla_launch_warnings"] = warnings
     return report
 
 
@@ -114,6 +130,15 @@ def test_fla_gated_decode_matches_torch_under_interpreter(interpreter_report: di
     for bound, r in interpreter_report["cases"].items():
         assert r["o"] < O_BAR and r["pool"] < POOL_BAR, (bound, r)
         assert r["idle_equal"] == 1.0, (bound, r)
+
+
+def test_fla_own_launch_is_the_fallback_with_one_warning(interpreter_report: dict[str, Any]) -> None:
+    """When the direct launch's signature probe refuses fla's kernel, fla's wrapper launches it: the same
+    results to rounding, and the reason logged once however many calls follow."""
+    for bound, r in interpreter_report["fla_launch"].items():
+        assert r["o"] < O_BAR and r["pool"] < POOL_BAR and r["idle_equal"] == 1.0, (bound, r)
+    assert interpreter_report["fla_launch_warnings"] == [
+        "KDA decode: the probe refused it (test); fla's own launch (4 warps) runs instead"]
 
 
 def test_broken_gated_calls_are_caught_under_interpreter(interpreter_report: dict[str, Any]) -> None:

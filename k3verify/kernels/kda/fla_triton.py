@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -124,18 +125,83 @@ def accepts_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return _shape_reason(q, v, pool_state)
 
 
+log = logging.getLogger("k3verify.kernels")
+
+# fla's decode recurrence launched with 2 warps where fla's own wrapper launches 4 (value block 32 and 2 stages as
+# fla's). On the H200 (scripts/kda_decode_tune.py, kl-48b-8l's 32 heads x 128, two calls on 2026-12-04) one layer's
+# step took 80.9 / 84.6 -> 73.6 / 74.7 us at 64 rows, 19.2 / 19.6 -> 14.5 / 17.3 us at 16 and 3.5 / 3.8 -> 3.5 / 4.1
+# us at 1. One launch at every batch size: a row's bits must not depend on how many rows share its step (a value
+# block of 16 with one warp was faster at 1 and 16 rows, slower at 64, and gives other bits). Only the launch
+# differs: the kernel, its arguments and its math are fla's (its outputs differ from fla's launch in the last bits:
+# the reductions over dk split over other warps).
+DECODE_LAUNCH = (32, 2, 2)  # (value block, warps, stages)
+_RECURRENT_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "ssm_state_indices",
+                   "num_accepted_tokens", "lower_bound", "scale", "N", "T", "H", "HV", "K", "V", "BK", "BV",
+                   "stride_init_state_token", "stride_final_state_token", "stride_indices_seq", "stride_indices_tok",
+                   "IS_BETA_HEADWISE", "USE_QK_L2NORM_IN_KERNEL", "INPLACE_FINAL_STATE", "USE_GATE_IN_KERNEL",
+                   "APPLY_BETA_SIGMOID", "ALLOW_NEG_EIGVAL", "STATE_V_FIRST")
+
+
+@functools.cache
+def _recurrent_kernel() -> Any:
+    """fla's fused_recurrent_kda_fwd_kernel, or why it cannot be launched directly (str): then fla's own wrapper
+    launches it, with a warning logged once."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel as kernel
+    except Exception as exc:
+        return f"fla's fused_recurrent_kda_fwd_kernel is not importable ({type(exc).__name__}: {exc})"
+    names = set(getattr(kernel, "arg_names", ()) or ())
+    missing = [a for a in _RECURRENT_ARGS if a not in names]
+    if missing:
+        return f"fla's fused_recurrent_kda_fwd_kernel lacks arguments {missing} (signature probe)"
+    return kernel
+
+
+def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, slots: torch.Tensor, scale: float, *, gate_in_kernel: bool,
+               beta_sigmoid_in_kernel: bool, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+               lower_bound: float | None = None) -> torch.Tensor:
+    """One decode token per row [B, 1, ...] through fla's recurrence, state read and written in place by slot,
+    q/k L2-normalised in the kernel; the forget gate from its raw input and beta's sigmoid in the kernel when
+    asked. Returns o [B, 1, HV, V]."""
+    kernel = _recurrent_kernel()
+    if isinstance(kernel, str):
+        if kernel not in _warned:
+            _warned.add(kernel)
+            log.warning("KDA decode: %s; fla's own launch (4 warps) runs instead", kernel)
+        _, fwd = _loaded_ops()
+        o, _ = fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                   initial_state=state, inplace_final_state=True, output_final_state=True, ssm_state_indices=slots,
+                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel,
+                   use_beta_sigmoid_in_kernel=beta_sigmoid_in_kernel)
+        return o
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[-1]
+    bv, warps, stages = DECODE_LAUNCH
+    out = torch.empty_like(v)  # every element is stored: one program per (row, head, value block), T = 1
+    kernel[(-(-V // bv) * B * HV,)](
+        q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state, cu_seqlens=None,
+        ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=lower_bound, scale=scale, N=B, T=T, H=H,
+        HV=HV, K=K, V=V, BK=1 << (K - 1).bit_length(), BV=bv, stride_init_state_token=state.stride(0),
+        stride_final_state_token=state.stride(0), stride_indices_seq=slots.stride(0), stride_indices_tok=1,
+        IS_BETA_HEADWISE=beta.ndim == v.ndim, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
+        USE_GATE_IN_KERNEL=gate_in_kernel, APPLY_BETA_SIGMOID=beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=False,
+        STATE_V_FIRST=False,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+_warned: set[str] = set()
+
+
 def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          pool_state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """fused_recurrent_kda's continuous-batching form: each row reads and writes its state in the pool
     by slot index, in place (no gather, no scatter, no copy of the state)."""
-    _, fwd = _loaded_ops()
     dt = q.dtype
-    o, _ = fwd(
-        q=q[:, None], k=k[:, None].to(dt), v=v[:, None].to(dt), g=g[:, None].float(), beta=beta[:, None].float(),
-        scale=scale, initial_state=pool_state, inplace_final_state=True, output_final_state=True,
-        ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-    )
+    o = _recurrent(q[:, None].contiguous(), k[:, None].to(dt).contiguous(), v[:, None].to(dt).contiguous(),
+                   g[:, None].float().contiguous(), beta[:, None].float().contiguous(), pool_state, slots, scale,
+                   gate_in_kernel=False, beta_sigmoid_in_kernel=False)
     return o[:, 0].to(v.dtype)
 
 
@@ -164,12 +230,9 @@ def kda_decode_slots_gated_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     rounding): six elementwise launches fewer per KDA layer and step (add, softplus, negation, multiply, cast,
     sigmoid; past one row a copy makes beta's logits contiguous). beta reaches the kernel as raw logits, squashed
     there once; nothing before it applies a sigmoid."""
-    _, fwd = _loaded_ops()
     B, h, dk = q.shape
-    o, _ = fwd(
-        q=q[:, None], k=k[:, None], v=v[:, None], g=f_raw.view(B, 1, h, dk), beta=b_logits.contiguous()[:, None],
-        A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, initial_state=pool_state,
-        inplace_final_state=True, output_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-    )
+    o = _recurrent(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
+                   f_raw.view(B, 1, h, dk), b_logits.contiguous()[:, None], pool_state, slots, scale,
+                   gate_in_kernel=True, beta_sigmoid_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
+                   lower_bound=lower_bound)
     return o[:, 0].to(v.dtype)
