@@ -589,6 +589,25 @@ def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_m
         SpecVerifier(runner, K, max_rows=1).committed([0])
 
 
+def test_commit_greedy_queues_the_readback_before_the_commit(tiny_model: ServingModel) -> None:
+    """The ids and counts start their copy to the host before the commit's kernels are launched, so reading them
+    does not wait for the commit; the copy holds [ids, count] per row, and the reject flag after them when given."""
+    runner = ModelRunner(tiny_model, num_pages=24, page_size=4, num_slots=3, max_context=64)
+    verifier = SpecVerifier(runner, K, max_rows=2)
+    for sid in range(2):
+        runner.admit(sid, 24)
+    last = runner.prefill([(0, [5, 6, 7]), (1, [9, 3, 4, 2])]).argmax(-1).tolist()
+    order: list[str] = []
+    start, launch = verifier.readback.start, verifier._launch_commit
+    verifier.readback.start = lambda src: (order.append("readback"), start(src))[1]  # type: ignore[method-assign]
+    verifier._launch_commit = lambda *a: (order.append("commit"), launch(*a))[1]  # type: ignore[method-assign]
+    logits = verifier.verify([(sid, [last[sid], 1, 2, 3, 4]) for sid in range(2)])
+    rows = verifier.commit_greedy(logits, [[1, 2, 3, 4]] * 2, reject=torch.tensor([False, True])).tolist()
+    assert order == ["readback", "commit"]
+    assert [len(r) for r in rows] == [K + 3] * 2 and [r[-1] for r in rows] == [0, 1] and rows[1][-2] == 0, rows
+    assert [r[:K + 1] for r in rows] == logits.argmax(-1).tolist()
+
+
 def test_engine_verify_row_with_nonfinite_logits_fails_its_request_alone(tiny_model: ServingModel) -> None:
     """One verify pass gives one row NaN logits (injected): that request ends with a non-finite error, and the other
     requests still return plain greedy's tokens; the caches pass the integrity check. Control: without the injection

@@ -128,8 +128,7 @@ class SpeculativeStep:
         logits accept nothing), then one transfer of ids, counts and non-finite flags."""
         B, n = logits.shape[0], self.verifier.num_positions
         flags = nonfinite_mask(logits.flatten(0, 1)).view(B, n).any(dim=1)
-        out = self.verifier.commit_greedy(logits, [d for _, d in rows], reject=flags)
-        host = torch.cat([out, flags[:, None].long()], dim=1).tolist()
+        host = self.verifier.commit_greedy(logits, [d for _, d in rows], reject=flags).tolist()  # ids, count, flag
         bad = {r for r, row in enumerate(host) if row[-1]}
         results = accept_read_back([row[:-1] for row in host], [d for _, d in rows], bad)
         self.verifier.committed([a.num_accepted for a in results])

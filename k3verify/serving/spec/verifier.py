@@ -6,8 +6,9 @@ keeps, per sequence, the last accepted token and its first a drafts (a+1 tokens)
 windows become the slot's, the MLA rows of the rejected positions get their old contents back, and the
 runner counts a+1 more cached tokens. Exactly one commit follows each verify. For greedy rows,
 commit_greedy decides the counts on the device and launches the commit behind the verify (no host round trip
-between them); the caller reads the argmax ids and counts back in one transfer and hands the counts to
-`committed`, which does the runner's bookkeeping.
+between them); the caller reads the argmax ids and counts back in one transfer (started before the commit's
+kernels, so the host has them while the commit runs) and hands the counts to `committed`, which does the runner's
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -23,9 +24,26 @@ from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import greedy_counts
 from k3verify.serving.spec.arena import VerifyArena, VerifyPass, commit_accepted
+from k3verify.serving.staging import PinnedReadback
 
 if TYPE_CHECKING:
     from k3verify.serving.spec.graphs import Recorder, VerifyGraphs
+
+
+@dataclass
+class GreedyReadback:
+    """commit_greedy's rows on their way to the host: [B, n + 1] (each row's n argmax ids, then its accepted count),
+    plus the reject flag as a last column when commit_greedy was given one. The copy is queued before the commit's
+    kernels, so `tolist` waits for the acceptance only: the commit runs on while the host uses the ids."""
+
+    host: torch.Tensor  # 1-D; valid once `event` completed (None: a CPU copy, valid now)
+    event: torch.cuda.Event | None
+    rows: int
+
+    def tolist(self) -> list[list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.view(self.rows, -1).tolist()
 
 
 @dataclass
@@ -45,6 +63,7 @@ class SpecVerifier:
         self.max_rows = max_rows
         self._pending: _Pending | None = None
         self._uncounted: list[int] | None = None  # seq_ids committed by commit_greedy, not yet `committed`
+        self.readback = PinnedReadback(runner.device)
 
     @property
     def verify_pass(self) -> VerifyPass:
@@ -135,12 +154,12 @@ class SpecVerifier:
         self._mark_cached(pending.seq_ids, accepted)
 
     def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]], reject: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      ) -> GreedyReadback:
         """Greedy acceptance of the pending verify on the device (acceptance.greedy_counts) and its commit launched
         behind it. logits [B, n, V] as verify returned them, drafts [B][k]; `reject` [B] bool (device): rows that
-        accept nothing whatever their argmax (the engine's rows with non-finite logits). Returns [B, n + 1] int64
-        on the device: each row's n argmax ids, then its accepted count; read it back (one transfer), then
-        `committed`."""
+        accept nothing whatever their argmax (the engine's rows with non-finite logits). Returns the readback of
+        [B, n + 1] int64: each row's n argmax ids, then its accepted count (then its reject flag, with `reject`);
+        read it (one transfer, already under way), then `committed`."""
         if self._pending is not None and len(drafts) != len(self._pending.seq_ids):
             raise ValueError(f"commit_greedy needs the drafts of every verified sequence {self._pending.seq_ids}; "
                              f"got {len(drafts)} rows")
@@ -150,11 +169,14 @@ class SpecVerifier:
         if len(flat) != len(drafts) * self.num_draft:
             raise ValueError(f"each row needs {self.num_draft} drafts; got {[len(r) for r in drafts]}")
         accepted = greedy_counts(best, to_device(flat, best.device).view(len(drafts), self.num_draft))
+        columns = [best, accepted[:, None]]
         if reject is not None:
             accepted = accepted.masked_fill(reject, 0)
+            columns = [best, accepted[:, None], reject[:, None].long()]
+        host, event = self.readback.start(torch.cat(columns, dim=1).view(-1))  # queued before the commit
         self._launch_commit(pending, accepted)
         self._uncounted = pending.seq_ids
-        return torch.cat([best, accepted[:, None]], dim=1)
+        return GreedyReadback(host, event, len(drafts))
 
     def committed(self, accepted: list[int]) -> None:
         """After commit_greedy: the counts read back (the runner counts a+1 more cached tokens per row)."""
