@@ -247,9 +247,11 @@ spec-b1)
     echo "spec bench exit $?"
     [ -f "$OUT/spec-b${b//,/-}.json" ] && python3 -m k3verify bench --table "$OUT/spec-b${b//,/-}.json"
     ;;
-kda-decode-tune)
-    step "fla's KDA decode recurrence, launch configurations (kl-48b-8l, one layer)"
-    timeout "${DIAG_S:-120}" python3 scripts/kda_decode_tune.py 2>&1 | quiet
+kda-decode-tune)  # TUNE=0: the speculative round alone
+    if [ "${TUNE:-1}" != 0 ]; then
+        step "fla's KDA decode recurrence, launch configurations (kl-48b-8l, one layer)"
+        timeout "${DIAG_S:-120}" python3 scripts/kda_decode_tune.py 2>&1 | quiet
+    fi
     step "speculative round at batch 1 (kl-48b-8l), fused"
     timeout "${DIAG_S:-150}" python3 scripts/spec_round_diag.py --fused --converge 10 2>&1 | quiet
     ;;
