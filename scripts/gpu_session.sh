@@ -63,6 +63,8 @@
 #                                        (scripts/kda_decode_tune.py), then the batch-1 speculative round by piece
 #   bash scripts/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
 #                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
+#   bash scripts/gpu_session.sh prefill-graph  a one-sequence prefill eager vs replayed from a CUDA graph (the host
+#                                        time a captured prefill would remove; scripts/prefill_graph_probe.py)
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
 #   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
@@ -237,6 +239,10 @@ diag)
     timeout 90 python3 scripts/moe_decode_bench.py --tokens 64 --skew 1 2>&1 | quiet | tail -12
     step "speculative round at batch 1 (kl-48b-8l), fused, and the offline loop profiled"
     timeout "${DIAG_S:-150}" python3 scripts/spec_round_diag.py --fused --profile "${TOP:-30}" 2>&1 | quiet
+    ;;
+prefill-graph)
+    step "prefill eager vs CUDA-graph replay (kl-48b-8l, one sequence)"
+    timeout "${DIAG_S:-150}" python3 scripts/prefill_graph_probe.py 2>&1 | quiet
     ;;
 spec-b1)
     b=${SPEC_BATCH:-1}
