@@ -16,7 +16,8 @@ and prints the medians per round: host work between two verifies is the GPU's id
 splits the verify: `to replay` (host time from the verify call to the graph's launch: checks, signature, input
 fill), the replay call itself, the graph's device time (an event right before the launch to one right after), and
 the gap (host time from one round's readback to the next round's launch, the accept of one round plus the propose and
-`to replay` of the next: the GPU idles through all of it).
+`to replay` of the next: the GPU idles through all of it). Inside `to replay`, the capture signature's check and the
+inputs' fill are timed on their own.
 
 --profile then runs the offline loop itself (offline.generate_speculative with verify and decode graphs, as the bench
 runs it) on the converged reference: its decode phase's wall time per verify round beside the verify's device time,
@@ -32,6 +33,7 @@ import pstats
 import statistics
 import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -43,6 +45,7 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import ControlledDrafter
+from k3verify.serving.spec.graphs import VerifyGraphs, VerifyInputs
 from k3verify.serving.spec.offline import generate_speculative, pad_drafts
 from k3verify.serving.spec.verifier import SpecVerifier
 
@@ -82,7 +85,19 @@ def main() -> None:
             plain_replay(graph)
             replays.append((t, time.perf_counter(), event))
 
-        torch.cuda.CUDAGraph.replay = marked_replay  # type: ignore[method-assign]
+        torch.cuda.CUDAGraph.replay = marked_replay  # type: ignore[method-assign, assignment]
+    inner: dict[str, float] = {}  # host ms of the verify's own pieces in the current round
+
+    def timed_piece(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            inner[name] = inner.get(name, 0.0) + 1e3 * (time.perf_counter() - t)
+            return out
+        return wrapper
+
+    VerifyGraphs._signature = timed_piece("  signature", VerifyGraphs._signature)  # type: ignore[method-assign]
+    VerifyInputs.fill = timed_piece("  fill", VerifyInputs.fill)  # type: ignore[method-assign]
     gpu_ms: list[float] = []
     rounds_ms: list[float] = []
     accepted: list[int] = []
@@ -93,6 +108,7 @@ def main() -> None:
         runner.admit(sid, a.prompt_len + new + k)
         tokens = runner.prefill([(sid, prompt[0].tolist())]).argmax(-1).tolist()
         for _ in range(a.rounds):
+            inner.clear()
             t0 = time.perf_counter()
             drafts = pad_drafts(drafter.propose(0, prompt[0].tolist() + tokens) or [tokens[-1]], k)
             t1 = time.perf_counter()
@@ -121,6 +137,8 @@ def main() -> None:
                     host["gap"].append(1e3 * (before - t0 + t5 - t4))  # propose .. launch, + accept
                     marks.points[0] = event  # the graph's own device time: from its launch
                     host["graph (device)"].append(1e3 * marks.seconds(0, 1))
+                for name, ms in inner.items():  # inside `to replay` (on CPU: inside verify)
+                    host[name].append(ms)
                 rounds_ms.append(1e3 * (t5 - t0))
                 accepted.append(result.num_accepted)
         runner.release(sid)
