@@ -115,6 +115,9 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     finally:
         fla_triton._recurrent_kernel = probe  # type: ignore[assignment]
     report["fla_launch_warnings"] = warnings
+    from k3verify.kernels.registry import REGISTRY
+
+    report["fla_launch_fallbacks"] = [list(f) for f in REGISTRY.fallbacks]
     return report
 
 
@@ -134,11 +137,14 @@ def test_fla_gated_decode_matches_torch_under_interpreter(interpreter_report: di
 
 def test_fla_own_launch_is_the_fallback_with_one_warning(interpreter_report: dict[str, Any]) -> None:
     """When the direct launch's signature probe refuses fla's kernel, fla's wrapper launches it: the same
-    results to rounding, and the reason logged once however many calls follow."""
+    results to rounding, the reason logged once however many calls follow (registry.run_inside) and every such
+    call counted among the registry's fallbacks."""
     for bound, r in interpreter_report["fla_launch"].items():
         assert r["o"] < O_BAR and r["pool"] < POOL_BAR and r["idle_equal"] == 1.0, (bound, r)
+    reason = "direct launch: the probe refused it (test)"
     assert interpreter_report["fla_launch_warnings"] == [
-        "KDA decode: the probe refused it (test); fla's own launch (4 warps) runs instead"]
+        f"kernel kda.decode_slots_gated: fast path refused, falling back to fla's own launch (4 warps): {reason}"]
+    assert interpreter_report["fla_launch_fallbacks"] == [["kda.decode_slots_gated", reason]] * len(BOUNDS)
 
 
 def test_broken_gated_calls_are_caught_under_interpreter(interpreter_report: dict[str, Any]) -> None:

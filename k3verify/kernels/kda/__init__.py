@@ -13,8 +13,8 @@ from k3verify.kernels.kda import fla_triton, gate_triton, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 PREFILL = "kda.prefill"
-DECODE_SLOTS = "kda.decode_slots"
-DECODE_SLOTS_GATED = "kda.decode_slots_gated"
+DECODE_SLOTS = fla_triton.DECODE_SLOTS
+DECODE_SLOTS_GATED = fla_triton.DECODE_SLOTS_GATED
 GATE_BETA = "kda.gate_beta"
 CHUNK = torch_ref.CHUNK
 

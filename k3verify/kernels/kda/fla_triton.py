@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Any
 
 import torch
 
 from k3verify.kernels.pinned import host_tensor
+from k3verify.kernels.registry import REGISTRY
 
 _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                    "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens", "cu_seqlens_cpu")
@@ -125,7 +125,9 @@ def accepts_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return _shape_reason(q, v, pool_state)
 
 
-log = logging.getLogger("k3verify.kernels")
+DECODE_SLOTS = "kda.decode_slots"  # the registry's op names (kernels.kda registers them; it imports this module)
+DECODE_SLOTS_GATED = "kda.decode_slots_gated"
+DIRECT = "direct launch"  # the path's name in the registry's refusals and disabled paths
 
 # fla's decode recurrence launched with 2 warps where fla's own wrapper launches 4 (value block 32 and 2 stages as
 # fla's). On the H200 (scripts/kda_decode_tune.py, kl-48b-8l's 32 heads x 128, two calls on 2026-12-04) one layer's
@@ -145,7 +147,7 @@ _RECURRENT_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "o", "h0", "h
 @functools.cache
 def _recurrent_kernel() -> Any:
     """fla's fused_recurrent_kda_fwd_kernel, or why it cannot be launched directly (str): then fla's own wrapper
-    launches it, with a warning logged once."""
+    launches it (registry.run_inside logs the reason once and counts it among the fallbacks)."""
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel as kernel
     except Exception as exc:
@@ -157,41 +159,40 @@ def _recurrent_kernel() -> Any:
     return kernel
 
 
-def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _recurrent(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor, scale: float, *, gate_in_kernel: bool,
                beta_sigmoid_in_kernel: bool, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                lower_bound: float | None = None) -> torch.Tensor:
     """One decode token per row [B, 1, ...] through fla's recurrence, state read and written in place by slot,
     q/k L2-normalised in the kernel; the forget gate from its raw input and beta's sigmoid in the kernel when
-    asked. Returns o [B, 1, HV, V]."""
+    asked. Returns o [B, 1, HV, V]. `op`: the registry op this call serves (its refusals are logged under it)."""
     kernel = _recurrent_kernel()
-    if isinstance(kernel, str):
-        if kernel not in _warned:
-            _warned.add(kernel)
-            log.warning("KDA decode: %s; fla's own launch (4 warps) runs instead", kernel)
-        _, fwd = _loaded_ops()
-        o, _ = fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                   initial_state=state, inplace_final_state=True, output_final_state=True, ssm_state_indices=slots,
-                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel,
-                   use_beta_sigmoid_in_kernel=beta_sigmoid_in_kernel)
-        return o
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[-1]
-    bv, warps, stages = DECODE_LAUNCH
-    out = torch.empty_like(v)  # every element is stored: one program per (row, head, value block), T = 1
-    kernel[(-(-V // bv) * B * HV,)](
-        q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state, cu_seqlens=None,
-        ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=lower_bound, scale=scale, N=B, T=T, H=H,
-        HV=HV, K=K, V=V, BK=1 << (K - 1).bit_length(), BV=bv, stride_init_state_token=state.stride(0),
-        stride_final_state_token=state.stride(0), stride_indices_seq=slots.stride(0), stride_indices_tok=1,
-        IS_BETA_HEADWISE=beta.ndim == v.ndim, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
-        USE_GATE_IN_KERNEL=gate_in_kernel, APPLY_BETA_SIGMOID=beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=False,
-        STATE_V_FIRST=False,
-        num_warps=warps, num_stages=stages)
-    return out
 
+    def direct() -> torch.Tensor:
+        B, T, H, K = k.shape
+        HV, V = v.shape[2], v.shape[-1]
+        bv, warps, stages = DECODE_LAUNCH
+        out = torch.empty_like(v)  # every element is stored: one program per (row, head, value block), T = 1
+        kernel[(-(-V // bv) * B * HV,)](
+            q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state, cu_seqlens=None,
+            ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=lower_bound, scale=scale, N=B, T=T, H=H,
+            HV=HV, K=K, V=V, BK=1 << (K - 1).bit_length(), BV=bv, stride_init_state_token=state.stride(0),
+            stride_final_state_token=state.stride(0), stride_indices_seq=slots.stride(0), stride_indices_tok=1,
+            IS_BETA_HEADWISE=beta.ndim == v.ndim, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
+            USE_GATE_IN_KERNEL=gate_in_kernel, APPLY_BETA_SIGMOID=beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=False,
+            STATE_V_FIRST=False, num_warps=warps, num_stages=stages)
+        return out
 
-_warned: set[str] = set()
+    out = REGISTRY.run_inside(op, DIRECT, kernel if isinstance(kernel, str) else None, direct,
+                              "fla's own launch (4 warps)")
+    if out is not None:
+        return out
+    _, fwd = _loaded_ops()
+    o, _ = fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+               initial_state=state, inplace_final_state=True, output_final_state=True, ssm_state_indices=slots,
+               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel,
+               use_beta_sigmoid_in_kernel=beta_sigmoid_in_kernel)
+    return o
 
 
 def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -199,9 +200,9 @@ def kda_decode_slots_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     """fused_recurrent_kda's continuous-batching form: each row reads and writes its state in the pool
     by slot index, in place (no gather, no scatter, no copy of the state)."""
     dt = q.dtype
-    o = _recurrent(q[:, None].contiguous(), k[:, None].to(dt).contiguous(), v[:, None].to(dt).contiguous(),
-                   g[:, None].float().contiguous(), beta[:, None].float().contiguous(), pool_state, slots, scale,
-                   gate_in_kernel=False, beta_sigmoid_in_kernel=False)
+    o = _recurrent(DECODE_SLOTS, q[:, None].contiguous(), k[:, None].to(dt).contiguous(),
+                   v[:, None].to(dt).contiguous(), g[:, None].float().contiguous(), beta[:, None].float().contiguous(),
+                   pool_state, slots, scale, gate_in_kernel=False, beta_sigmoid_in_kernel=False)
     return o[:, 0].to(v.dtype)
 
 
@@ -231,7 +232,7 @@ def kda_decode_slots_gated_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sigmoid; past one row a copy makes beta's logits contiguous). beta reaches the kernel as raw logits, squashed
     there once; nothing before it applies a sigmoid."""
     B, h, dk = q.shape
-    o = _recurrent(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
+    o = _recurrent(DECODE_SLOTS_GATED, q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
                    f_raw.view(B, 1, h, dk), b_logits.contiguous()[:, None], pool_state, slots, scale,
                    gate_in_kernel=True, beta_sigmoid_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
                    lower_bound=lower_bound)
