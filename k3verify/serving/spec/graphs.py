@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-from k3verify.kernels.pinned import host_tensor
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
 from k3verify.serving.model import ServingModel
@@ -76,9 +75,9 @@ class VerifyInputs:
         return self.live[2 * B * (n + 1):].view(B, -1)
 
     def fill(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int], n: int,
-             staging: HostStaging | None = None) -> None:
+             staging: HostStaging) -> None:
         """The live rows first, padded rows on the scratch slot and page: one copy of the whole `live` buffer
-        (through `staging`'s pinned ring when given, so the host never waits for the GPU)."""
+        through `staging`'s pinned ring (the host never waits for the GPU)."""
         B, P, live = self.rows, self.page_table.shape[1], len(slots)
         if n != self.n or live > B or any(len(t) > P for t in tables) or len(ids) != live * n:
             raise ValueError(f"{live} rows / {len(ids)} tokens / tables {[len(t) for t in tables]} do not fit a "
@@ -91,10 +90,7 @@ class VerifyInputs:
             values += t
             values += [SCRATCH] * (P - len(t))
         values += [SCRATCH] * (pad * P)
-        if staging is not None:
-            staging.copy_into(self.live, values)
-        else:
-            self.live.copy_(host_tensor(values, self.live.device), non_blocking=True)
+        staging.copy_into(self.live, values)
 
 
 def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,
@@ -169,7 +165,8 @@ class VerifyGraphs:
 
     def _capture(self, bucket: int) -> None:
         inputs = self._static(bucket)
-        inputs.fill([], [], [], [], self.verify_pass.num_positions)  # warm-up and capture touch scratch rows only
+        # warm-up and capture touch scratch rows only
+        inputs.fill([], [], [], [], self.verify_pass.num_positions, self.staging)
 
         def step() -> StepOutputs:
             with torch.no_grad():

@@ -169,10 +169,9 @@ class SpecVerifier:
         if len(flat) != len(drafts) * self.num_draft:
             raise ValueError(f"each row needs {self.num_draft} drafts; got {[len(r) for r in drafts]}")
         accepted = greedy_counts(best, to_device(flat, best.device).view(len(drafts), self.num_draft))
-        columns = [best, accepted[:, None]]
         if reject is not None:
             accepted = accepted.masked_fill(reject, 0)
-            columns = [best, accepted[:, None], reject[:, None].long()]
+        columns = [best, accepted[:, None]] + ([] if reject is None else [reject[:, None].long()])
         host, event = self.readback.start(torch.cat(columns, dim=1).view(-1))  # queued before the commit
         self._launch_commit(pending, accepted)
         self._uncounted = pending.seq_ids
