@@ -3,9 +3,10 @@
 At batch 64 the bench's six KDA layers spend 0.585 ms a step in this kernel against ~0.37 ms of state traffic
 (each row reads and writes its [heads, dk, dv] fp32 state once; 2026-12-04). fla launches it with a fixed value
 block of 32 and 4 warps. This script launches the same kernel (the slot-indexed, in-place form the serving model
-uses) with other value blocks, warp counts and pipeline stages, on one KDA layer of `--preset` at each batch,
-checks the output and the written state against fla's own launch (bits, or the largest difference when they
-differ), and prints the median microseconds per call (`--calls` back-to-back calls in one CUDA graph) with the
+uses, through kernels/kda/fla_triton._recurrent) with other value blocks, warp counts and pipeline stages, on one
+KDA layer of `--preset` at each batch, checks the output and the written state against fla's launch configuration
+(bits, or the largest difference when they differ), and prints the median microseconds per call (`--calls`
+back-to-back calls in one CUDA graph) with the
 state traffic's bandwidth. The first configuration is fla's.
 
     python scripts/kda_decode_tune.py [--preset kl-48b-8l] [--batch 1,16,64]
@@ -19,6 +20,7 @@ from functools import partial
 import torch
 
 from k3verify.bench.timing import cuda_time
+from k3verify.kernels.kda import fla_triton
 from k3verify.presets import get_preset
 
 CONFIGS = [(32, 4, 2), (32, 2, 2), (32, 2, 1), (32, 2, 3), (32, 1, 2), (64, 2, 2), (64, 4, 2), (16, 1, 2),
@@ -26,26 +28,14 @@ CONFIGS = [(32, 4, 2), (32, 2, 2), (32, 2, 1), (32, 2, 3), (32, 1, 2), (64, 2, 2
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
-           scale: float, bv: int, warps: int, stages: int) -> None:
-    """The serving decode's form (kernels/kda/fla_triton.kda_decode_slots_gated_fla): the forget gate and beta's
-    sigmoid inside the kernel, state read and written in place by slot."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
-
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[-1]
-    grid = (triton_cdiv(V, bv) * B * HV,)
-    fused_recurrent_kda_fwd_kernel[grid](
-        q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state, cu_seqlens=None,
-        ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=None, scale=scale, N=B, T=T, H=H, HV=HV, K=K,
-        V=V, BK=K, BV=bv, stride_init_state_token=state.stride(0), stride_final_state_token=state.stride(0),
-        stride_indices_seq=slots.stride(0), stride_indices_tok=1, IS_BETA_HEADWISE=False,
-        USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True, USE_GATE_IN_KERNEL=True, APPLY_BETA_SIGMOID=True,
-        ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=warps, num_stages=stages)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+           a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, scale: float,
+           bv: int, warps: int, stages: int) -> torch.Tensor:
+    """The serving decode's direct launch (kernels/kda/fla_triton._recurrent, as kda_decode_slots_gated_fla calls
+    it: the forget gate and beta's sigmoid inside the kernel, state read and written in place by slot) with
+    another launch configuration -> o."""
+    return fla_triton._recurrent(fla_triton.DECODE_SLOTS_GATED, q, k, v, g, beta, state, slots, scale,
+                                 gate_in_kernel=True, beta_sigmoid_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
+                                 launch=(bv, warps, stages))
 
 
 def main() -> None:
@@ -79,9 +69,9 @@ def _sweep(B: int, H: int, dk: int, calls: int, gbps: float, dev: torch.device) 
     slots = torch.arange(1, B + 1, device=dev)  # slot 0 unused, as the pool's scratch slot
     ref: tuple[torch.Tensor, torch.Tensor] | None = None
     for bv, warps, stages in CONFIGS:
-        state, out = state0.clone(), torch.empty_like(v)
-        call = partial(launch, q, k, v, g, beta, a_log, dt_bias, state, slots, out, dk ** -0.5, bv, warps, stages)
-        call()
+        state = state0.clone()
+        call = partial(launch, q, k, v, g, beta, a_log, dt_bias, state, slots, dk ** -0.5, bv, warps, stages)
+        out = call()
         if ref is None:
             ref, same = (state.clone(), out.clone()), "(fla)"  # the timed replays below update `state` in place
         else:
@@ -95,6 +85,7 @@ def _sweep(B: int, H: int, dk: int, calls: int, gbps: float, dev: torch.device) 
         traffic = 2 * B * H * dk * dk * 4
         print(f"{B:5d} {bv:4d} {warps:5d} {stages:6d} {us:8.1f} {traffic / us / 1e3:7.0f} "
               f"{100 * traffic / us / 1e3 / gbps:5.0f}%  {same}")
+
 
 if __name__ == "__main__":
     main()

@@ -162,16 +162,17 @@ def _recurrent_kernel() -> Any:
 def _recurrent(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor, scale: float, *, gate_in_kernel: bool,
                beta_sigmoid_in_kernel: bool, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-               lower_bound: float | None = None) -> torch.Tensor:
+               lower_bound: float | None = None, launch: tuple[int, int, int] = DECODE_LAUNCH) -> torch.Tensor:
     """One decode token per row [B, 1, ...] through fla's recurrence, state read and written in place by slot,
     q/k L2-normalised in the kernel; the forget gate from its raw input and beta's sigmoid in the kernel when
-    asked. Returns o [B, 1, HV, V]. `op`: the registry op this call serves (its refusals are logged under it)."""
+    asked. Returns o [B, 1, HV, V]. `op`: the registry op this call serves (its refusals are logged under it);
+    `launch`: (value block, warps, stages) of the direct launch (scripts/kda_decode_tune.py sweeps it)."""
     kernel = _recurrent_kernel()
 
     def direct() -> torch.Tensor:
         B, T, H, K = k.shape
         HV, V = v.shape[2], v.shape[-1]
-        bv, warps, stages = DECODE_LAUNCH
+        bv, warps, stages = launch
         out = torch.empty_like(v)  # every element is stored: one program per (row, head, value block), T = 1
         kernel[(-(-V // bv) * B * HV,)](
             q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state, cu_seqlens=None,
