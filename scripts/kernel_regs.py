@@ -48,10 +48,10 @@ def compile_kernel(kind: str, launch: vt.Launch, head_dim: int, positions: int, 
         fn, sig = vk.kda_verify_fused_kernel, dict(FUSED_SIG)
         const: dict[str, Any] = dict(N=positions, W=width, BK=head_dim, BV=launch.value_block,
                                      NVB=head_dim // launch.value_block, BVF=head_dim, LOG2K=log2, LOG2V=log2,
-                                     BF16=True)
+                                     BF16=True, UNROLL=launch.unroll)
     else:
         fn, sig = vk.kda_record_kernel, dict(RECORD_SIG)
-        const = dict(N=positions, BK=head_dim, BV=launch.value_block, LOG2K=log2, BF16=True)
+        const = dict(N=positions, BK=head_dim, BV=launch.value_block, LOG2K=log2, BF16=True, UNROLL=launch.unroll)
     sig.update({name: "constexpr" for name in const})
     return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=launch.options())
 
@@ -77,24 +77,25 @@ def programs_per_sm(regs: int, warps: int, shared: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--launch", action="append", default=None, help="VALUE_BLOCK:WARPS:MAXNREG ('-': no cap)")
+    ap.add_argument("--launch", action="append", default=None,
+                    help="VALUE_BLOCK:WARPS:MAXNREG ('-': no cap), ':u' appended: positions unrolled")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--positions", type=int, default=5)
     ap.add_argument("--width", type=int, default=4)
     a = ap.parse_args()
     launches = a.launch or ["32:4:-", "32:4:128"]
     print(f"Triton {triton.__version__}, sm_90, head dim {a.head_dim}, {a.positions} positions")
-    print("kernel  BV  warps  maxnreg  regs  spill B  smem B  programs/SM  warps/SM")
+    print("kernel  BV  warps  maxnreg  unroll  regs  spill B  smem B  programs/SM  warps/SM")
     for kind in ("fused", "record"):
         for spec in launches:
-            bv, warps, cap = spec.split(":")
-            launch = vt.Launch(int(bv), int(warps), None if cap == "-" else int(cap))
+            bv, warps, cap, *flag = spec.split(":")
+            launch = vt.Launch(int(bv), int(warps), None if cap == "-" else int(cap), unroll=flag == ["u"])
             kernel = compile_kernel(kind, launch, a.head_dim, a.positions, a.width)
             regs, spill = resource_usage(kernel)
             shared = int(kernel.metadata.shared)
             per_sm = programs_per_sm(regs, launch.num_warps, shared)
-            print(f"{kind:7s} {launch.value_block:3d} {launch.num_warps:6d} {cap:>8s} {regs:5d} {spill:8d} "
-                  f"{shared:7d} {per_sm:12d} {per_sm * launch.num_warps:9d}")
+            print(f"{kind:7s} {launch.value_block:3d} {launch.num_warps:6d} {cap:>8s} {str(launch.unroll):>7s} "
+                  f"{regs:5d} {spill:8d} {shared:7d} {per_sm:12d} {per_sm * launch.num_warps:9d}")
 
 if __name__ == "__main__":
     main()

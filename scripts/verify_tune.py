@@ -29,12 +29,16 @@ from k3verify.presets import get_preset
 # Wider value blocks with more warps keep 32 state values per thread but run a head's q/k conv, L2 norms and gate
 # in fewer programs (one at BV = dv: no head ticket is waited on)
 WIDE = [vt.Launch(64, 8, 128), vt.Launch(64, 8), vt.Launch(128, 16, 128), vt.Launch(128, 16), vt.Launch(128, 8)]
-FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *WIDE]
-RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *WIDE]
+# The positions unrolled at compile time (the same code): a position's loads (its conv taps, g, beta) may issue
+# before the previous position's step has finished, where the loop body waits on each in turn
+UNROLLED = [vt.Launch(32, 4, 128, unroll=True), vt.Launch(32, 4, unroll=True), vt.Launch(16, 2, 128, unroll=True)]
+FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *WIDE]
+RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *WIDE]
 
 
 def _desc(launch: vt.Launch) -> str:
-    return f"BV {launch.value_block:3d} warps {launch.num_warps:2d} maxnreg {launch.maxnreg or '-':>3}"
+    unrolled = " unrolled" if launch.unroll else ""
+    return f"BV {launch.value_block:3d} warps {launch.num_warps:2d} maxnreg {launch.maxnreg or '-':>3}{unrolled}"
 
 
 def _graph_us(fn: Callable[[], object], calls: int) -> float:

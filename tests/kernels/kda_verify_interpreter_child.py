@@ -17,14 +17,16 @@ from typing import Any
 
 import torch
 
-# path -> (fused, value columns per program): the narrow block runs more programs per head (more tickets)
-PATHS = {"unfused": (False, 32), "fused": (True, 32), "unfused_bv16": (False, 16), "fused_bv16": (True, 16)}
+# path -> (fused, value columns per program, positions unrolled): the narrow block runs more programs per head (more
+# tickets); the unrolled build is the same code with its positions unrolled at compile time
+PATHS = {"unfused": (False, 32, False), "fused": (True, 32, False), "unfused_bv16": (False, 16, False),
+         "fused_bv16": (True, 16, False), "unfused_unrolled": (False, 32, True), "fused_unrolled": (True, 32, True)}
 
 
-def _run(c: dict[str, Any], fused: bool, value_block: int) -> dict[str, torch.Tensor]:
+def _run(c: dict[str, Any], fused: bool, value_block: int, unroll: bool) -> dict[str, torch.Tensor]:
     from k3verify.kernels.kda import verify_triton as vt
 
-    launch = vt.Launch(value_block, num_warps=2 if value_block < 32 else 4)
+    launch = vt.Launch(value_block, num_warps=2 if value_block < 32 else 4, unroll=unroll)
     B, N, H, DK = c["g"].shape
     conv_rec = torch.full((B, N, 3, H * DK, c["weights"][0].shape[-1] - 1), float("nan"))
     state_rec = torch.full((B, N, H, DK, DK), float("nan"))

@@ -117,26 +117,42 @@ def _state_offsets(b, h, H, DK, DV, J, N: tl.constexpr, i, v):
 
 
 @triton.jit
+def _record_position(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi,
+                     mv, m2, N: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
+    """Position j of kda_record_kernel's program: the step, its record and its o; returns the state after it."""
+    t = b * N + j
+    q = tl.load(q_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + (t * H + h) * DV + vv, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
+    beta = tl.load(beta_ptr + t * H + h)
+    S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
+    tl.store(rec_ptr + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
+    tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
+    return S
+
+
+@triton.jit
 def kda_record_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, rec_ptr, o_ptr, scale, H, DK, DV,
-                      N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
+                      N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr,
+                      UNROLL: tl.constexpr = False):
     """Program (row b, head h, value block): the recurrence over N positions on a [BV, BK] block of the pool state
-    (read only); records and o for its BV value columns."""
+    (read only); records and o for its BV value columns. UNROLL: the positions unrolled at compile time (the
+    positions' loads free to issue before the earlier steps finish), else one loop body; the same code either way."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i, vv = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mi, mv = i < DK, vv < DV
     m2 = mv[:, None] & mi[None, :]
     slot = tl.load(slots_ptr + b).to(tl.int64)
     S = tl.load(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], mask=m2, other=0.0)
-    for j in range(N):  # a runtime loop: one body to compile, not N
-        t = b * N + j
-        q = tl.load(q_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + (t * H + h) * DV + vv, mask=mv, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
-        beta = tl.load(beta_ptr + t * H + h)
-        S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
-        tl.store(rec_ptr + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
-        tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
+    if UNROLL:
+        for j in tl.static_range(N):
+            S = _record_position(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i,
+                                 vv, mi, mv, m2, N, LOG2K, BF16)
+    else:
+        for j in range(N):  # a runtime loop: one body to compile, not N
+            S = _record_position(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i,
+                                 vv, mi, mv, m2, N, LOG2K, BF16)
 
 
 @triton.jit
@@ -154,14 +170,36 @@ def gated_norm_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, eps, DV, BV: tl.constexpr, 
 
 
 @triton.jit
+def _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, g_ptr, beta_ptr, conv_rec,
+                    state_rec, o_ptr, scale, b, h, H, D, DK, DV, slot, keep, first, j, i, vv, mi, mv, m2,
+                    N: tl.constexpr, W: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
+    """Position j of kda_verify_fused_kernel's program: its convs (q/k windows recorded by value block 0 only), the
+    step, its records and o; returns the state after it."""
+    t = b * N + j
+    q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 0,
+                  j, N, W, BF16)
+    k = _conv_pos(xk, wk, wink, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 1,
+                  j, N, W, BF16)
+    v = _conv_pos(xv, wv, winv, conv_rec, b, slot, keep, h * DV + vv, mv, mv, D, s_x, s_slot, s_d, s_tap, 2, j,
+                  N, W, BF16)
+    g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
+    beta = tl.load(beta_ptr + t * H + h)
+    S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
+    tl.store(state_rec + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
+    tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
+    return S
+
+
+@triton.jit
 def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, slots_ptr, keep_ptr,
                             state_ptr, g_ptr, beta_ptr, gate_ptr, nw_ptr, conv_rec, state_rec, o_ptr, y_ptr,
                             counter_ptr, scale, eps, H, DK, DV, N: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, NVB: tl.constexpr, BVF: tl.constexpr, LOG2K: tl.constexpr,
-                            LOG2V: tl.constexpr, BF16: tl.constexpr):
+                            LOG2V: tl.constexpr, BF16: tl.constexpr, UNROLL: tl.constexpr = False):
     """Program (row b, head h, value block): per position the head's q/k conv channels and the block's v channels,
     the recurrence step on a [BV, BK] state block, records and o; then the last of the head's NVB programs to
-    finish (a counter it resets) applies the gated norm to the head's whole o rows. The pool is only read."""
+    finish (a counter it resets) applies the gated norm to the head's whole o rows. The pool is only read.
+    UNROLL: the positions unrolled at compile time (as kda_record_kernel's)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i, vv = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mi, mv = i < DK, vv < DV
@@ -171,19 +209,16 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slo
     slot = tl.load(slots_ptr + b).to(tl.int64)
     keep = tl.load(keep_ptr + b).to(tl.float32)
     S = tl.load(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], mask=m2, other=0.0)
-    for j in range(N):  # a runtime loop: one body to compile, not N
-        t = b * N + j
-        q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 0,
-                      j, N, W, BF16)
-        k = _conv_pos(xk, wk, wink, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 1,
-                      j, N, W, BF16)
-        v = _conv_pos(xv, wv, winv, conv_rec, b, slot, keep, h * DV + vv, mv, mv, D, s_x, s_slot, s_d, s_tap, 2, j,
-                      N, W, BF16)
-        g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
-        beta = tl.load(beta_ptr + t * H + h)
-        S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
-        tl.store(state_rec + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
-        tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
+    if UNROLL:
+        for j in tl.static_range(N):
+            S = _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, g_ptr, beta_ptr,
+                                conv_rec, state_rec, o_ptr, scale, b, h, H, D, DK, DV, slot, keep, first, j, i, vv, mi,
+                                mv, m2, N, W, LOG2K, BF16)
+    else:
+        for j in range(N):  # a runtime loop: one body to compile, not N
+            S = _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, g_ptr, beta_ptr,
+                                conv_rec, state_rec, o_ptr, scale, b, h, H, D, DK, DV, slot, keep, first, j, i, vv, mi,
+                                mv, m2, N, W, LOG2K, BF16)
     # every thread's o stores, then one acq_rel ticket: the program that draws the last one sees all NVB blocks
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr + b * H + h, 1, sem="acq_rel", scope="gpu")
@@ -192,8 +227,8 @@ def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slo
         vf = tl.arange(0, BVF)
         mf = vf < DV
         w_norm = tl.load(nw_ptr + vf, mask=mf, other=0.0).to(tl.float32)
-        for j in range(N):  # a runtime loop: one body to compile, not N
-            row = (b * N + j) * H + h
+        for jn in range(N):  # a runtime loop (named apart from the positions' j, a constexpr when unrolled)
+            row = (b * N + jn) * H + h
             # .cg: read through L2, where the other programs' o stores landed (never a stale L1 line)
             x = tl.load(o_ptr + row * DV + vf, mask=mf, other=0.0, cache_modifier=".cg").to(tl.float32)
             gate = tl.load(gate_ptr + row * DV + vf, mask=mf, other=0.0).to(tl.float32)

@@ -28,6 +28,7 @@ class Launch:
     value_block: int = VALUE_BLOCK
     num_warps: int = 4
     maxnreg: int | None = None
+    unroll: bool = False  # the positions unrolled at compile time (the kernels' UNROLL): the same code, unrolled
 
     def options(self) -> dict[str, int | bool]:
         """Launch / compile options: no mul+add contracted into an fma (verify_kernels.py: the bit-identity rules)."""
@@ -171,6 +172,7 @@ def record_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     BV = min(launch.value_block, _pow2(DV)[0])
     mod.kda_record_kernel[(B, H, -(-DV // BV))](q, k, v, g, beta, pool_state, slots, records, o, scale, H, DK, DV, N=N,
                                                 BK=BK, BV=BV, LOG2K=log2k, BF16=v.dtype == torch.bfloat16,
+                                                UNROLL=launch.unroll,
                                                 **launch.options())
     return o
 
@@ -203,7 +205,7 @@ def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, 
         pool_state, g, beta,
         gate, norm_weight, conv_records, state_records, o, y, head_counters(g.device), scale, eps, H, DK, DK, N=N,
         W=weights[0].shape[-1], BK=BK, BV=BV, NVB=-(-DK // BV), BVF=BK, LOG2K=log2k, LOG2V=log2k,
-        BF16=xs[0].dtype == torch.bfloat16, **launch.options())
+        BF16=xs[0].dtype == torch.bfloat16, UNROLL=launch.unroll, **launch.options())
     return o, y
 
 
