@@ -270,4 +270,13 @@ MUTANTS = [
         new="A = tl.load(a_ptr + d % H, mask=m, other=0.0)",
         killers=["kernel.kda.*", "serving.*"],
     ),
+    Mutant(
+        id="kernel.fla.static_pack_without_offsets", devices=("cuda",),
+        fault="a static (CUDA-graph) pack reaches fla's chunk_kda without its device offsets: the pack runs as one "
+              "dense sequence",
+        target=f"{FLA}:_varlen",
+        old='return {"cu_seqlens": cu_seqlens.cu, "use_graph": True, "max_num_seqs": cu_seqlens.num_seqs}',
+        new="return {}",
+        killers=["kernel.kda.triton_vs_torch", "serving.prefill_graph.*"],
+    ),
 ]

@@ -99,4 +99,30 @@ MUTANTS = [
         new="lin.weight = nn.Parameter(block.clone(), requires_grad=False)",
         killers=["kda.module.bf16", "mla.module.bf16"],
     ),
+    Mutant(
+        id="serving.prefill_graph.filler_on_live_slot",
+        fault="a prefill bucket's filler and empty sequences park on the last live sequence's state slot instead of "
+              "the scratch slot: their final state overwrites that sequence's KDA state",
+        target="k3verify.serving.prefill_graphs:PrefillInputs.values",
+        old="*map(int, slots),\n                *[SCRATCH] * (s.num_seqs - n),",
+        new="*map(int, slots),\n                *([int(slots[-1])] if n else [SCRATCH]) * (s.num_seqs - n),",
+        killers=["serving.prefill_graph.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="serving.prefill_graph.empty_offsets_zero",
+        fault="a prefill bucket's empty trailing sequences get offsets 0 instead of the pack's end: the offsets stop "
+              "rising and the segment ids of the pack's tokens go wrong",
+        target="k3verify.serving.prefill_graphs:PrefillInputs.values",
+        old="cu += [cu[-1]] * (s.num_seqs - count)",
+        new="cu += [0] * (s.num_seqs - count)",
+        killers=["serving.prefill_graph.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="serving.prefill_graph.attention_across_sequences",
+        fault="the static pack's causal attention lets each sequence see every earlier token of the pack",
+        target="k3verify.kernels.attn.packed:causal_attention_static_torch",
+        old="[(cu[i], cu[i + 1], 0) for i in range(len(cu) - 1)]",
+        new="[(0, cu[i + 1], cu[i]) for i in range(len(cu) - 1)]",
+        killers=["serving.prefill_graph.*"], presets=("k3-tiny", "kl-tiny"),
+    ),
 ]

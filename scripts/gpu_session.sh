@@ -63,8 +63,9 @@
 #                                        (scripts/kda_decode_tune.py), then the batch-1 speculative round by piece
 #   bash scripts/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
 #                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
-#   bash scripts/gpu_session.sh prefill-graph  a one-sequence prefill eager vs replayed from a CUDA graph (the host
-#                                        time a captured prefill would remove; scripts/prefill_graph_probe.py)
+#   bash scripts/gpu_session.sh prefill-graph  the served prefill eager vs replayed from a CUDA graph per pack (PACKS),
+#                                        replay == static step, then the prefill-graph GPU tests, gate checks and CUDA
+#                                        mutant (scripts/prefill_graph_probe.py; PREFILL_GRAPHS=1 bench: the same on)
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
 #   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
@@ -177,7 +178,7 @@ bench)
     start=$(date +%s)
     step "bench kl-48b-8l (served 1,16,64; profile decode 1,64, prefill 1k,8k)"
     timeout "${BENCH_S:-500}" python3 -m k3verify bench --preset kl-48b-8l --profile 1,64 --profile-prefill 1024,8192 --served 1,16,64 \
-        --json "$OUT/bench.json" 2>"$OUT/bench.log" >/dev/null
+        ${PREFILL_GRAPHS:+--prefill-graphs} --json "$OUT/bench.json" 2>"$OUT/bench.log" >/dev/null
     echo "kl-48b-8l bench exit $? after $(( $(date +%s) - start )) s"
     left=$(( ${SESSION_S:-555} - ($(date +%s) - start) ))
     if [ "$left" -gt 90 ]; then bench_k3 "$left"; else echo "k3-slice-4l skipped (${left} s left): run bench-k3"; fi
@@ -241,8 +242,16 @@ diag)
     timeout "${DIAG_S:-150}" python3 scripts/spec_round_diag.py --fused --profile "${TOP:-30}" 2>&1 | quiet
     ;;
 prefill-graph)
-    step "prefill eager vs CUDA-graph replay (kl-48b-8l, one sequence)"
-    timeout "${DIAG_S:-150}" python3 scripts/prefill_graph_probe.py 2>&1 | quiet
+    # Prefill through CUDA graphs: the probe (eager vs replay per pack, replay == static bits, RMS vs eager), the GPU
+    # tests, the gate checks on k3-tiny (kernel.kda.triton_vs_torch holds fla's use_graph mode) and the CUDA mutant
+    step "prefill eager vs CUDA-graph replay (kl-48b-8l; served path, serving/prefill_graphs.py)"
+    timeout "${DIAG_S:-200}" python3 scripts/prefill_graph_probe.py ${PACKS:+--packs "$PACKS"} 2>&1 | quiet
+    step "prefill-graph GPU tests and gate checks"
+    timeout 150 python3 -m pytest -q -m gpu tests/serving/test_prefill_graphs_cuda.py 2>&1 | tail -5
+    timeout 150 python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.prefill_graph.*' \
+        --only kernel.kda.triton_vs_torch --report-dir "$OUT/prefill-graph-gates" 2>&1 | quiet | tail -4
+    timeout 150 python3 -m k3verify mutate --device cuda --jobs 2 --timeout 140 --report-dir "$OUT/mutate-pg" \
+        --only kernel.fla.static_pack_without_offsets 2>&1 | quiet | tail -4
     ;;
 spec-b1)
     b=${SPEC_BATCH:-1}

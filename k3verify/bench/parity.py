@@ -10,16 +10,17 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.speeds import generate_ours
+from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
 from k3verify.gates.replay import replay_vs_eager
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 
 __all__ = ["decode_parity", "generate_ours", "gold_logits", "graph_parity", "judge", "judge_vs_gold", "load_baseline",
-           "model_parity", "teacher_forced"]
+           "model_parity", "prefill_graph_parity", "teacher_forced"]
 
 
 def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> dict[str, Any]:
@@ -145,3 +146,33 @@ def load_baseline(cfg: ModelConfig, hf_dict: dict[str, Any], tensors: Any, devic
         for name, dest in targets.items():
             dest.copy_(sd.pop(name))
     return hf
+
+
+def prefill_graph_parity(runner: ModelRunner, graphs: GraphPrefill, packs: list[list[list[int]]],
+                         bar: float) -> list[dict[str, Any]]:
+    """The served prefill through CUDA graphs, two questions per pack of fresh prompts (run until its bucket is
+    captured and replayed):
+    - replay == the same static step run eagerly, bit for bit; control: the bucket's graph replayed after a pack of
+      the same prompts reversed, its buffers not refilled (what a graph that baked an earlier pack's inputs gives);
+    - replay vs the eager prefill (other padding, other kernels: fla's device-side chunk list): RMS within `bar`;
+      control: the eager logits of the reversed prompts in its place."""
+    eager_static = GraphPrefill(runner.model, max_tokens=graphs.max_tokens, max_seqs=graphs.max_seqs,
+                                use_graphs=False, capture_after=1)
+    outs = [(runner_prefill(runner, p, graphs, times=graphs.capture_after + 1),
+             runner_prefill(runner, p, eager_static), runner_prefill(runner, p, None)) for p in packs]
+    rows = []
+    for prompts, (cand, static, eager) in zip(packs, outs, strict=True):
+        other_prompts = [p[::-1] for p in prompts]  # same bucket, other tokens
+        runner_prefill(runner, other_prompts, graphs)  # the graph's buffers now hold them
+        stale = graphs.replay_stale([len(p) for p in prompts])
+        other = runner_prefill(runner, other_prompts, None)
+        shape = graphs.shape_for([len(p) for p in prompts])
+        tag = f"{len(prompts)}x{max(len(p) for p in prompts)}"
+        notes = [f"pack of {len(prompts)} fresh prompt(s), {sum(map(len, prompts))} tokens, bucket {shape}; "
+                 f"captures={graphs.captures} replays={graphs.replays}"]
+        rows.append(judge(f"bench.prefill_graph_replay_vs_static.{tag}", Kind.BITEXACT,
+                          Trial(reference=static, candidate=cand,
+                                control=stale if stale is not None else static + 1.0, notes=notes)))
+        rows.append(judge(f"bench.prefill_graph_vs_eager.{tag}", Kind.RMS,
+                          Trial(reference=eager, candidate=cand, control=other, notes=notes), bar))
+    return rows

@@ -18,13 +18,21 @@ from typing import Any
 import torch
 
 from k3verify.bench.floor import measure_copy_bandwidth
-from k3verify.bench.parity import decode_parity, gold_logits, graph_parity, load_baseline, model_parity
+from k3verify.bench.parity import (
+    decode_parity,
+    gold_logits,
+    graph_parity,
+    load_baseline,
+    model_parity,
+    prefill_graph_parity,
+)
 from k3verify.bench.profile import profile_decode, profile_prefill
-from k3verify.bench.speeds import time_decode, time_prefill
+from k3verify.bench.speeds import runner_prefill, time_decode, time_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 
 
@@ -67,6 +75,7 @@ class BenchPlan:
     profile_prefill_lens: tuple[int, ...] = ()  # prefill lengths to profile (one sequence, eager)
     served_concurrency: tuple[int, ...] = ()  # () = no served phase; each must be a benchmarked batch
     served_requests_per_client: int = 3
+    prefill_graphs: bool = False  # prefills of fresh prompts replayed from CUDA graphs (bench path and engine)
 
     def __post_init__(self) -> None:
         extra = sorted(set(self.served_concurrency) - set(self.batches))
@@ -87,6 +96,7 @@ class Setup:
     gold: torch.Tensor | None  # fp32 gold logits of parity_ids
     theirs: torch.Tensor | None  # the bf16 baseline's logits of parity_ids
     parity_ids: torch.Tensor
+    prefill_graphs: GraphPrefill | None = None
 
 
 _T0 = time.perf_counter()
@@ -134,7 +144,14 @@ def setup(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: to
     # workload (prompt + new tokens), not to the longest prefill, or every step reads dead latents.
     graphs = GraphDecoder(model, ctx, buckets=tuple(sorted(set(plan.batches))),
                           use_graphs=plan.use_graphs and device.type == "cuda")
-    return Setup(cfg, device, runner, graphs, hf, gold, theirs, parity_ids)
+    prefill_graphs = None
+    if plan.prefill_graphs:
+        if device.type != "cuda" or not plan.use_graphs:
+            raise ValueError(f"prefill graphs need CUDA graphs on a CUDA device (device {device}, graphs "
+                             f"{plan.use_graphs})")
+        tokens = max(*plan.prefill_lens, plan.prompt_len * max(plan.batches))
+        prefill_graphs = GraphPrefill(model, max_tokens=tokens, max_seqs=2 * (max_b + 1))
+    return Setup(cfg, device, runner, graphs, hf, gold, theirs, parity_ids, prefill_graphs)
 
 
 def bench_parity(plan: BenchPlan, s: Setup, result: BenchResult) -> bool:
@@ -151,6 +168,12 @@ def bench_parity(plan: BenchPlan, s: Setup, result: BenchResult) -> bool:
         P = min(plan.parity_len, s.graphs.max_context) - S
         result.parity.append(decode_parity(s.runner, s.graphs, s.parity_ids, s.gold, s.theirs, P, S,
                                            plan.parity_bar))
+    if s.prefill_graphs is not None:
+        packs = [random_prompt(1, T, s.cfg.vocab_size, plan.seed + 600 + T, s.device).tolist()
+                 for T in plan.prefill_lens]
+        packs += [random_prompt(B, plan.prompt_len, s.cfg.vocab_size, plan.seed + 700 + B, s.device).tolist()
+                  for B in sorted(set(plan.served_concurrency or plan.batches))]
+        result.parity += prefill_graph_parity(s.runner, s.prefill_graphs, packs, plan.parity_bar)
     model_level = any(r["id"].startswith("bench.prefill_logits") for r in result.parity)
     if not model_level:
         result.notes.append("no model-level parity ran (--no-baseline): graph-vs-eager alone proves nothing about "
@@ -165,11 +188,20 @@ def bench_speeds(plan: BenchPlan, s: Setup, result: BenchResult, bandwidth: floa
         ids = random_prompt(1, T, s.cfg.vocab_size, plan.seed + T, s.device)
         pack = PackedBatch.build(ids[0], [T], device=s.device)
 
-        def ours(pack: PackedBatch = pack) -> object:
+        def eager(pack: PackedBatch = pack) -> object:
             return s.runner.model.prefill(pack)
 
         theirs = None if hf is None else (lambda ids=ids: hf(input_ids=ids, use_cache=False))
-        result.prefill.append(time_prefill(ours, theirs, T))
+        if s.prefill_graphs is None:
+            result.prefill.append(time_prefill(eager, theirs, T) | {"ours_path": "eager"})
+            continue
+        # the served prefill: one fresh sequence admitted, prefilled through the graphs, released
+        replays = s.prefill_graphs.replays
+        row = time_prefill(lambda ids=ids: runner_prefill(s.runner, ids.tolist(), s.prefill_graphs), theirs, T)
+        graphed = s.prefill_graphs.replays - replays
+        row |= {"ours_path": "graph" if graphed >= row["rounds"] else f"eager ({graphed} replays)",
+                "ours_eager_tok_s": time_prefill(eager, None, T)["ours_tok_s"]}
+        result.prefill.append(row)
     for B in plan.batches:
         progress(f"decode batch {B}")
         result.decode.append(time_decode(s.cfg, s.runner, s.graphs if s.graphs.use_graphs else None, s.baseline, B,
@@ -190,7 +222,8 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
     if green and plan.served_concurrency:
         progress("served parity (engine + HTTP, held waves)")
         engine_graphs = sv.engine_graphs(s.runner, s.graphs, plan.served_concurrency)
-        with sv.served_stack(s.runner, engine_graphs, max(plan.served_concurrency), sv.step_budget(plan)) as stack:
+        with sv.served_stack(s.runner, engine_graphs, max(plan.served_concurrency), sv.step_budget(plan),
+                             prefill_graphs=s.prefill_graphs) as stack:
             for c in plan.served_concurrency:
                 result.parity.append(sv.served_parity(stack, s.runner, s.graphs, c, plan.prompt_len,
                                                       plan.new_tokens, plan.seed + 300 + c))
@@ -200,7 +233,8 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
         return _with_fallbacks(result)
     bench_speeds(plan, s, result, bandwidth)
     if engine_graphs is not None:
-        with sv.served_stack(s.runner, engine_graphs, max(plan.served_concurrency), sv.step_budget(plan)) as stack:
+        with sv.served_stack(s.runner, engine_graphs, max(plan.served_concurrency), sv.step_budget(plan),
+                             prefill_graphs=s.prefill_graphs) as stack:
             for c in plan.served_concurrency:
                 progress(f"served, {c} concurrent streaming clients")
                 row = sv.served_speed(stack, s.cfg.vocab_size, c, plan.served_requests_per_client, plan.prompt_len,

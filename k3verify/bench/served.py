@@ -107,7 +107,7 @@ def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int
     linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit. `engine_kw`: more Engine
     settings (scripts/served_profile.py sweeps the admission hold)."""
     cfg = runner.model.cfg
-    warm_up(runner, graphs, step_tokens)  # as `k3verify serve` does before its port opens
+    warm_up(runner, graphs, step_tokens, engine_kw.get("prefill_graphs"))  # as `serve` does before its port opens
     observer = EngineMetrics() if api_process else ServerMetrics()
     engine = Engine(runner, IdTokenizer(cfg.vocab_size), eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
                     max_step_tokens=step_tokens, max_running=max_concurrency, graphs=graphs, observer=observer,

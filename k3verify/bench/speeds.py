@@ -13,6 +13,7 @@ from k3verify.bench.floor import decode_floor_bytes
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 
 
@@ -62,6 +63,24 @@ def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: tor
     finally:
         for sid in ids:
             runner.release(sid)
+
+
+def runner_prefill(runner: ModelRunner, prompts: list[list[int]], graphs: GraphPrefill | None,
+                    times: int = 1) -> torch.Tensor:
+    """Admit the prompts as fresh sequences, prefill them (through `graphs` when given) `times` times, release:
+    the last call's [n, V] logits."""
+    out = torch.empty(0)
+    for _ in range(times):
+        first = max(runner.active_ids, default=-1) + 1
+        ids = list(range(first, first + len(prompts)))
+        for sid, p in zip(ids, prompts, strict=True):
+            runner.admit(sid, len(p) + 1)
+        try:
+            out = runner.prefill(list(zip(ids, prompts, strict=True)), graphs)
+        finally:
+            for sid in ids:
+                runner.release(sid)
+    return out
 
 
 PREFILL_ROUNDS = 7

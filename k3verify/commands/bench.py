@@ -36,6 +36,9 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (no ratios reported)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="prefills of fresh prompts replayed from CUDA graphs, in the prefill rows and the served "
+                        "engine (parity: replay == the static step eagerly, and vs the eager prefill, in the same run)")
     p.add_argument("--profile", default="", help="decode batch sizes to profile (kernels, launch gaps, host)")
     p.add_argument("--profile-prefill", default="", metavar="T1,T2",
                    help="prefill lengths to profile (one sequence, eager: kernels by category, span, host)")
@@ -112,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if args.mxfp4 and args.parity_bar != PARITY_BAR:
         raise UsageError(f"--parity-bar {args.parity_bar} does not apply to --mxfp4: its bars derive from the measured "
                          "noise between two bf16 evaluations of the dequantized model (bench/mxfp4_parity.py)")
+    if args.prefill_graphs and (args.no_graphs or args.mxfp4 or args.speculative is not None):
+        raise UsageError("--prefill-graphs runs with the plain bench's CUDA graphs only (not with --no-graphs, --mxfp4 "
+                         "or --speculative)")
     shape = bench_shape(args)  # before the CUDA check: a wrong name is reported on any machine
     if not torch.cuda.is_available():
         raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
@@ -137,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                        profile_batches=tuple(profile), served_concurrency=tuple(served),
                        profile_prefill_lens=tuple(_ints(args.profile_prefill, "--profile-prefill")
                                                   if args.profile_prefill else ()),
-                       served_requests_per_client=args.served_requests)
+                       served_requests_per_client=args.served_requests, prefill_graphs=args.prefill_graphs)
     result = b.run_bench(plan, shape.cfg, shape.hf_dict, torch.device("cuda"), b.measure_bandwidth())
     result.notes.extend(_weights_note(shape, args.seed))
     _emit(result, args.json)

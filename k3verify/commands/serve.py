@@ -29,6 +29,7 @@ from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
+from k3verify.serving.prefill_graphs import prefill_graphs_for
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import CostGate, SpecPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
@@ -68,6 +69,10 @@ def register(subparsers: Subparsers) -> None:
                         "requests arriving together share one prefill step")
     p.add_argument("--admit-max-hold-ms", type=float, default=1e3 * ADMIT_MAX_HOLD_S, metavar="MS",
                    help="... or once the oldest has waited MS (default %(default)g)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="on CUDA, replay prefills of fresh prompts from CUDA graphs captured per bucket of (tokens, "
+                        "sequences, longest prompt), captured on a bucket's second use (default off: not yet "
+                        "measured on the H200)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
@@ -211,7 +216,10 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
     if layout.world > 1 and args.speculative is not None:
         raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
                          "ranks yet; serve a parallel layout without speculative decoding")
-    graphs = None
+    if args.prefill_graphs and (torch.device(args.device).type != "cuda" or layout.world > 1):
+        raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {args.device}, {layout.describe()}): "
+                         "CUDA graphs over collectives are not captured yet")
+    graphs = prefill_graphs = None
     if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
         args.serving_world = serve_parallel.start_world(target, args, layout)
         runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
@@ -219,6 +227,8 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
         runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
                               device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
         graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
+        if args.prefill_graphs:
+            prefill_graphs = prefill_graphs_for(runner.model, args.max_step_tokens, runner.state_pool.num_slots)
     if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
         raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
                          "(its digest no longer matches the gated one)")
@@ -226,7 +236,7 @@ def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, 
                     max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
                     health_policy=health_policy(args), admit_quiet_s=args.admit_quiet_ms / 1e3,
                     admit_max_hold_s=args.admit_max_hold_ms / 1e3,
-                    speculator=_speculator(args, runner))
+                    speculator=_speculator(args, runner), prefill_graphs=prefill_graphs)
     return engine, tokenizer
 
 
@@ -297,8 +307,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine, tokenizer = build_engine(args, gated)
     # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
     if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
-        print(f"k3verify serve: {warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens).describe()}",
-              flush=True)
+        report = warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens, engine.launcher.prefill_graphs)
+        print(f"k3verify serve: {report.describe()}", flush=True)
     try:
         if args.api_in_process:
             serve_in_process(args, engine, tokenizer, target.name)

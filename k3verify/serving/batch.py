@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
+
+from k3verify.kernels.varlen import DeviceSeqlens
 
 SCRATCH = 0  # reserved page / state slot: padding rows park here, never at -1
 
@@ -34,14 +37,17 @@ class PackedBatch:
     local_pos: torch.Tensor  # [T] offset from the sequence's first token in this pack
     positions: torch.Tensor  # [T] absolute position in its sequence (start_pos + local_pos)
     is_decode: bool = False  # one token per sequence, run with the recurrent/absorbed decode kernels
+    # A static pack (serving/prefill_graphs.py: replayed from a CUDA graph): fresh sequences whose offsets live on
+    # the device only. Its cu_list / start_list raise when read: a host value would be baked into the graph.
+    static: DeviceSeqlens | None = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.cu_list) - 1
+        return self.static.num_seqs if self.static is not None else len(self.cu_list) - 1
 
     @property
     def num_tokens(self) -> int:
-        return self.cu_list[-1]
+        return self.static.num_tokens if self.static is not None else self.cu_list[-1]
 
     @property
     def seq_lens(self) -> list[int]:
@@ -49,7 +55,12 @@ class PackedBatch:
 
     @property
     def has_prefix(self) -> bool:
-        return any(s > 0 for s in self.start_list)
+        return self.static is None and any(s > 0 for s in self.start_list)
+
+    @property
+    def offsets(self) -> list[int] | DeviceSeqlens:
+        """The sequences' offsets as kernels take them: host ints, or a static pack's device offsets."""
+        return self.static if self.static is not None else self.cu_list
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -107,6 +118,21 @@ class PackedBatch:
         seg = segment_ids(cu_t, cu[-1])
         local = torch.arange(cu[-1], device=cu_t.device) - cu_t[seg]
         return cls(ids_t, cu_t, cu, start_t, starts, slot_t, table_t, seg, local, start_t[seg] + local, is_decode)
+
+
+class DeviceOnly(list[int]):
+    """The host-side offsets of a static pack: any read raises (the values live on the device; a kernel that read
+    them here would bake the capture's lengths into a CUDA graph and replay them stale)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def _refuse(self, *_: object) -> NoReturn:
+        raise RuntimeError(f"{self.what} of a static (CUDA-graph) pack live on the device only; this code path read "
+                           "them on the host, which a captured graph would replay stale")
+
+    __getitem__ = __iter__ = __len__ = __contains__ = __reversed__ = _refuse
 
 
 def _staged(stage: Callable[[list[int]], torch.Tensor], input_ids: torch.Tensor, cu: list[int], starts: list[int],

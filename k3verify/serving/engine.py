@@ -44,6 +44,7 @@ from k3verify.serving.events import (
 )
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.health import EngineHealth, HealthPolicy, HealthStatus
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
@@ -88,7 +89,7 @@ class Engine:
                  debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
                  idle_wait_s: float = 0.05, health_policy: HealthPolicy | None = None,
                  speculator: SpeculativeStep | None = None, admit_quiet_s: float = ADMIT_QUIET_S,
-                 admit_max_hold_s: float = ADMIT_MAX_HOLD_S) -> None:
+                 admit_max_hold_s: float = ADMIT_MAX_HOLD_S, prefill_graphs: GraphPrefill | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must name at least one id (config eos and generation eos)")
         if graphs is not None and graphs.buckets[-1] < (max_running or runner.state_pool.num_slots):
@@ -105,7 +106,7 @@ class Engine:
         self.max_step_tokens, self.max_running = max_step_tokens, max_running
         self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
         self.scheduler = self._new_scheduler()
-        self.launcher = StepLauncher(runner, graphs)
+        self.launcher = StepLauncher(runner, graphs, prefill_graphs)
         self.debug = debug
         self.observer = observer
         self.stall_timeout_s = stall_timeout_s

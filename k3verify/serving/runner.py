@@ -22,6 +22,7 @@ from k3verify.serving.staging import HostStaging
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
+    from k3verify.serving.prefill_graphs import GraphPrefill
 
 
 @dataclass
@@ -126,8 +127,10 @@ class ModelRunner:
         self.state_pool.free(seq.slot)
         del self._seqs[seq_id]
 
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Pack and run new tokens of admitted sequences -> [n, V] fp32 logits of each one's last token."""
+    def prefill(self, seqs: list[tuple[int, list[int]]], graphs: GraphPrefill | None = None) -> torch.Tensor:
+        """Pack and run new tokens of admitted sequences -> [n, V] fp32 logits of each one's last token. With
+        `graphs`, a pack of fresh sequences that one of its buckets takes is replayed from a CUDA graph (the rest
+        run eagerly)."""
         if not seqs:
             raise ValueError("prefill needs at least one sequence")
         states = [self._get(sid) for sid, _ in seqs]
@@ -139,16 +142,24 @@ class ModelRunner:
             if st.cached + len(tokens) > st.budget:
                 raise CacheError(f"sequence {sid}: {st.cached} cached + {len(tokens)} new tokens exceed its "
                                  f"admitted budget of {st.budget}")
+        logits = None
+        if graphs is not None and all(st.cached == 0 for st in states):
+            logits = graphs.prefill([t for _, tokens in seqs for t in tokens], [len(t) for _, t in seqs],
+                                    [st.slot for st in states], [self.kv_cache.table(sid) for sid, _ in seqs])
+        if logits is None:
+            logits = self._prefill_eager(seqs, states)
+        for (_, tokens), st in zip(seqs, states, strict=True):
+            st.cached += len(tokens)
+        return logits
+
+    def _prefill_eager(self, seqs: list[tuple[int, list[int]]], states: list[SequenceCache]) -> torch.Tensor:
         ids = torch.tensor([t for _, tokens in seqs for t in tokens], dtype=torch.long)
         batch = PackedBatch.build(ids, [len(t) for _, t in seqs], start_pos=[s.cached for s in states],
                                   slots=[s.slot for s in states],
                                   page_tables=[self.kv_cache.table(sid) for sid, _ in seqs],
                                   page_size=self.kv_cache.page_size, device=self.model.device,
                                   stage=self.staging.to_device)
-        logits = self.model.prefill(batch).logits
-        for (_, tokens), st in zip(seqs, states, strict=True):
-            st.cached += len(tokens)
-        return logits
+        return self.model.prefill(batch).logits
 
     def decode(self, seqs: list[tuple[int, int]], graphs: GraphDecoder | None = None) -> torch.Tensor:
         """One token per sequence (seq_id, last token) -> [n, V] fp32 logits; through `graphs` (captured

@@ -1,6 +1,7 @@
 """One engine step on the device, in two halves: `launch` a StepPlan, later `collect` its token ids.
 
-launch: the plan's prompt chunks as one packed prefill, then one decode of every decodable sequence (through
+launch: the plan's prompt chunks as one packed prefill (replayed from a CUDA graph when prefill graphs are given and
+every chunk starts its sequence), then one decode of every decodable sequence (through
 the CUDA graphs when given; inputs gathered by slot on the device), sampling on the device (the sampler
 contract), the sampled ids stored as each sequence's next input on the device, and one pinned device->host
 copy of [ids | non-finite flags] (plus logprobs when a row asked). Nothing in launch waits for the GPU on
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, apply_logit_bias, sample_tokens
@@ -64,8 +66,9 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class StepLauncher:
-    def __init__(self, runner: ModelRunner, graphs: GraphDecoder | None = None) -> None:
-        self.runner, self.graphs = runner, graphs
+    def __init__(self, runner: ModelRunner, graphs: GraphDecoder | None = None,
+                 prefill_graphs: GraphPrefill | None = None) -> None:
+        self.runner, self.graphs, self.prefill_graphs = runner, graphs, prefill_graphs
         self.device = runner.device
         self.staging = HostStaging(self.device)
         self.readback = PinnedReadback(self.device)
@@ -75,7 +78,9 @@ class StepLauncher:
         rows: list[Request] = []
         parts: list[torch.Tensor] = []
         if plan.prefill:
-            logits = self.runner.prefill([(c.seq.seq_id, c.tokens) for c in plan.prefill])
+            seqs = [(c.seq.seq_id, c.tokens) for c in plan.prefill]
+            logits = self.runner.prefill(seqs) if self.prefill_graphs is None else \
+                self.runner.prefill(seqs, self.prefill_graphs)
             last = [i for i, c in enumerate(plan.prefill) if c.is_last]
             if last:
                 keep = logits if len(last) == len(plan.prefill) else \

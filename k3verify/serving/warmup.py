@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from k3verify.serving.graphs import GraphDecoder
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 
 log = logging.getLogger("k3verify.warmup")
@@ -47,9 +48,12 @@ def prefill_ladder(max_tokens: int, pack: int = 4) -> list[tuple[int, ...]]:
     return [(n,) for n in sizes] + packed
 
 
-def warm_up(runner: ModelRunner, graphs: GraphDecoder | None, max_step_tokens: int) -> WarmupReport:
+def warm_up(runner: ModelRunner, graphs: GraphDecoder | None, max_step_tokens: int,
+            prefill_graphs: GraphPrefill | None = None) -> WarmupReport:
     """Capture every decode bucket of `graphs` and run the prefill ladder up to max_step_tokens (no more than
-    fits the free cache and the free state slots)."""
+    fits the free cache and the free state slots); with `prefill_graphs`, each rung also through their static step
+    without a graph (fla's graph-mode kernels compile here; a bucket's capture, on its second use, then pays no
+    compile)."""
     if runner.active_ids:
         raise RuntimeError(f"warm-up needs an idle runner; sequences {runner.active_ids} are admitted")
     start = time.perf_counter()
@@ -58,27 +62,41 @@ def warm_up(runner: ModelRunner, graphs: GraphDecoder | None, max_step_tokens: i
         for bucket in graphs.buckets:
             graphs.ensure_captured(bucket)  # a graph still valid from an earlier warm-up is kept
         buckets = graphs.buckets
+    paths: list[GraphPrefill | None] = [None]
+    if prefill_graphs is not None:
+        paths.append(GraphPrefill(runner.model, max_tokens=prefill_graphs.max_tokens,
+                                  max_seqs=prefill_graphs.max_seqs, use_graphs=False))
     done = []
     for lengths in prefill_ladder(min(max_step_tokens, runner.max_context)):
         if len(lengths) > runner.state_pool.num_free or not all(runner.can_ever_fit(n) for n in lengths):
             continue
-        ids = list(range(len(lengths)))
-        admitted = []
-        try:
-            for sid, n in zip(ids, lengths, strict=True):
-                if not runner.can_admit(n):
-                    break
-                runner.admit(sid, n)
-                admitted.append(sid)
-            else:
-                with torch.no_grad():
-                    runner.prefill([(sid, [0] * n) for sid, n in zip(ids, lengths, strict=True)])
-                done.append(lengths)
-        finally:
-            for sid in admitted:
-                runner.release(sid)
+        if all(_warm_prefill(runner, lengths, path) for path in paths):
+            done.append(lengths)
     if runner.model.device.type == "cuda":
         torch.cuda.synchronize()
     report = WarmupReport(buckets, tuple(done), time.perf_counter() - start)
     log.info("%s", report.describe())
     return report
+
+
+def _warm_prefill(runner: ModelRunner, lengths: tuple[int, ...], path: GraphPrefill | None) -> bool:
+    """Admit sequences of `lengths`, prefill them (through `path`'s static step when given), release; False when
+    they do not fit the free cache now."""
+    ids = list(range(len(lengths)))
+    admitted = []
+    try:
+        for sid, n in zip(ids, lengths, strict=True):
+            if not runner.can_admit(n):
+                return False
+            runner.admit(sid, n)
+            admitted.append(sid)
+        seqs = [(sid, [0] * n) for sid, n in zip(ids, lengths, strict=True)]
+        with torch.no_grad():
+            if path is None:
+                runner.prefill(seqs)
+            else:
+                runner.prefill(seqs, path)
+        return True
+    finally:
+        for sid in admitted:
+            runner.release(sid)

@@ -50,3 +50,25 @@ def test_warm_up_refuses_a_busy_runner() -> None:
     runner.admit(1, 16)
     with pytest.raises(RuntimeError, match=r"sequences \[1\] are admitted"):
         warm_up(runner, None, 64)
+
+
+def test_warm_up_runs_the_ladder_through_the_prefill_graphs_static_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefill graphs, every rung also runs their static step (fla's graph-mode kernels compile at start-up on
+    CUDA), and the runner is left as it was found."""
+    from k3verify.serving import prefill_graphs as pg
+
+    cfg = get_preset("k3-tiny")
+    runner = build_runner(cfg, synthetic_tensors(cfg), dtype=torch.float32, num_pages=64, num_slots=8)
+    graphs = pg.GraphPrefill(runner.model, max_tokens=128, max_seqs=16, use_graphs=False)
+    runs: list[int] = []
+    real = pg.static_prefill
+
+    def counting(model: object, inputs: pg.PrefillInputs) -> torch.Tensor:
+        runs.append(inputs.shape.num_tokens)
+        return real(model, inputs)
+
+    monkeypatch.setattr(pg, "static_prefill", counting)
+    report = warm_up(runner, None, max_step_tokens=128, prefill_graphs=graphs)
+    assert runner.active_ids == [] and runner.state_pool.num_free == 8
+    bucketed = [p for p in report.prefills if pg.prefill_shape(p, max_tokens=128, max_seqs=16) is not None]
+    assert len(runs) == len(bucketed) > 5

@@ -14,6 +14,7 @@ from k3verify.kernels.kda import fla_triton
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
+from k3verify.kernels.varlen import DeviceSeqlens
 from k3verify.oracle import fla_ref
 from k3verify.oracle import functional as Fn
 from k3verify.serving.layers.moe import PackedWeight, SparseMoE
@@ -156,7 +157,9 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
     """fla's chunk_kda (through our registry) vs the torch path, bf16 inputs: a pack of three sequences (fla's
-    varlen call) and its second sequence alone (the dense call fla_triton makes for one sequence)."""
+    varlen call), its second sequence alone (the dense call fla_triton makes for one sequence), and the pack as a
+    static pack with an empty trailing sequence (fla's graph-capturable `use_graph` mode; the empty sequence's
+    final state is not compared: fla leaves it undefined)."""
     fx.require_fast_path("Triton KDA path", fla_triton.available())
     cu = [0]
     for n in LENS:
@@ -170,7 +173,13 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
                                        lower_bound=-5.0)
         o1, state1 = kda_ops.kda_prefill(bf["q"][one], bf["k"][one], bf["v"][one], x["g"][one], beta[one],
                                          [0, LENS[1]], x["s0"][1:2], DK**-0.5, lower_bound=-5.0)
-        return {"o": o.float(), "state": state, "o_alone": o1.float(), "state_alone": state1}
+        # the same pack as a static (CUDA-graph) pack: offsets on the device, one empty trailing sequence
+        static = DeviceSeqlens(torch.tensor([*cu, cu[-1]], device=ctx.device), cu[-1], max(LENS))
+        s0 = torch.cat([x["s0"], torch.zeros_like(x["s0"][:1])])
+        o2, state2 = kda_ops.kda_prefill(bf["q"], bf["k"], bf["v"], x["g"], beta, static, s0, DK**-0.5,
+                                         lower_bound=-5.0)
+        return {"o": o.float(), "state": state, "o_alone": o1.float(), "state_alone": state1,
+                "o_static": o2.float(), "state_static": state2[:len(LENS)]}
 
     cand = run(x["beta"])
     fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
@@ -182,7 +191,7 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
         REGISTRY.force(kda_ops.PREFILL, None)
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
         f"bf16 q/k/v, fp32 gate/beta/state; fla's bar; sequences of {LENS} tokens packed, and the {LENS[1]}-token "
-        "one alone"])
+        "one alone, and the pack with its offsets on the device (static)"])
 
 
 @register_check(

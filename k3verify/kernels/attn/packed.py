@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from k3verify.kernels.attn import sdpa, torch_ref
 from k3verify.kernels.pinned import to_device
+from k3verify.kernels.varlen import DeviceSeqlens
 
 KeyRange = tuple[int, int, int]
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -72,3 +73,43 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if all(n == Lq for n in q_lens):  # no padded query rows to drop
         return out
     return out.index_select(0, to_device([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dev))
+
+
+def causal_attention_static_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: DeviceSeqlens,
+                                  seg_ids: torch.Tensor, local_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """A static pack of fresh sequences (keys = queries), one sequence at a time over the offsets read back."""
+    cu = seqlens.host()
+    return causal_attention_packed_torch(q, k, v, cu, [(cu[i], cu[i + 1], 0) for i in range(len(cu) - 1)], scale)
+
+
+def accepts_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: DeviceSeqlens, seg_ids: torch.Tensor,
+                   local_pos: torch.Tensor, scale: float) -> str | None:
+    if not q.is_cuda:
+        return f"tensors are on {q.device}, not CUDA"
+    if q.dtype not in _DTYPES:
+        return f"activation dtype {q.dtype} is not one of {_DTYPES} (the exact fp32 path is the torch reference)"
+    if not (q.shape[0] == k.shape[0] == v.shape[0] == seg_ids.shape[0] == local_pos.shape[0] == seqlens.num_tokens):
+        return (f"a static pack of {seqlens.num_tokens} tokens got q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}, "
+                f"{seg_ids.shape[0]} segment ids, {local_pos.shape[0]} offsets (its keys are its own queries)")
+    return None
+
+
+def causal_attention_static_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: DeviceSeqlens,
+                                 seg_ids: torch.Tensor, local_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """causal_attention_packed_sdpa for a static pack of fresh sequences, with nothing from the host but the
+    bucket's bounds: the pack padded to [num_seqs, max_len] by gathers computed on the device from `seqlens.cu`, one
+    causal SDPA call, and each token's row gathered back by its (segment id, offset). Every shape is fixed by the
+    bucket, so a captured graph replays it over any lengths the bounds admit. Padded positions (and the rows of
+    empty trailing sequences) read a real row, so they stay finite; causality keeps every live query off them."""
+    B, T = seqlens.num_seqs, seqlens.num_tokens
+    cudnn = sdpa.uses_cudnn(B, seqlens.max_len, seqlens.max_len)
+    L = sdpa.padded_len(seqlens.max_len, cudnn)
+    cu = seqlens.cu
+    start, n = cu[:-1], cu[1:] - cu[:-1]
+    t = torch.arange(L, device=q.device)
+    rows = (start[:, None] + torch.minimum(t[None, :], (n - 1).clamp(min=0)[:, None])).clamp(max=T - 1)  # [B, L]
+    qp, kp, vp = q[rows].transpose(1, 2), k[rows].transpose(1, 2), v[rows].transpose(1, 2)  # [B, h, L, d]
+    with sdpa.fused_backends(q.device, cudnn):
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+    out = out.transpose(1, 2).reshape(B * L, q.shape[1], v.shape[2])
+    return out.index_select(0, seg_ids * L + local_pos)

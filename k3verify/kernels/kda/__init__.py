@@ -11,6 +11,7 @@ import torch
 
 from k3verify.kernels.kda import fla_triton, gate_triton, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
+from k3verify.kernels.varlen import Offsets
 
 PREFILL = "kda.prefill"
 DECODE_SLOTS = fla_triton.DECODE_SLOTS
@@ -33,10 +34,11 @@ REGISTRY.register(GATE_BETA, TRITON, gate_triton.gate_beta_triton, accepts=gate_
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                cu_seqlens: Offsets, initial_state: torch.Tensor, scale: float,
                 lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q,k [T,h,dk] raw; v [T,h,dv]; g [T,h,dk] fp32 log decay; beta [T,h] post-sigmoid;
-    initial_state [N,h,dk,dv] fp32 -> (o [T,h,dv], final_state [N,h,dk,dv] fp32)."""
+    initial_state [N,h,dk,dv] fp32 -> (o [T,h,dv], final_state [N,h,dk,dv] fp32). cu_seqlens: host offsets, or a
+    static pack's device offsets (kernels/varlen.py; on CUDA fla's graph-capturable varlen mode)."""
     return dispatch(PREFILL, q, k, v, g, beta, cu_seqlens, initial_state, scale, lower_bound=lower_bound,
                     device=q.device)
 

@@ -18,9 +18,11 @@ import torch
 
 from k3verify.kernels.pinned import host_tensor
 from k3verify.kernels.registry import REGISTRY
+from k3verify.kernels.varlen import DeviceSeqlens, Offsets
 
 _PREFILL_PARAMS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                    "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "cu_seqlens", "cu_seqlens_cpu")
+_GRAPH_PARAMS = ("use_graph", "max_num_seqs")
 MAX_HEAD_DIM = 256  # fla's KDA kernels assert K <= 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -75,16 +77,36 @@ def _shape_reason(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> str 
 
 
 def accepts_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                    cu_seqlens: Offsets, initial_state: torch.Tensor, scale: float,
                     lower_bound: float | None = None) -> str | None:
     if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
         return f"lower_bound {lower_bound} is outside fla's safe-gate range [-5, 0)"
+    if isinstance(cu_seqlens, DeviceSeqlens):
+        reason = _graph_mode_reason()
+        if reason is not None:
+            return reason
+        if cu_seqlens.num_tokens != q.shape[0] or initial_state.shape[0] != cu_seqlens.num_seqs:
+            return (f"a static pack of {cu_seqlens.num_tokens} tokens / {cu_seqlens.num_seqs} sequences got "
+                    f"{q.shape[0]} tokens and {initial_state.shape[0]} initial states")
     return _shape_reason(q, v, initial_state)
+
+
+@functools.cache
+def _graph_mode_reason() -> str | None:
+    """Why fla's chunk_kda cannot take a static pack's device offsets (its `use_graph` varlen mode: the chunk list
+    built on the device, empty trailing sequences allowed), or None."""
+    ops = _fla_ops()
+    if isinstance(ops, str):
+        return ops
+    params = inspect.signature(ops[0]).parameters
+    missing = [p for p in _GRAPH_PARAMS if p not in params]
+    return f"fla chunk_kda lacks parameters {missing} (signature probe): no graph-capturable varlen mode" \
+        if missing else None
 
 
 
 def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                    cu_seqlens: Offsets, initial_state: torch.Tensor, scale: float,
                     lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     chunk_kda, _ = _loaded_ops()
     dt = q.dtype
@@ -100,12 +122,15 @@ def kda_prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 _last_varlen: list[tuple[tuple[int, ...], torch.device, dict[str, torch.Tensor]]] = []
 
 
-def _varlen(cu_seqlens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+def _varlen(cu_seqlens: Offsets, device: torch.device) -> dict[str, Any]:
     """chunk_kda's varlen arguments for a pack, without a host sync: none for one sequence (the dense [1, T]
     call), else the offsets on the device (an asynchronous copy) and on the host (`cu_seqlens_cpu`: fla derives
     its chunk indices there instead of reading the device tensor back). The same tensors are handed to every
     KDA layer of a pass, so fla's tensor_cache (keyed on argument identity) prepares the indices once, not
-    once per layer."""
+    once per layer. A static pack's offsets stay on the device: fla's `use_graph` mode builds a fixed-shape chunk
+    list there (recorded into a captured graph, so a replay over other lengths rebuilds it)."""
+    if isinstance(cu_seqlens, DeviceSeqlens):
+        return {"cu_seqlens": cu_seqlens.cu, "use_graph": True, "max_num_seqs": cu_seqlens.num_seqs}
     if len(cu_seqlens) == 2:
         return {}
     key = tuple(cu_seqlens)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3verify.kernels.varlen import Offsets, host_offsets
+
 CHUNK = 64
 L2_EPS = 1e-6
 
@@ -86,15 +88,17 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def kda_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      cu_seqlens: list[int], initial_state: torch.Tensor, scale: float,
+                      cu_seqlens: Offsets, initial_state: torch.Tensor, scale: float,
                       lower_bound: float | None = None, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed varlen prefill.
+    """Packed varlen prefill (a static pack's device offsets are read back: its empty trailing sequences keep
+    their initial state).
 
     q, k: [T, h, dk] raw (L2-normalized here, in fp32); v: [T, h, dv]; g: [T, h, dk] log decay;
     beta: [T, h] post-sigmoid; cu_seqlens: N+1 host ints; initial_state: [N, h, dk, dv] (fp32, or fp64
     for a gold run). `lower_bound` only tells fast paths that g is bounded (safe gate); g is final here.
     Returns o [T, h, dv] in v's dtype and the final state [N, h, dk, dv].
     """
+    cu_seqlens = host_offsets(cu_seqlens)
     cdt = _compute_dtype(initial_state)
     qn = (l2_normalize(q, cdt) * scale).transpose(0, 1)  # [h, T, dk]
     kn = l2_normalize(k, cdt).transpose(0, 1)

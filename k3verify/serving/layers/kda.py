@@ -206,11 +206,17 @@ class KimiDeltaAttention(nn.Module):
                 state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
             else:
                 state0 = torch.zeros(b.num_seqs, h, dk, dk, dtype=torch.float32, device=x.device)
-            pieces = segment_pieces(b.seq_lens, ctx.segment_len)
-            check_pieces(b.seq_lens, pieces)
-            if ctx.segment_len is not None:
-                ctx.bump("kda_segmented")
-            o, state = run_pieces_unchecked(q, k, v, g, beta, b.cu_list, pieces, state0, scale, self.lower_bound)
+            if b.static is not None:  # whole fresh sequences, offsets on the device only (a CUDA-graph prefill)
+                if ctx.segment_len is not None:
+                    raise ValueError("a static pack runs whole sequences; segment_len must be None")
+                o, state = kda_prefill(q, k, v, g, beta, b.static, state0, scale, lower_bound=self.lower_bound)
+            else:
+                pieces = segment_pieces(b.seq_lens, ctx.segment_len)
+                check_pieces(b.seq_lens, pieces)
+                if ctx.segment_len is not None:
+                    ctx.bump("kda_segmented")
+                o, state = run_pieces_unchecked(q, k, v, g, beta, b.cu_list, pieces, state0, scale,
+                                                self.lower_bound)
             if pool is not None:
                 assert b.slots is not None
                 pool.store_state(self.layer_idx, b.slots, state)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.kernels.attn import causal_attention_packed
+from k3verify.kernels.attn import causal_attention_packed, causal_attention_static
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
@@ -132,13 +132,21 @@ class MultiHeadLatentAttention(nn.Module):
         rows = ctx.memo("mla.context_rows", lambda: context_rows(b, cache, key_cu[-1]))  # shared by the MLA layers
         return cache.layer(self.layer_idx).index_select(0, rows).to(lat.dtype), key_cu
 
-    def _attend(self, q: torch.Tensor, lat: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        keys_lat, key_cu = self._context_latents(lat, ctx)
+    def _keys_values(self, keys_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [Tk, rank + rope] -> keys [Tk, nh, nope + rope] and values [Tk, nh, v_dim] (kv_b_proj expanded)."""
         kv = self.kv_b_proj(keys_lat[:, : self.rank]).view(-1, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = keys_lat[:, None, self.rank:].expand(-1, self.heads, -1)
-        k = torch.cat([k_nope, k_rot], dim=-1)  # [Tk, nh, nope + rope]
-        return causal_attention_packed(q, k, v, ctx.batch.cu_list, key_ranges(ctx.batch, key_cu), self.scale)
+        return torch.cat([k_nope, k_rot], dim=-1), v
+
+    def _attend(self, q: torch.Tensor, lat: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        b = ctx.batch
+        if b.static is not None:  # fresh sequences, offsets on the device only (a CUDA-graph prefill)
+            k, v = self._keys_values(lat)
+            return causal_attention_static(q, k, v, b.static, b.seg_ids, b.local_pos, self.scale)
+        keys_lat, key_cu = self._context_latents(lat, ctx)
+        k, v = self._keys_values(keys_lat)
+        return causal_attention_packed(q, k, v, b.cu_list, key_ranges(b, key_cu), self.scale)
 
     def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Every query token against its sequence's cached context up to itself, in the latent space (one token

@@ -23,6 +23,7 @@ from k3verify.serving.runner import ModelRunner
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
+    from k3verify.serving.prefill_graphs import GraphPrefill
 
 log = logging.getLogger(__name__)
 MIRRORED = ("admit", "release", "prefill", "decode", "decode_next", "set_next_tokens", "reset_caches")
@@ -64,7 +65,9 @@ class MirroredRunner(ModelRunner):
         self.channel.send(("release", (seq_id,)))
         super().release(seq_id)
 
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def prefill(self, seqs: list[tuple[int, list[int]]], graphs: GraphPrefill | None = None) -> torch.Tensor:
+        if graphs is not None:
+            raise ValueError("CUDA graphs over collectives need the multi-GPU run; a parallel runner prefills eagerly")
         self.channel.send(("prefill", (seqs,)))
         return super().prefill(seqs)
 

@@ -1,0 +1,261 @@
+"""CUDA-graph prefill: a pack of fresh sequences replayed from a graph captured per bucket of its shape.
+
+Why: an eager prefill is host-bound on the H200. A 1 x 1024 prefill of kl-48b-8l took 29 ms of wall time for
+11.4 ms of kernels (595 launches, ~105 of them Triton launches through Python; 2026-12-04, scripts/prefill_diag.py),
+and every served TTFT pays the same. A replay pays one launch.
+
+A bucket (`PrefillShape`) fixes what a graph bakes in: T tokens, B sequences, no sequence longer than L. A pack of
+n fresh sequences fits a bucket by padding: its tokens first, then filler sequences of at most L tokens that make
+the total T, then empty sequences that make the count B. Fillers and empty sequences park on the scratch state slot
+and the scratch page (batch.SCRATCH), as a decode graph's padded rows do; their logits are never read. The offsets
+reach the layers as a `DeviceSeqlens` (kernels/varlen.py): on the device only, so the graph rebuilds everything
+that depends on the lengths at every replay (fla's chunk list, the attention's gathers, the conv's segments), and a
+layer that reads them on the host raises (batch.DeviceOnly) instead of baking the capture's lengths in.
+
+Only fresh sequences (nothing cached, no segmenting) take a graph; a continuation (a chunked prompt's later piece)
+runs eagerly. Capture happens on a shape's `capture_after`-th sighting (one-off shapes do not pay a capture), over
+scratch rows only; a capture that fails leaves that bucket eager with one logged warning. The capture signature of
+the decode graphs (serving/graphs.capture_signature) guards against caches re-created under a graph.
+
+`static_prefill` is the same step without a graph: the CPU tests run it against ServingModel.prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from k3verify.kernels.varlen import DeviceSeqlens
+from k3verify.serving.batch import SCRATCH, DeviceOnly, PackedBatch, segment_ids
+from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
+from k3verify.serving.model import ServingModel
+from k3verify.serving.staging import HostStaging
+
+log = logging.getLogger("k3verify.prefill_graphs")
+
+MIN_LEN = 64  # the smallest length bound (one KDA chunk)
+MAX_PADDED_RATIO = 4  # B x L (the padded attention's rows) may be at most this many times T
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    num_tokens: int  # T
+    num_seqs: int  # B: live + filler + empty sequences
+    max_len: int  # L: no sequence is longer
+
+    @property
+    def padded_rows(self) -> int:
+        return self.num_seqs * self.max_len
+
+
+def prefill_shape(seq_lens: Sequence[int], *, max_tokens: int, max_seqs: int) -> PrefillShape | None:
+    """The bucket a pack of fresh sequences of these lengths pads to, or None when none is worth it: T and L the
+    next powers of two (L at least MIN_LEN), B the next power of two of the live sequences plus the fillers that
+    make up T; None past max_tokens / max_seqs, or when the padded attention would hold more than
+    MAX_PADDED_RATIO x T rows (one long prompt among many short ones)."""
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"a prefill needs sequences of at least one token; got lengths {list(seq_lens)}")
+    total = sum(seq_lens)
+    L = max(MIN_LEN, _pow2(max(seq_lens)))
+    T = max(_pow2(total), L)
+    B = _pow2(len(seq_lens) + -(-(T - total) // L))
+    if T > max_tokens or B > max_seqs or B * L > MAX_PADDED_RATIO * T:
+        return None
+    return PrefillShape(T, B, L)
+
+
+def filler_lens(shape: PrefillShape, seq_lens: Sequence[int]) -> list[int]:
+    """Lengths of the filler sequences that pad `seq_lens` to shape.num_tokens, each at most shape.max_len."""
+    pad = shape.num_tokens - sum(seq_lens)
+    return [min(shape.max_len, pad - i) for i in range(0, pad, shape.max_len)]
+
+
+class PrefillInputs:
+    """Device buffers one bucket's graph reads, all views of one int64 tensor (one staged copy fills them):
+    token ids [T], offsets [B+1], state slots [B], page table [B, P]."""
+
+    def __init__(self, shape: PrefillShape, page_size: int, device: torch.device) -> None:
+        T, B = shape.num_tokens, shape.num_seqs
+        pages = -(-shape.max_len // page_size)
+        self.shape, self.pages, self.page_size = shape, pages, page_size
+        self.buffer = torch.zeros(T + (B + 1) + B + B * pages, dtype=torch.long, device=device)
+        ids, cu, slots, table = self.buffer.split([T, B + 1, B, B * pages])
+        self.input_ids, self.cu_seqlens, self.slots, self.page_table = ids, cu, slots, table.view(B, pages)
+        self.start_pos = torch.zeros(B, dtype=torch.long, device=device)  # fresh sequences only (constant)
+
+    def values(self, ids: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int],
+               tables: Sequence[Sequence[int]]) -> list[int]:
+        """The buffer's contents for live sequences (ids packed in order): fillers and empty sequences after them
+        on the scratch slot and page. Checks what a graph cannot: the pack fits the bucket."""
+        s, P = self.shape, self.pages
+        n = len(seq_lens)
+        if sum(seq_lens) != len(ids) or len(slots) != n or len(tables) != n:
+            raise ValueError(f"{len(ids)} ids, {n} lengths (sum {sum(seq_lens)}), {len(slots)} slots and "
+                             f"{len(tables)} page tables do not describe one pack")
+        if n and (sum(seq_lens) > s.num_tokens or max(seq_lens) > s.max_len or min(seq_lens) < 1):
+            raise ValueError(f"lengths {list(seq_lens)} do not fit the bucket {s}")
+        if any(int(x) == SCRATCH for x in slots):
+            raise ValueError(f"a live sequence on the scratch slot: {list(slots)}")
+        fill = filler_lens(s, seq_lens)
+        count = n + len(fill)
+        if count > s.num_seqs:
+            raise ValueError(f"{n} sequences and {len(fill)} fillers exceed the bucket's {s.num_seqs} sequences")
+        cu = [0]
+        for m in [*seq_lens, *fill]:
+            cu.append(cu[-1] + m)
+        cu += [cu[-1]] * (s.num_seqs - count)
+        rows = []
+        for m, t in zip(seq_lens, tables, strict=True):
+            row = [int(p) for p in t[:P]]  # a fresh sequence of at most L tokens reads only its first P pages
+            if len(row) < -(-m // self.page_size) or SCRATCH in row:
+                raise ValueError(f"page table {list(t)} cannot hold {m} tokens at page size {self.page_size} "
+                                 "without the scratch page")
+            rows.append(row + [SCRATCH] * (P - len(row)))
+        rows += [[SCRATCH] * P] * (s.num_seqs - n)
+        return [*map(int, ids), *[0] * (s.num_tokens - len(ids)), *cu, *map(int, slots),
+                *[SCRATCH] * (s.num_seqs - n), *[p for r in rows for p in r]]
+
+    def fill(self, staging: HostStaging, ids: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int],
+             tables: Sequence[Sequence[int]]) -> None:
+        staging.copy_into(self.buffer, self.values(ids, seq_lens, slots, tables))
+
+
+def static_batch(inputs: PrefillInputs) -> PackedBatch:
+    """The pack a bucket's buffers describe, its per-token metadata computed on the device from the offsets."""
+    s = inputs.shape
+    cu = inputs.cu_seqlens
+    seg = segment_ids(cu, s.num_tokens)  # never an empty trailing sequence: they start at T
+    local = torch.arange(s.num_tokens, device=cu.device) - cu[seg]
+    return PackedBatch(
+        input_ids=inputs.input_ids, cu_seqlens=cu, cu_list=DeviceOnly("sequence offsets"), start_pos=inputs.start_pos,
+        start_list=DeviceOnly("cached-prefix lengths"), slots=inputs.slots, page_table=inputs.page_table,
+        seg_ids=seg, local_pos=local, positions=local, static=DeviceSeqlens(cu, s.num_tokens, s.max_len),
+    )
+
+
+def static_prefill(model: ServingModel, inputs: PrefillInputs) -> torch.Tensor:
+    """One prefill over a bucket's buffers -> [B, V] fp32 logits of every sequence's last token (fillers' and empty
+    sequences' rows included), with no host synchronisation and no host value but the bucket's bounds."""
+    return model._forward(model._context(static_batch(inputs), None), False, False).logits
+
+
+class GraphPrefill:
+    """Prefill of fresh sequences through captured CUDA graphs per bucket (or, with use_graphs=False, the same static
+    step eagerly: the CPU tests). `prefill` returns None for a pack no bucket takes: the caller runs it eagerly."""
+
+    def __init__(self, model: ServingModel, *, max_tokens: int, max_seqs: int, use_graphs: bool | None = None,
+                 capture_after: int = 2, max_graphs: int = 8) -> None:
+        if model.kv_cache is None or model.state_pool is None:
+            raise RuntimeError("GraphPrefill needs the model's caches allocated first")
+        if capture_after < 1 or max_graphs < 1:
+            raise ValueError(f"capture_after and max_graphs must be >= 1; got {capture_after}, {max_graphs}")
+        self.model, self.max_tokens, self.max_seqs = model, max_tokens, max_seqs
+        self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device}")
+        self.capture_after, self.max_graphs = capture_after, max_graphs
+        self.staging = HostStaging(model.device)
+        self._inputs: dict[PrefillShape, PrefillInputs] = {}
+        self._graphs: OrderedDict[PrefillShape, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = OrderedDict()
+        self.sightings: Counter[PrefillShape] = Counter()
+        self.eager_shapes: dict[PrefillShape, str] = {}  # bucket -> why its capture failed (warned once)
+        self.captures = 0  # captures done (re-captures included)
+        self.replays = 0  # prefills served by a graph replay
+        self.static_runs = 0  # prefills served by the static step without a graph
+
+    def shape_for(self, seq_lens: Sequence[int]) -> PrefillShape | None:
+        return prefill_shape(seq_lens, max_tokens=self.max_tokens, max_seqs=self.max_seqs)
+
+    def _static(self, shape: PrefillShape) -> PrefillInputs:
+        if shape not in self._inputs:
+            assert self.model.kv_cache is not None
+            self._inputs[shape] = PrefillInputs(shape, self.model.kv_cache.page_size, self.model.device)
+        return self._inputs[shape]
+
+    def capture(self, shape: PrefillShape) -> None:
+        """Capture (or re-capture) one bucket; its warm-up calls run on scratch rows only."""
+        if not self.use_graphs:
+            raise RuntimeError("capture needs use_graphs=True (a CUDA model)")
+        inputs = self._static(shape)
+        inputs.fill(self.staging, [], [], [], [])
+
+        def step() -> torch.Tensor:
+            with torch.no_grad():
+                return static_prefill(self.model, inputs)
+
+        try:
+            graph, out = cuda_graph_recorder(step)
+        except RuntimeError as exc:  # a host sync, a pageable copy or a host read of the offsets: not capturable
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            self.eager_shapes[shape] = reason
+            log.warning("CUDA-graph capture of prefill bucket %s failed, so packs of that bucket prefill eagerly: %s",
+                        shape, reason)
+            return
+        self._graphs[shape] = (graph, out, capture_signature(self.model))
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            evicted, _ = self._graphs.popitem(last=False)
+            log.info("prefill graph %s evicted (at most %d kept)", evicted, self.max_graphs)
+
+    def _graph(self, shape: PrefillShape) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature] | None:
+        entry = self._graphs.get(shape)
+        if entry is not None and entry[2] != capture_signature(self.model):
+            log.warning("prefill graph %s was captured over other cache tensors: re-capturing", shape)
+            del self._graphs[shape]
+            entry = None
+        if entry is None and self.sightings[shape] >= self.capture_after:
+            self.capture(shape)
+            entry = self._graphs.get(shape)
+        if entry is not None:
+            self._graphs.move_to_end(shape)
+        return entry
+
+    def prefill(self, ids: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int],
+                tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """[n, V] fp32 logits of each live sequence's last token (a copy), or None when no bucket takes the pack, or
+        the graphs are on and this bucket has none yet (its first sightings, or a failed capture): the caller runs
+        those eagerly."""
+        shape = self.shape_for(seq_lens)
+        if shape is None or shape in self.eager_shapes:
+            return None
+        self.sightings[shape] += 1
+        entry = self._graph(shape) if self.use_graphs else None
+        if self.use_graphs and entry is None:
+            return None
+        inputs = self._static(shape)
+        inputs.fill(self.staging, ids, seq_lens, slots, tables)
+        n = len(seq_lens)
+        if entry is None:
+            self.static_runs += 1
+            with torch.no_grad():
+                return static_prefill(self.model, inputs)[:n].clone()
+        graph, out, _ = entry
+        graph.replay()
+        self.replays += 1
+        return out[:n].clone()
+
+    def replay_stale(self, seq_lens: Sequence[int]) -> torch.Tensor | None:
+        """Replay the graph of the bucket `seq_lens` fits over whatever its buffers hold now, without refilling them
+        (a control: what a replay of the previous pack computes). None if that bucket has no valid graph."""
+        shape = self.shape_for(seq_lens)
+        entry = None if shape is None else self._graphs.get(shape)
+        if entry is None or entry[2] != capture_signature(self.model):
+            return None
+        entry[0].replay()
+        return entry[1][:len(seq_lens)].clone()
+
+
+def prefill_graphs_for(model: ServingModel, max_step_tokens: int, num_slots: int) -> GraphPrefill | None:
+    """The engine's prefill graphs on a CUDA model: buckets up to the step's token budget and twice the state slots
+    (fillers count as sequences); None on other devices."""
+    if model.device.type != "cuda":
+        return None
+    return GraphPrefill(model, max_tokens=_pow2(max_step_tokens), max_seqs=2 * _pow2(num_slots))

@@ -1,0 +1,186 @@
+"""CUDA-graph prefill without a graph (CPU): the bucket policy, the buffers' padding, the static step against the
+eager prefill, the host-offset guard, and the engine with prefill graphs on. Capture and replay: tests/serving/
+test_prefill_graphs_cuda.py and the gate checks serving.prefill_graph.* (CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+from k3verify.presets import get_preset
+from k3verify.serving.batch import SCRATCH, DeviceOnly
+from k3verify.serving.prefill_graphs import (
+    MAX_PADDED_RATIO,
+    GraphPrefill,
+    PrefillInputs,
+    PrefillShape,
+    filler_lens,
+    prefill_shape,
+    static_batch,
+)
+from k3verify.serving.runner import ModelRunner, build_runner, generate_greedy
+
+EXACT = [list(range(10, 74)), list(range(60, 124)), list(range(100, 164)), list(range(7, 71))]  # 4 x 64: no filler
+
+
+def _runner(preset: str = "k3-tiny") -> ModelRunner:
+    cfg = get_preset(preset)
+    return build_runner(cfg, synthetic_tensors(cfg), dtype=torch.float32, num_pages=64, page_size=8, num_slots=8,
+                        max_context=256)
+
+
+def _graphs(runner: ModelRunner) -> GraphPrefill:
+    return GraphPrefill(runner.model, max_tokens=512, max_seqs=16, use_graphs=False, capture_after=1)
+
+
+def _prefill(runner: ModelRunner, prompts: list[list[int]], graphs: GraphPrefill | None
+             ) -> tuple[list[int], torch.Tensor]:
+    first = max(runner.active_ids, default=-1) + 1
+    ids = list(range(first, first + len(prompts)))
+    for sid, p in zip(ids, prompts, strict=True):
+        runner.admit(sid, len(p) + 4)
+    return ids, runner.prefill(list(zip(ids, prompts, strict=True)), graphs)
+
+
+def _live(runner: ModelRunner, ids: list[int]) -> dict[str, torch.Tensor]:
+    slots = [runner.slot_of(s) for s in ids]
+    pages = [p for s in ids for p in runner.kv_cache.table(s)]
+    out = {k: v[:, slots].clone() for k, v in runner.state_pool.tensors().items()}
+    out["latents"] = runner.kv_cache.data[:, pages].clone()
+    return out
+
+
+def test_buckets() -> None:
+    assert prefill_shape([1024], max_tokens=8192, max_seqs=128) == PrefillShape(1024, 1, 1024)
+    assert prefill_shape([128] * 64, max_tokens=8192, max_seqs=128) == PrefillShape(8192, 64, 128)
+    # 1000 tokens: a filler of 24 makes 1024, so two sequences
+    assert prefill_shape([1000], max_tokens=8192, max_seqs=128) == PrefillShape(1024, 2, 1024)
+    assert prefill_shape([10], max_tokens=8192, max_seqs=128) == PrefillShape(64, 2, 64)  # bounds: at least a chunk
+    # one long prompt among short ones would pad the attention to 64 x 1024 rows: eager
+    assert prefill_shape([1000] + [10] * 60, max_tokens=8192, max_seqs=128) is None
+    assert prefill_shape([4096], max_tokens=2048, max_seqs=128) is None
+    assert prefill_shape([64] * 40, max_tokens=8192, max_seqs=32) is None
+    with pytest.raises(ValueError, match="at least one token"):
+        prefill_shape([5, 0], max_tokens=8192, max_seqs=128)
+
+
+@pytest.mark.parametrize("lens", [[1000], [50, 40], [30, 50, 20], [128] * 37, [700, 300, 20]])
+def test_bucket_fits_its_pack(lens: list[int]) -> None:
+    """Every pack fits its bucket: fillers no longer than L make up T, and live + fillers fit B; the padded attention
+    stays within its bound."""
+    shape = prefill_shape(lens, max_tokens=1 << 14, max_seqs=256)
+    assert shape is not None
+    fill = filler_lens(shape, lens)
+    assert sum(lens) + sum(fill) == shape.num_tokens and all(0 < f <= shape.max_len for f in fill)
+    assert len(lens) + len(fill) <= shape.num_seqs and max(lens) <= shape.max_len
+    assert shape.padded_rows <= MAX_PADDED_RATIO * shape.num_tokens
+    assert len(filler_lens(shape, [])) <= shape.num_seqs  # the capture's all-filler pack fits too
+
+
+def test_buffer_values_pad_on_scratch() -> None:
+    inputs = PrefillInputs(PrefillShape(128, 4, 64), page_size=16, device=torch.device("cpu"))
+    vals = inputs.values(list(range(90)), [50, 40], [3, 5], [[7, 8, 9, 10], [11, 12, 13]])
+    ids, cu, slots, table = torch.tensor(vals).split([128, 5, 4, 16])
+    assert ids[:90].tolist() == list(range(90)) and ids[90:].eq(0).all()
+    assert cu.tolist() == [0, 50, 90, 128, 128]  # a filler of 38 tokens, then an empty sequence at the end
+    assert slots.tolist() == [3, 5, SCRATCH, SCRATCH]
+    # a live sequence of at most 64 tokens reads only its first 4 pages; fillers read the scratch page only
+    assert table.view(4, 4).tolist() == [[7, 8, 9, 10], [11, 12, 13, SCRATCH], [SCRATCH] * 4, [SCRATCH] * 4]
+    with pytest.raises(ValueError, match="do not fit the bucket"):
+        inputs.values(list(range(65)), [65], [3], [[1, 2, 3, 4, 5]])
+    with pytest.raises(ValueError, match="scratch slot"):
+        inputs.values(list(range(10)), [10], [SCRATCH], [[1]])
+    with pytest.raises(ValueError, match="cannot hold"):
+        inputs.values(list(range(40)), [40], [3], [[1, 2]])
+
+
+def test_device_only_offsets_refuse_host_reads() -> None:
+    offsets = DeviceOnly("sequence offsets")
+    for read in (lambda: offsets[0], lambda: list(offsets), lambda: len(offsets), lambda: max(offsets)):
+        with pytest.raises(RuntimeError, match="live on the device only"):
+            read()
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kl-tiny"])
+def test_static_step_equals_eager_prefill_bitexact(preset: str) -> None:
+    """No filler, no empty sequence: the same GEMM shapes, so the static step is the eager prefill bit for bit
+    (logits, KDA states, conv windows, latents)."""
+    eager = _runner(preset)
+    ids, ref = _prefill(eager, EXACT, None)
+    static = _runner(preset)
+    graphs = _graphs(static)
+    ids2, cand = _prefill(static, EXACT, graphs)
+    assert ids2 == ids and graphs.static_runs == 1 and graphs.shape_for([64] * 4) == PrefillShape(256, 4, 64)
+    assert torch.equal(cand, ref)
+    want, got = _live(eager, ids), _live(static, ids)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_reused_buffers_follow_the_new_pack_and_fillers_stay_on_scratch() -> None:
+    """Two packs of other lengths through one bucket's buffers: the second matches its own eager prefill (not the
+    first's offsets), and slots and pages of no live sequence are left as they were."""
+    first = [list(range(5, 35)), list(range(40, 90)), list(range(1, 21))]
+    second = [list(range(3, 53)), list(range(9, 49))]
+    eager = _runner()
+    for prompts in (first, second):
+        ids, ref = _prefill(eager, prompts, None)
+        if prompts is first:
+            for sid in ids:
+                eager.release(sid)
+    static = _runner()
+    graphs = _graphs(static)
+    ids, _ = _prefill(static, first, graphs)
+    for sid in ids:
+        static.release(sid)
+    pool_before = {k: v.clone() for k, v in static.state_pool.tensors().items()}
+    ids, cand = _prefill(static, second, graphs)
+    assert graphs.static_runs == 2 and graphs.shape_for([50, 40]) == graphs.shape_for([30, 50, 20])
+    # the filler changes GEMM and expert-group shapes: rounding, not bits
+    assert torch.allclose(cand, ref, rtol=0, atol=1e-4), (cand - ref).abs().max()
+    want, got = _live(eager, ids), _live(static, ids)
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-4), key
+    live = {static.slot_of(s) for s in ids} | {SCRATCH}
+    for k, v in static.state_pool.tensors().items():
+        others = [i for i in range(v.shape[1]) if i not in live]
+        assert torch.equal(v[:, others], pool_before[k][:, others]), k
+
+
+def test_continuations_and_unbucketed_packs_run_eagerly() -> None:
+    runner = _runner()
+    graphs = _graphs(runner)
+    runner.admit(0, 80)
+    runner.prefill([(0, list(range(40)))], graphs)
+    runner.prefill([(0, list(range(40, 70)))], graphs)  # a continuation: its prefix is cached
+    assert graphs.static_runs == 1
+    small = GraphPrefill(runner.model, max_tokens=128, max_seqs=16, use_graphs=False)
+    runner.admit(1, 210)
+    runner.prefill([(1, list(range(200)))], small)  # 200 tokens need a bucket of 256: past this one's budget
+    assert small.static_runs == 0 and not small.sightings
+
+
+def test_static_pack_refuses_host_offsets_and_segmented_kda() -> None:
+    runner = _runner()
+    graphs = _graphs(runner)
+    inputs = graphs._static(PrefillShape(64, 1, 64))
+    inputs.fill(graphs.staging, [1] * 64, [64], [3], [list(range(1, 9))])
+    batch = static_batch(inputs)
+    assert batch.num_seqs == 1 and batch.num_tokens == 64 and not batch.has_prefix
+    with pytest.raises(RuntimeError, match="live on the device only"):
+        _ = batch.seq_lens
+    with pytest.raises(ValueError, match="segment_len must be None"):
+        runner.model.prefill(batch, segment_len=64)
+
+
+def test_engine_with_prefill_graphs_matches_offline_greedy() -> None:
+    from tests.serving.test_step_loop import _engine_tokens
+
+    prompts = [list(range(10, 40)), list(range(3, 60)), [7] * 20, list(range(100, 110))]
+    runner = _runner()
+    want = generate_greedy(runner, prompts, 6)
+    graphs = _graphs(runner)
+    got = _engine_tokens(runner, prompts, 6, max_step_tokens=256, prefill_graphs=graphs)
+    assert got == want
+    assert graphs.static_runs >= 1
