@@ -45,6 +45,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _eighths(n: int, least: int) -> int:
+    """n rounded up to a multiple of an eighth of its power of two, or of `least` when that is more (then at least
+    `least`): four sizes per octave, so padding adds at most a quarter."""
+    step = max(least, _pow2(n) // 8)
+    return -(-n // step) * step
+
+
 @dataclass(frozen=True)
 class PrefillShape:
     num_tokens: int  # T
@@ -57,15 +64,17 @@ class PrefillShape:
 
 
 def prefill_shape(seq_lens: Sequence[int], *, max_tokens: int, max_seqs: int) -> PrefillShape | None:
-    """The bucket a pack of fresh sequences of these lengths pads to, or None when none is worth it: T and L the
-    next powers of two (L at least MIN_LEN), B the next power of two of the live sequences plus the fillers that
-    make up T; None past max_tokens / max_seqs, or when the padded attention would hold more than
-    MAX_PADDED_RATIO x T rows (one long prompt among many short ones)."""
+    """The bucket a pack of fresh sequences of these lengths pads to, or None when none is worth it: L the longest
+    and T the total, each rounded up to an eighth of its power of two (L to at least MIN_LEN, T to a multiple of L
+    when that is coarser: a prompt of 4,100 tokens pads to 5,120 where the next power of two would double it);
+    B the next power of two of the live sequences plus the fillers that make up T. None past max_tokens /
+    max_seqs, or when the padded attention would hold more than MAX_PADDED_RATIO x T rows (one long prompt among
+    short ones)."""
     if not seq_lens or min(seq_lens) < 1:
         raise ValueError(f"a prefill needs sequences of at least one token; got lengths {list(seq_lens)}")
     total = sum(seq_lens)
-    L = max(MIN_LEN, _pow2(max(seq_lens)))
-    T = max(_pow2(total), L)
+    L = _eighths(max(seq_lens), MIN_LEN)
+    T = _eighths(total, L)
     B = _pow2(len(seq_lens) + -(-(T - total) // L))
     if T > max_tokens or B > max_seqs or B * L > MAX_PADDED_RATIO * T:
         return None

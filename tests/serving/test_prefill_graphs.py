@@ -57,6 +57,9 @@ def test_buckets() -> None:
     # 1000 tokens: a filler of 24 makes 1024, so two sequences
     assert prefill_shape([1000], max_tokens=8192, max_seqs=128) == PrefillShape(1024, 2, 1024)
     assert prefill_shape([10], max_tokens=8192, max_seqs=128) == PrefillShape(64, 2, 64)  # bounds: at least a chunk
+    assert prefill_shape([4100], max_tokens=8192, max_seqs=128) == PrefillShape(5120, 2, 5120)  # not 8192
+    # 37 prompts of 128 (4736 tokens) pad to 5120 (an eighth of 8192 at a time), not to 8192
+    assert prefill_shape([128] * 37, max_tokens=8192, max_seqs=128) == PrefillShape(5120, 64, 128)
     # one long prompt among short ones would pad the attention to 64 x 1024 rows: eager
     assert prefill_shape([1000] + [10] * 60, max_tokens=8192, max_seqs=128) is None
     assert prefill_shape([4096], max_tokens=2048, max_seqs=128) is None
@@ -65,7 +68,7 @@ def test_buckets() -> None:
         prefill_shape([5, 0], max_tokens=8192, max_seqs=128)
 
 
-@pytest.mark.parametrize("lens", [[1000], [50, 40], [30, 50, 20], [128] * 37, [700, 300, 20]])
+@pytest.mark.parametrize("lens", [[1000], [50, 40], [30, 50, 20], [128] * 37, [700, 300, 20], [4100], [65] * 3])
 def test_bucket_fits_its_pack(lens: list[int]) -> None:
     """Every pack fits its bucket: fillers no longer than L make up T, and live + fillers fit B; the padded attention
     stays within its bound."""
@@ -75,6 +78,9 @@ def test_bucket_fits_its_pack(lens: list[int]) -> None:
     assert sum(lens) + sum(fill) == shape.num_tokens and all(0 < f <= shape.max_len for f in fill)
     assert len(lens) + len(fill) <= shape.num_seqs and max(lens) <= shape.max_len
     assert shape.padded_rows <= MAX_PADDED_RATIO * shape.num_tokens
+    # padding: less than a quarter more, or less than one L (T a multiple of L) / one chunk (L)
+    assert shape.num_tokens - sum(lens) < max(shape.max_len, sum(lens) // 4 + 1)
+    assert shape.max_len - max(lens) < max(64, max(lens) // 4 + 1)
     assert len(filler_lens(shape, [])) <= shape.num_seqs  # the capture's all-filler pack fits too
 
 
