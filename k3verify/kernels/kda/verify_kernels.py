@@ -117,19 +117,29 @@ def _state_offsets(b, h, H, DK, DV, J, N: tl.constexpr, i, v):
 
 
 @triton.jit
-def _record_position(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi,
-                     mv, m2, N: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
-    """Position j of kda_record_kernel's program: the step, its record and its o; returns the state after it."""
+def _step_and_record(S, q, k, v, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi, mv, m2,
+                     N: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
+    """Position j's step from its q, k [BK] and v [BV] (fp32), its record and its o; returns the state after it.
+    Both recording kernels end a position here."""
     t = b * N + j
-    q = tl.load(q_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + (t * H + h) * DV + vv, mask=mv, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
     beta = tl.load(beta_ptr + t * H + h)
     S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
     tl.store(rec_ptr + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
     tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
     return S
+
+
+@triton.jit
+def _record_position(S, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi,
+                     mv, m2, N: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
+    """Position j of kda_record_kernel's program: q, k, v loaded, then _step_and_record."""
+    t = b * N + j
+    q = tl.load(q_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (t * H + h) * DK + i, mask=mi, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + (t * H + h) * DV + vv, mask=mv, other=0.0).to(tl.float32)
+    return _step_and_record(S, q, k, v, g_ptr, beta_ptr, rec_ptr, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi, mv, m2,
+                            N, LOG2K, BF16)
 
 
 @triton.jit
@@ -173,21 +183,16 @@ def gated_norm_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, eps, DV, BV: tl.constexpr, 
 def _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, g_ptr, beta_ptr, conv_rec,
                     state_rec, o_ptr, scale, b, h, H, D, DK, DV, slot, keep, first, j, i, vv, mi, mv, m2,
                     N: tl.constexpr, W: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
-    """Position j of kda_verify_fused_kernel's program: its convs (q/k windows recorded by value block 0 only), the
-    step, its records and o; returns the state after it."""
-    t = b * N + j
+    """Position j of kda_verify_fused_kernel's program: its convs (q/k windows recorded by value block 0 only), then
+    _step_and_record."""
     q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 0,
                   j, N, W, BF16)
     k = _conv_pos(xk, wk, wink, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 1,
                   j, N, W, BF16)
     v = _conv_pos(xv, wv, winv, conv_rec, b, slot, keep, h * DV + vv, mv, mv, D, s_x, s_slot, s_d, s_tap, 2, j,
                   N, W, BF16)
-    g = tl.load(g_ptr + (t * H + h) * DK + i, mask=mi, other=0.0)
-    beta = tl.load(beta_ptr + t * H + h)
-    S, o = _kda_step(S, q, k, v, g, beta, scale, LOG2K)
-    tl.store(state_rec + _state_offsets(b, h, H, DK, DV, j, N, i, vv), S, mask=m2)
-    tl.store(o_ptr + (t * H + h) * DV + vv, _round(o, BF16).to(o_ptr.dtype.element_ty), mask=mv)
-    return S
+    return _step_and_record(S, q, k, v, g_ptr, beta_ptr, state_rec, o_ptr, scale, b, h, H, DK, DV, j, i, vv, mi, mv,
+                            m2, N, LOG2K, BF16)
 
 
 @triton.jit
