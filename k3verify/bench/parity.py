@@ -155,24 +155,37 @@ def prefill_graph_parity(runner: ModelRunner, graphs: GraphPrefill, packs: list[
     - replay == the same static step run eagerly, bit for bit; control: the bucket's graph replayed after a pack of
       the same prompts reversed, its buffers not refilled (what a graph that baked an earlier pack's inputs gives);
     - replay vs the eager prefill (other padding, other kernels: fla's device-side chunk list): RMS within `bar`;
-      control: the eager logits of the reversed prompts in its place."""
+      control: the eager logits of the reversed prompts in its place.
+    A pack whose last prefill was not a replay (no bucket, a failed capture, no room among the kept graphs) fails
+    both rows with the reason: an eager result compared with itself would pass them."""
     eager_static = GraphPrefill(runner.model, max_tokens=graphs.max_tokens, max_seqs=graphs.max_seqs,
                                 use_graphs=False, capture_after=1)
-    outs = [(runner_prefill(runner, p, graphs, times=graphs.capture_after + 1),
-             runner_prefill(runner, p, eager_static), runner_prefill(runner, p, None)) for p in packs]
     rows = []
-    for prompts, (cand, static, eager) in zip(packs, outs, strict=True):
+    for prompts in packs:
+        shape = graphs.shape_for([len(p) for p in prompts])
+        tag = f"{len(prompts)}x{max(len(p) for p in prompts)}"
+        runner_prefill(runner, prompts, graphs, times=graphs.capture_after)
+        replays = graphs.replays
+        cand = runner_prefill(runner, prompts, graphs)
+        notes = [f"pack of {len(prompts)} fresh prompt(s), {sum(map(len, prompts))} tokens, bucket {shape}; "
+                 f"captures={graphs.captures} replays={graphs.replays}"]
+        if graphs.replays != replays + 1:
+            why = ("no bucket takes it" if shape is None else graphs.eager_shapes.get(shape)
+                   or "its graph was not kept (max_graphs)")
+            rows += [{"id": f"bench.prefill_graph_{what}.{tag}", "kind": kind.value, "status": "fail",
+                      "metric": None, "bar": None, "control_metric": None, "notes": [*notes, f"not replayed: {why}"]}
+                     for what, kind in (("replay_vs_static", Kind.BITEXACT), ("vs_eager", Kind.RMS))]
+            continue
+        static = runner_prefill(runner, prompts, eager_static)
+        eager = runner_prefill(runner, prompts, None)
         other_prompts = [p[::-1] for p in prompts]  # same bucket, other tokens
         runner_prefill(runner, other_prompts, graphs)  # the graph's buffers now hold them
         stale = graphs.replay_stale([len(p) for p in prompts])
+        if stale is None:
+            raise RuntimeError(f"bucket {shape} lost its graph between two prefills: no stale-buffer control")
         other = runner_prefill(runner, other_prompts, None)
-        shape = graphs.shape_for([len(p) for p in prompts])
-        tag = f"{len(prompts)}x{max(len(p) for p in prompts)}"
-        notes = [f"pack of {len(prompts)} fresh prompt(s), {sum(map(len, prompts))} tokens, bucket {shape}; "
-                 f"captures={graphs.captures} replays={graphs.replays}"]
         rows.append(judge(f"bench.prefill_graph_replay_vs_static.{tag}", Kind.BITEXACT,
-                          Trial(reference=static, candidate=cand,
-                                control=stale if stale is not None else static + 1.0, notes=notes)))
+                          Trial(reference=static, candidate=cand, control=stale, notes=notes)))
         rows.append(judge(f"bench.prefill_graph_vs_eager.{tag}", Kind.RMS,
                           Trial(reference=eager, candidate=cand, control=other, notes=notes), bar))
     return rows

@@ -34,7 +34,7 @@ import torch
 
 from k3verify.bench import cpu_stat
 from k3verify.bench.parity import judge
-from k3verify.bench.speeds import generate_ours
+from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial
 from k3verify.server.app import create_app
@@ -43,6 +43,7 @@ from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import ServerThread, server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
+from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.warmup import warm_up
 
@@ -189,16 +190,22 @@ def served_ids(record: dict[str, Any]) -> list[int]:
 
 
 def served_parity(stack: ServedStack, runner: ModelRunner, bench_graphs: GraphDecoder, concurrency: int,
-                  prompt_len: int, new_tokens: int, seed: int) -> dict[str, Any]:
-    """Streamed ids of c prompts admitted together == the bench path's greedy ids of the same prompts."""
+                  prompt_len: int, new_tokens: int, seed: int, prefill_graphs: GraphPrefill | None = None
+                  ) -> dict[str, Any]:
+    """Streamed ids of c prompts admitted together == the bench path's greedy ids of the same prompts (its prefill
+    through the same prefill graphs as the engine's, when they are on: one pack, one bucket, the same bits)."""
     cfg, device = runner.model.cfg, runner.model.device
     prompts = random_prompt(max(concurrency, 2), prompt_len, cfg.vocab_size, seed, device)
+    if prefill_graphs is not None:  # the bucket captured before either side prefills: both replay its graph
+        wave = prompts[:1] if concurrency == 1 else prompts
+        runner_prefill(runner, wave.tolist(), prefill_graphs, times=prefill_graphs.capture_after)
     if concurrency == 1:  # one request at a time: nothing else shares its batch, as in generate at batch 1
         cand = [served_ids(held_wave(stack, [p.tolist()], new_tokens)["requests"][0]) for p in prompts]
-        ref = torch.cat([generate_ours(runner, bench_graphs, p[None], new_tokens) for p in prompts])
+        ref = torch.cat([generate_ours(runner, bench_graphs, p[None], new_tokens, prefill_graphs=prefill_graphs)
+                         for p in prompts])
     else:
         cand = [served_ids(r) for r in held_wave(stack, [p.tolist() for p in prompts], new_tokens)["requests"]]
-        ref = generate_ours(runner, bench_graphs, prompts, new_tokens)
+        ref = generate_ours(runner, bench_graphs, prompts, new_tokens, prefill_graphs=prefill_graphs)
     ref = ref.cpu()
     if any(len(c) != new_tokens for c in cand):
         raise RuntimeError(f"served answers of {[len(c) for c in cand]} tokens; asked {new_tokens}")

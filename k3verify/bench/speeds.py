@@ -40,17 +40,19 @@ class DeviceMarks:
 
 
 def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: torch.Tensor, new_tokens: int,
-                  decode_spans: list[float] | None = None) -> torch.Tensor:
-    """Greedy: packed prefill of B prompts, then new_tokens-1 decode steps -> [B, new_tokens] ids. Each step
-    feeds the previous step's ids on the device (the engine's decode path, no host round trip); with
-    `decode_spans`, the device time from the end of the prefill to the end of the last step is appended."""
+                  decode_spans: list[float] | None = None, prefill_graphs: GraphPrefill | None = None) -> torch.Tensor:
+    """Greedy: packed prefill of B prompts (through `prefill_graphs` when given, as the served engine prefills
+    with them on), then new_tokens-1 decode steps -> [B, new_tokens] ids. Each step feeds the previous step's ids
+    on the device (the engine's decode path, no host round trip); with `decode_spans`, the device time from the end
+    of the prefill to the end of the last step is appended."""
     B, T = prompts.shape
     ids = list(range(B))
     for sid in ids:
         runner.admit(sid, T + new_tokens)
     marks = DeviceMarks(runner.device)
     try:
-        logits = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids])
+        seqs = [(sid, prompts[sid].tolist()) for sid in ids]
+        logits = runner.prefill(seqs) if prefill_graphs is None else runner.prefill(seqs, prefill_graphs)
         out = [logits.argmax(-1)]
         marks.mark()
         for _ in range(new_tokens - 1):
@@ -74,7 +76,7 @@ def runner_prefill(runner: ModelRunner, prompts: list[list[int]], graphs: GraphP
         first = max(runner.active_ids, default=-1) + 1
         ids = list(range(first, first + len(prompts)))
         for sid, p in zip(ids, prompts, strict=True):
-            runner.admit(sid, len(p) + 1)
+            runner.admit(sid, len(p))  # a prefill alone: no room for a next token needed
         try:
             out = runner.prefill(list(zip(ids, prompts, strict=True)), graphs)
         finally:
@@ -108,14 +110,16 @@ def time_prefill(fn_ours: Any, fn_theirs: Any, T: int, rounds: int = PREFILL_ROU
 
 
 def time_decode(cfg: ModelConfig, runner: ModelRunner, graphs: GraphDecoder | None, hf_model: Any, B: int,
-                prompt_len: int, new_tokens: int, bandwidth: float, seed: int, *, compare_eager: bool = False
-                ) -> dict[str, Any]:
+                prompt_len: int, new_tokens: int, bandwidth: float, seed: int, *, compare_eager: bool = False,
+                prefill_graphs: GraphPrefill | None = None) -> dict[str, Any]:
     """Greedy generate of B prompts: tok/s over the whole call (prefill included) and the steady decode step
     (device time after the prefill / steps); beside the baseline's generate, or our own eager decode."""
     prompts = random_prompt(B, prompt_len, cfg.vocab_size, seed, runner.model.device)
-    generate_ours(runner, graphs, prompts, new_tokens)  # warm-up (captures this bucket)
+    for _ in range(1 if prefill_graphs is None else prefill_graphs.capture_after):
+        generate_ours(runner, graphs, prompts, new_tokens, prefill_graphs=prefill_graphs)  # warm-up (captures)
     spans: list[float] = []
-    t = cuda_time(lambda: generate_ours(runner, graphs, prompts, new_tokens, spans), warmup=0, repeats=2)
+    t = cuda_time(lambda: generate_ours(runner, graphs, prompts, new_tokens, spans, prefill_graphs), warmup=0,
+                  repeats=2)
     step_s = statistics.median(spans) / max(new_tokens - 1, 1)
     touched = measured_distinct_experts(runner, prompts)
     floor = decode_floor_bytes(cfg, B, prompt_len + new_tokens, distinct_experts=touched)

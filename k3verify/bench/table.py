@@ -29,8 +29,10 @@ def markdown_table(data: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|"]
     for r in data["prefill"]:
         base, ratio = _baseline_cells(r)
-        rows.append(f"| {hw} | {data['preset']} prefill {r['tokens']:,} tokens | {r['ours_tok_s']:,.0f} tok/s | "
-                    f"{base} | {ratio} | – |")
+        path = r.get("ours_path", "eager")
+        eager = f", eager {r['ours_eager_tok_s']:,.0f}" if "ours_eager_tok_s" in r else ""
+        rows.append(f"| {hw} | {data['preset']} prefill {r['tokens']:,} tokens ({path}) | {r['ours_tok_s']:,.0f} "
+                    f"tok/s{eager} | {base} | {ratio} | – |")
     for r in data["decode"]:
         base, ratio = _baseline_cells(r)
         rows.append(f"| {hw} | {data['preset']} decode batch {r['batch']} | {r['ours_tok_s']:,.0f} tok/s "

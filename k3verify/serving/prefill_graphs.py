@@ -14,7 +14,8 @@ layer that reads them on the host raises (batch.DeviceOnly) instead of baking th
 
 Only fresh sequences (nothing cached, no segmenting) take a graph; a continuation (a chunked prompt's later piece)
 runs eagerly. Capture happens on a shape's `capture_after`-th sighting (one-off shapes do not pay a capture), over
-scratch rows only; a capture that fails leaves that bucket eager with one logged warning. The capture signature of
+scratch rows only; at most `max_graphs` are kept, a new shape displacing the least sighted one only when seen more
+often than it; a capture that fails leaves that bucket eager with one logged warning. The capture signature of
 the decode graphs (serving/graphs.capture_signature) guards against caches re-created under a graph.
 
 `static_prefill` is the same step without a graph: the CPU tests run it against ServingModel.prefill.
@@ -23,7 +24,7 @@ the decode graphs (serving/graphs.capture_signature) guards against caches re-cr
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,10 +174,11 @@ class GraphPrefill:
         self.capture_after, self.max_graphs = capture_after, max_graphs
         self.staging = HostStaging(model.device)
         self._inputs: dict[PrefillShape, PrefillInputs] = {}
-        self._graphs: OrderedDict[PrefillShape, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = OrderedDict()
+        self._graphs: dict[PrefillShape, tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature]] = {}
         self.sightings: Counter[PrefillShape] = Counter()
         self.eager_shapes: dict[PrefillShape, str] = {}  # bucket -> why its capture failed (warned once)
         self.captures = 0  # captures done (re-captures included)
+        self.evictions = 0  # graphs dropped for a more frequent shape
         self.replays = 0  # prefills served by a graph replay
         self.static_runs = 0  # prefills served by the static step without a graph
 
@@ -210,9 +212,6 @@ class GraphPrefill:
             return
         self._graphs[shape] = (graph, out, capture_signature(self.model))
         self.captures += 1
-        while len(self._graphs) > self.max_graphs:
-            evicted, _ = self._graphs.popitem(last=False)
-            log.info("prefill graph %s evicted (at most %d kept)", evicted, self.max_graphs)
 
     def _graph(self, shape: PrefillShape) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Signature] | None:
         entry = self._graphs.get(shape)
@@ -220,12 +219,25 @@ class GraphPrefill:
             log.warning("prefill graph %s was captured over other cache tensors: re-capturing", shape)
             del self._graphs[shape]
             entry = None
-        if entry is None and self.sightings[shape] >= self.capture_after:
+        if entry is None and self.sightings[shape] >= self.capture_after and self._make_room(shape):
             self.capture(shape)
             entry = self._graphs.get(shape)
-        if entry is not None:
-            self._graphs.move_to_end(shape)
         return entry
+
+    def _make_room(self, shape: PrefillShape) -> bool:
+        """Room for `shape`'s graph among at most max_graphs: free, or made by evicting the least sighted graph when
+        `shape` has been seen more often than it (so a shape seen now and then never displaces a frequent one, and
+        two shapes cannot evict each other back and forth: a capture costs a device sync and three prefills)."""
+        if len(self._graphs) < self.max_graphs:
+            return True
+        victim = min(self._graphs, key=lambda s: self.sightings[s])
+        if self.sightings[shape] <= self.sightings[victim]:
+            return False
+        del self._graphs[victim]
+        self.evictions += 1
+        log.info("prefill graph %s evicted for %s (at most %d kept; sightings %d < %d)", victim, shape,
+                 self.max_graphs, self.sightings[victim], self.sightings[shape])
+        return True
 
     def prefill(self, ids: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int],
                 tables: Sequence[Sequence[int]]) -> torch.Tensor | None:

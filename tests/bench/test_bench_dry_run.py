@@ -131,3 +131,20 @@ def test_k3_preset_is_gated_on_the_k3_reference_gold() -> None:
                                                 "bench.decode_logits_vs_fp32_gold"]
     assert all(p["status"] == "pass" and p["baseline_vs_gold_rms"] > 0 for p in result.parity)
     assert result.speeds_reported and result.baseline_name == "K3 reference (bf16)"
+
+
+def test_prefill_graph_rows_fail_when_nothing_replays() -> None:
+    """With --prefill-graphs on the CPU the static step runs without a graph: the parity rows must fail with the
+    reason (an eager result held to itself would pass them) and the speeds are withheld. The bench's own packs fit
+    its runner (an 8k-class prompt admitted for a prefill alone)."""
+    from k3verify.oracle.hf_kimi_linear import torch_kda_paths
+
+    plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64,
+                     prefill_graphs=True)
+    with torch_kda_paths(torch.device("cpu")):
+        result = run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+    rows = [r for r in result.parity if r["id"].startswith("bench.prefill_graph")]
+    assert [r["id"] for r in rows] == [f"bench.prefill_graph_{w}.{t}" for t in ("1x64", "1x8", "3x8")
+                                       for w in ("replay_vs_static", "vs_eager")]
+    assert all(r["status"] == "fail" and "not replayed" in r["notes"][-1] for r in rows)
+    assert not result.speeds_reported and result.prefill == []

@@ -190,3 +190,17 @@ def test_engine_with_prefill_graphs_matches_offline_greedy() -> None:
     got = _engine_tokens(runner, prompts, 6, max_step_tokens=256, prefill_graphs=graphs)
     assert got == want
     assert graphs.static_runs >= 1
+
+
+def test_kept_graphs_go_to_the_most_sighted_shapes() -> None:
+    """At most max_graphs: a new shape displaces the least sighted graph only when seen more often than it, so two
+    shapes seen in turn do not evict each other back and forth (each capture costs a sync and three prefills)."""
+    runner = _runner()
+    graphs = GraphPrefill(runner.model, max_tokens=512, max_seqs=16, use_graphs=False, max_graphs=2)
+    a, b, c = PrefillShape(64, 1, 64), PrefillShape(128, 2, 64), PrefillShape(256, 4, 64)
+    kept = (object(), torch.empty(0), ())  # stands for a captured graph: _make_room reads only the keys
+    graphs._graphs = {a: kept, b: kept}  # type: ignore[dict-item]
+    graphs.sightings.update({a: 5, b: 3, c: 3})
+    assert not graphs._make_room(c) and set(graphs._graphs) == {a, b}  # not seen more often than b
+    graphs.sightings[c] += 1
+    assert graphs._make_room(c) and set(graphs._graphs) == {a} and graphs.evictions == 1
