@@ -9,7 +9,7 @@ import torch
 
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.kernels.attn import CAUSAL_STATIC
-from k3verify.kernels.kda import PREFILL
+from k3verify.kernels.kda import PREFILL_STATIC
 from k3verify.kernels.registry import CUDA, REGISTRY, TRITON
 from k3verify.presets import get_preset
 from k3verify.serving.prefill_graphs import GraphPrefill
@@ -54,7 +54,7 @@ def test_replay_equals_static_step_and_stale_replay_differs(preset: str) -> None
         assert torch.equal(cand, ref), prompts
     assert graphs.captures == 1 and graphs.replays == len(packs) and not graphs.eager_shapes
     # the fast paths, not the torch references, ran the static step (the capture runs the same dispatch)
-    assert REGISTRY.last_backend.get(PREFILL) == TRITON and REGISTRY.last_backend.get(CAUSAL_STATIC) == CUDA
+    assert REGISTRY.last_backend.get(PREFILL_STATIC) == TRITON and REGISTRY.last_backend.get(CAUSAL_STATIC) == CUDA
     stale = graphs.replay_stale([len(p) for p in packs[0]])  # the buffers hold the last pack
     assert stale is not None and not torch.equal(stale, _run(runner, packs[0], static))
 

@@ -183,12 +183,15 @@ def check_kda_triton(ctx: CheckContext) -> Trial:
 
     cand = run(x["beta"])
     fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
+    fx.assert_routed(kda_ops.PREFILL_STATIC, backend=TRITON)
     ctrl = run(torch.sigmoid(x["beta"]))
     REGISTRY.force(kda_ops.PREFILL, TORCH)
+    REGISTRY.force(kda_ops.PREFILL_STATIC, TORCH)
     try:
         ref = run(x["beta"])
     finally:
         REGISTRY.force(kda_ops.PREFILL, None)
+        REGISTRY.force(kda_ops.PREFILL_STATIC, None)
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
         f"bf16 q/k/v, fp32 gate/beta/state; fla's bar; sequences of {LENS} tokens packed, and the {LENS[1]}-token "
         "one alone, and the pack with its offsets on the device (static)"])

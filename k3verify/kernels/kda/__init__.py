@@ -11,9 +11,12 @@ import torch
 
 from k3verify.kernels.kda import fla_triton, gate_triton, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
-from k3verify.kernels.varlen import Offsets
+from k3verify.kernels.varlen import DeviceSeqlens, Offsets
 
 PREFILL = "kda.prefill"
+# the same op over a static pack's device offsets (kernels/varlen.py; fla's use_graph mode): an op of its own, so a
+# refusal or a raise there (the registry then disables the fast path for the process) leaves the eager prefill alone
+PREFILL_STATIC = "kda.prefill_static"
 DECODE_SLOTS = fla_triton.DECODE_SLOTS
 DECODE_SLOTS_GATED = fla_triton.DECODE_SLOTS_GATED
 GATE_BETA = "kda.gate_beta"
@@ -21,6 +24,9 @@ CHUNK = torch_ref.CHUNK
 
 REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
 REGISTRY.register(PREFILL, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
+                  available=fla_triton.available)
+REGISTRY.register(PREFILL_STATIC, TORCH, torch_ref.kda_prefill_torch)
+REGISTRY.register(PREFILL_STATIC, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
                   available=fla_triton.available)
 REGISTRY.register(DECODE_SLOTS, TORCH, torch_ref.kda_decode_slots_torch)
 REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts=fla_triton.accepts_decode_slots,
@@ -39,8 +45,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """q,k [T,h,dk] raw; v [T,h,dv]; g [T,h,dk] fp32 log decay; beta [T,h] post-sigmoid;
     initial_state [N,h,dk,dv] fp32 -> (o [T,h,dv], final_state [N,h,dk,dv] fp32). cu_seqlens: host offsets, or a
     static pack's device offsets (kernels/varlen.py; on CUDA fla's graph-capturable varlen mode)."""
-    return dispatch(PREFILL, q, k, v, g, beta, cu_seqlens, initial_state, scale, lower_bound=lower_bound,
-                    device=q.device)
+    op = PREFILL_STATIC if isinstance(cu_seqlens, DeviceSeqlens) else PREFILL
+    return dispatch(op, q, k, v, g, beta, cu_seqlens, initial_state, scale, lower_bound=lower_bound, device=q.device)
 
 
 def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
