@@ -64,8 +64,8 @@
 #   bash scripts/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
 #                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
 #   bash scripts/gpu_session.sh prefill-graph  the served prefill eager vs replayed from a CUDA graph per pack (PACKS),
-#                                        replay == static step, then the prefill-graph GPU tests, gate checks and CUDA
-#                                        mutant (scripts/prefill_graph_probe.py; PREFILL_GRAPHS=1 bench: the same on)
+#                                        replay == static step, then the prefill-graph GPU tests and gate checks
+#                                        (PG_MUTANT=1: and the CUDA mutant; PREFILL_GRAPHS=1 bench: the bench with them on)
 #   bash scripts/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (scripts/served_profile.py; PROBE)
 #   bash scripts/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
@@ -125,7 +125,7 @@ step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }
 bench_k3() {  # k3-slice-4l against the fp32 K3 reference gold, within $1 seconds
     step "bench k3-slice-4l vs the fp32 K3 reference ($1 s)"
-    timeout "$1" python3 -m k3verify bench --preset k3-slice-4l --prefill 1024 --profile 1 \
+    timeout "$1" python3 -m k3verify bench --preset k3-slice-4l --prefill 1024 --profile 1 ${PREFILL_GRAPHS:+--prefill-graphs} \
         --json "$OUT/bench-k3.json" 2>"$OUT/bench-k3.log" >/dev/null
     echo "k3-slice-4l bench exit $?"
 }
@@ -247,11 +247,13 @@ prefill-graph)
     step "prefill eager vs CUDA-graph replay (kl-48b-8l; served path, serving/prefill_graphs.py)"
     timeout "${DIAG_S:-200}" python3 scripts/prefill_graph_probe.py ${PACKS:+--packs "$PACKS"} 2>&1 | quiet
     step "prefill-graph GPU tests and gate checks"
-    timeout 150 python3 -m pytest -q -m gpu tests/serving/test_prefill_graphs_cuda.py 2>&1 | tail -5
-    timeout 150 python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.prefill_graph.*' \
+    timeout 120 python3 -m pytest -q -m gpu tests/serving/test_prefill_graphs_cuda.py 2>&1 | tail -5
+    timeout 120 python3 -m k3verify parity --device cuda --preset k3-tiny --only 'serving.prefill_graph.*' \
         --only kernel.kda.triton_vs_torch --report-dir "$OUT/prefill-graph-gates" 2>&1 | quiet | tail -4
-    timeout 150 python3 -m k3verify mutate --device cuda --jobs 2 --timeout 140 --report-dir "$OUT/mutate-pg" \
-        --only kernel.fla.static_pack_without_offsets 2>&1 | quiet | tail -4
+    if [ -n "${PG_MUTANT:-}" ]; then  # the CUDA mutant of the static KDA prefill (~60-140 s): a call of its own
+        timeout 150 python3 -m k3verify mutate --device cuda --jobs 2 --timeout 140 --report-dir "$OUT/mutate-pg" \
+            --only kernel.fla.static_pack_without_offsets 2>&1 | quiet | tail -4
+    fi
     ;;
 spec-b1)
     b=${SPEC_BATCH:-1}
