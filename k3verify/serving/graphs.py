@@ -122,19 +122,38 @@ def static_decode(model: ServingModel, inputs: StaticInputs, max_context: int) -
     return model._forward(model._context(batch, None), False, False).logits
 
 
-def cuda_graph_recorder(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+def cuda_graph_recorder(step: Callable[[], T], *, flush: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
     """Two warm-up calls of `step` on a side stream (Triton compilation and autotuning, lazy allocations: outside
     the capture), then one call captured into a CUDA graph (not executed: its replays are). Returns the graph and
-    the tensors the captured call wrote, which every replay rewrites in place."""
+    the tensors the captured call wrote, which every replay rewrites in place.
+
+    flush=True captures through torch.cuda.graph, which first waits for the device and empties the caching allocator
+    and the pinned host cache (start-up captures). flush=False captures on the warm-up stream itself, with none of
+    that: a capture in the middle of serving (a prefill bucket's) would otherwise send every later allocation back
+    to cudaMalloc."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
             step()
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    if flush:
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            out = step()
+        return graph, out
+    with torch.cuda.stream(stream):  # ordered after the warm-ups on this stream; a capture executes nothing
+        graph.capture_begin()
+        try:
+            out = step()
+        except BaseException:
+            try:
+                graph.capture_end()  # leave capture mode before the error propagates
+            except RuntimeError:
+                pass  # the capture was already invalidated by the failing call: the first error is the one to see
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
 

@@ -203,7 +203,7 @@ class GraphPrefill:
                 return static_prefill(self.model, inputs)
 
         try:
-            graph, out = cuda_graph_recorder(step)
+            graph, out = cuda_graph_recorder(step, flush=False)  # mid-serving: no device sync, no cache flush
         except RuntimeError as exc:  # a host sync, a pageable copy or a host read of the offsets: not capturable
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             self.eager_shapes[shape] = reason
