@@ -211,6 +211,13 @@ def bench_speeds(plan: BenchPlan, s: Setup, result: BenchResult, bandwidth: floa
                                          compare_eager=s.baseline is None, prefill_graphs=s.prefill_graphs))
 
 
+def _graph_counts(graphs: GraphPrefill | None) -> dict[str, int]:
+    if graphs is None:
+        return {}
+    return {"captures": graphs.captures, "replays": graphs.replays, "evictions": graphs.evictions,
+            "bucketed_eager": sum(graphs.sightings.values()) - graphs.replays}
+
+
 def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: torch.device,
               bandwidth: float) -> BenchResult:
     """Build the models on `device` from the same name-seeded weights, gate, then time (if green)."""
@@ -239,8 +246,11 @@ def run_bench(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device
                              prefill_graphs=s.prefill_graphs) as stack:
             for c in plan.served_concurrency:
                 progress(f"served, {c} concurrent streaming clients")
+                before = _graph_counts(s.prefill_graphs)
                 row = sv.served_speed(stack, s.cfg.vocab_size, c, plan.served_requests_per_client, plan.prompt_len,
                                       plan.new_tokens, plan.seed + 400 + c, s.device)
+                if s.prefill_graphs is not None:  # what the run's prefills cost in captures (a capture stalls a step)
+                    row["prefill_graphs"] = {k: v - before[k] for k, v in _graph_counts(s.prefill_graphs).items()}
                 result.served.append(sv.beside_bench_path(row, result.decode))
     result.speeds_reported = True
     for B in plan.profile_batches:
