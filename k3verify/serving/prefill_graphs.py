@@ -204,7 +204,7 @@ class GraphPrefill:
 
         try:
             graph, out = cuda_graph_recorder(step, flush=False)  # mid-serving: no device sync, no cache flush
-        except RuntimeError as exc:  # a host sync, a pageable copy or a host read of the offsets: not capturable
+        except Exception as exc:  # a host sync, a pageable copy, a host read of the offsets, a kernel's own assert
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             self.eager_shapes[shape] = reason
             log.warning("CUDA-graph capture of prefill bucket %s failed, so packs of that bucket prefill eagerly: %s",
@@ -227,7 +227,7 @@ class GraphPrefill:
     def _make_room(self, shape: PrefillShape) -> bool:
         """Room for `shape`'s graph among at most max_graphs: free, or made by evicting the least sighted graph when
         `shape` has been seen more often than it (so a shape seen now and then never displaces a frequent one, and
-        two shapes cannot evict each other back and forth: a capture costs a device sync and three prefills)."""
+        two shapes cannot evict each other back and forth: a capture costs three prefills' host time in a step)."""
         if len(self._graphs) < self.max_graphs:
             return True
         victim = min(self._graphs, key=lambda s: self.sightings[s])
