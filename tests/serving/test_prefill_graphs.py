@@ -204,3 +204,28 @@ def test_kept_graphs_go_to_the_most_sighted_shapes() -> None:
     assert not graphs._make_room(c) and set(graphs._graphs) == {a, b}  # not seen more often than b
     graphs.sightings[c] += 1
     assert graphs._make_room(c) and set(graphs._graphs) == {a} and graphs.evictions == 1
+
+
+@pytest.mark.parametrize("lens", [[50, 40, 38, 0], [64, 64], [1, 63, 0, 0], [128]])
+def test_static_sdpa_gathers_match_the_reference_on_cpu(lens: list[int]) -> None:
+    """The CUDA backend of attn.causal_static is plain torch (device gathers, one causal SDPA): run on the CPU in
+    fp32 it equals the per-sequence reference over packs with empty trailing sequences, so its index math is held
+    here, not first on the H200. Control: the same call with the offsets of another pack."""
+    from k3verify.kernels.attn import packed
+    from k3verify.kernels.varlen import DeviceSeqlens
+    from k3verify.serving.batch import segment_ids
+
+    g = torch.Generator().manual_seed(len(lens))
+    T, h, d, dv = sum(lens), 3, 24, 16
+    q, k, v = torch.randn(T, h, d, generator=g), torch.randn(T, h, d, generator=g), torch.randn(T, h, dv, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    seg = segment_ids(cu, T)
+    local = torch.arange(T) - cu[seg]
+    static = DeviceSeqlens(cu, T, max(64, max(lens)))
+    ref = packed.causal_attention_static_torch(q, k, v, static, seg, local, d**-0.5)
+    cand = packed.causal_attention_static_sdpa(q, k, v, static, seg, local, d**-0.5)
+    torch.testing.assert_close(cand, ref, rtol=1e-5, atol=1e-5)
+    if len([n for n in lens if n]) > 1:  # another pack's offsets: sequences attend across their boundary
+        other = DeviceSeqlens(torch.tensor([0, T, *[T] * (len(lens) - 1)]), T, max(64, T))
+        wrong = packed.causal_attention_static_sdpa(q, k, v, other, torch.zeros_like(seg), torch.arange(T), d**-0.5)
+        assert not torch.allclose(wrong, ref, rtol=1e-3, atol=1e-3)
