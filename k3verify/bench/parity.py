@@ -165,12 +165,13 @@ def prefill_graph_parity(runner: ModelRunner, graphs: GraphPrefill, packs: list[
         shape = graphs.shape_for([len(p) for p in prompts])
         tag = f"{len(prompts)}x{max(len(p) for p in prompts)}"
         runner_prefill(runner, prompts, graphs, times=graphs.capture_after)
-        replays = graphs.replays
+        replays, borrowed = graphs.replays, graphs.borrowed
         cand = runner_prefill(runner, prompts, graphs)
         notes = [f"pack of {len(prompts)} fresh prompt(s), {sum(map(len, prompts))} tokens, bucket {shape}; "
                  f"captures={graphs.captures} replays={graphs.replays}"]
-        if graphs.replays != replays + 1:
+        if graphs.replays != replays + 1 or graphs.borrowed != borrowed:
             why = ("no bucket takes it" if shape is None else graphs.eager_shapes.get(shape)
+                   or ("it replayed a larger bucket's graph" if graphs.borrowed != borrowed else None)
                    or "its graph was not kept (max_graphs)")
             rows += [{"id": f"bench.prefill_graph_{what}.{tag}", "kind": kind.value, "status": "fail",
                       "metric": None, "bar": None, "control_metric": None, "notes": [*notes, f"not replayed: {why}"]}

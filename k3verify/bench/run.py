@@ -214,7 +214,8 @@ def bench_speeds(plan: BenchPlan, s: Setup, result: BenchResult, bandwidth: floa
 def _graph_counts(graphs: GraphPrefill | None) -> dict[str, int]:
     if graphs is None:
         return {}
-    return {"captures": graphs.captures, "replays": graphs.replays, "evictions": graphs.evictions,
+    return {"captures": graphs.captures, "replays": graphs.replays, "borrowed": graphs.borrowed,
+            "evictions": graphs.evictions,
             "bucketed_eager": sum(graphs.sightings.values()) - graphs.replays}
 
 

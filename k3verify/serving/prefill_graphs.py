@@ -15,7 +15,9 @@ layer that reads them on the host raises (batch.DeviceOnly) instead of baking th
 Only fresh sequences (nothing cached, no segmenting) take a graph; a continuation (a chunked prompt's later piece)
 runs eagerly. Capture happens on a shape's `capture_after`-th sighting (one-off shapes do not pay a capture), over
 scratch rows only; at most `max_graphs` are kept, a new shape displacing the least sighted one only when seen more
-often than it; a capture that fails leaves that bucket eager with one logged warning. The capture signature of
+often than it; a capture that fails leaves that bucket eager with one logged warning. Until a pack's own bucket has
+a graph, the smallest kept graph of at most MAX_BORROW x its tokens that it fits replays it (more padding on the
+device is cheaper than a host-bound eager prefill). The capture signature of
 the decode graphs (serving/graphs.capture_signature) guards against caches re-created under a graph.
 
 `static_prefill` is the same step without a graph: the CPU tests run it against ServingModel.prefill.
@@ -40,6 +42,7 @@ log = logging.getLogger("k3verify.prefill_graphs")
 
 MIN_LEN = 64  # the smallest length bound (one KDA chunk)
 MAX_PADDED_RATIO = 4  # B x L (the padded attention's rows) may be at most this many times T
+MAX_BORROW = 2  # a pack may replay a kept graph of at most this many times its own bucket's tokens
 
 
 def _pow2(n: int) -> int:
@@ -80,6 +83,15 @@ def prefill_shape(seq_lens: Sequence[int], *, max_tokens: int, max_seqs: int) ->
     if T > max_tokens or B > max_seqs or B * L > MAX_PADDED_RATIO * T:
         return None
     return PrefillShape(T, B, L)
+
+
+def fits(shape: PrefillShape, seq_lens: Sequence[int]) -> bool:
+    """Whether a pack of fresh sequences of these lengths fits a bucket (the lengths, and the fillers that make up
+    its tokens, within its bounds)."""
+    total = sum(seq_lens)
+    if total > shape.num_tokens or max(seq_lens) > shape.max_len:
+        return False
+    return len(seq_lens) + -(-(shape.num_tokens - total) // shape.max_len) <= shape.num_seqs
 
 
 def filler_lens(shape: PrefillShape, seq_lens: Sequence[int]) -> list[int]:
@@ -180,6 +192,7 @@ class GraphPrefill:
         self.captures = 0  # captures done (re-captures included)
         self.evictions = 0  # graphs dropped for a more frequent shape
         self.replays = 0  # prefills served by a graph replay
+        self.borrowed = 0  # of those, replays of a larger bucket's graph (the pack's own not captured yet)
         self.static_runs = 0  # prefills served by the static step without a graph
 
     def shape_for(self, seq_lens: Sequence[int]) -> PrefillShape | None:
@@ -249,8 +262,12 @@ class GraphPrefill:
             return None
         self.sightings[shape] += 1
         entry = self._graph(shape) if self.use_graphs else None
-        if self.use_graphs and entry is None:
-            return None
+        if self.use_graphs and entry is None:  # not yet captured: a kept graph of a larger bucket may take it
+            larger = self._larger_fit(shape, seq_lens)
+            if larger is None:
+                return None
+            shape, entry = larger, self._graphs[larger]
+            self.borrowed += 1
         inputs = self._static(shape)
         inputs.fill(self.staging, ids, seq_lens, slots, tables)
         n = len(seq_lens)
@@ -262,6 +279,22 @@ class GraphPrefill:
         graph.replay()
         self.replays += 1
         return out[:n].clone()
+
+    def _larger_fit(self, shape: PrefillShape, seq_lens: Sequence[int]) -> PrefillShape | None:
+        """The kept graph with the fewest tokens, at most MAX_BORROW x its own bucket's, that `seq_lens` fits (valid
+        over the current caches): replaying more padding is cheaper than a host-bound eager prefill, and a pack
+        seen once does not wait for its own capture."""
+        sig = None
+        best = None
+        for kept in self._graphs:
+            if kept.num_tokens > MAX_BORROW * shape.num_tokens or not fits(kept, seq_lens):
+                continue
+            if best is not None and kept.num_tokens >= best.num_tokens:
+                continue
+            sig = sig or capture_signature(self.model)
+            if self._graphs[kept][2] == sig:
+                best = kept
+        return best
 
     def replay_stale(self, seq_lens: Sequence[int]) -> torch.Tensor | None:
         """Replay the graph of the bucket `seq_lens` fits over whatever its buffers hold now, without refilling them

@@ -229,3 +229,25 @@ def test_static_sdpa_gathers_match_the_reference_on_cpu(lens: list[int]) -> None
         other = DeviceSeqlens(torch.tensor([0, T, *[T] * (len(lens) - 1)]), T, max(64, T))
         wrong = packed.causal_attention_static_sdpa(q, k, v, other, torch.zeros_like(seg), torch.arange(T), d**-0.5)
         assert not torch.allclose(wrong, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_a_pack_without_its_own_graph_borrows_the_smallest_larger_one() -> None:
+    """A kept graph of a larger bucket (at most MAX_BORROW x the pack's own tokens, valid over these caches) takes a
+    pack whose own bucket has no graph yet: more padding replayed instead of a host-bound eager prefill."""
+    from k3verify.serving.graphs import capture_signature
+    from k3verify.serving.prefill_graphs import MAX_BORROW, fits
+
+    runner = _runner()
+    graphs = GraphPrefill(runner.model, max_tokens=1024, max_seqs=32, use_graphs=False)
+    own = graphs.shape_for([128] * 3)
+    assert own == PrefillShape(384, 4, 128)
+    big, bigger, too_big, narrow = (PrefillShape(512, 4, 128), PrefillShape(768, 8, 128),
+                                    PrefillShape(1024, 8, 128), PrefillShape(512, 8, 64))
+    assert fits(big, [128] * 3) and fits(bigger, [128] * 3) and not fits(narrow, [128] * 3)
+    assert not fits(PrefillShape(512, 3, 128), [128] * 3)  # 3 live + 1 filler need 4 sequences
+    sig = capture_signature(runner.model)
+    graphs._graphs = {s: (object(), torch.empty(0), sig) for s in (bigger, too_big, narrow, big)}  # type: ignore[misc]
+    assert too_big.num_tokens > MAX_BORROW * own.num_tokens
+    assert graphs._larger_fit(own, [128] * 3) == big
+    graphs._graphs[big] = (object(), torch.empty(0), ())  # type: ignore[assignment]  # captured over other caches
+    assert graphs._larger_fit(own, [128] * 3) == bigger
