@@ -32,13 +32,16 @@ WIDE = [vt.Launch(64, 8, 128), vt.Launch(64, 8), vt.Launch(128, 16, 128), vt.Lau
 # The positions unrolled at compile time (the same code): a position's loads (its conv taps, g, beta) may issue
 # before the previous position's step has finished, where the loop body waits on each in turn
 UNROLLED = [vt.Launch(32, 4, 128, unroll=True), vt.Launch(32, 4, unroll=True), vt.Launch(16, 2, 128, unroll=True)]
-FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *WIDE]
-RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *WIDE]
+# Triton's software pipelining of the runtime loop's loads (its default is 3 stages)
+STAGED = [vt.Launch(32, 4, 128, stages=1), vt.Launch(32, 4, 128, stages=4)]
+# the wide launches lost at every row count on 2026-12-02 (docs/results/h200-2026-12-02e/verify-tune.txt): --wide
+FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *STAGED]
+RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *STAGED]
 
 
 def _desc(launch: vt.Launch) -> str:
-    unrolled = " unrolled" if launch.unroll else ""
-    return f"BV {launch.value_block:3d} warps {launch.num_warps:2d} maxnreg {launch.maxnreg or '-':>3}{unrolled}"
+    extra = (" unrolled" if launch.unroll else "") + ("" if launch.stages is None else f" stages {launch.stages}")
+    return f"BV {launch.value_block:3d} warps {launch.num_warps:2d} maxnreg {launch.maxnreg or '-':>3}{extra}"
 
 
 def _graph_us(fn: Callable[[], object], calls: int) -> float:
@@ -53,7 +56,7 @@ def _graph_us(fn: Callable[[], object], calls: int) -> float:
 Row = tuple[int, str, str, float, bool]
 
 
-def _sweep(rows: int, preset: str, num_draft: int, calls: int) -> list[Row]:
+def _sweep(rows: int, preset: str, num_draft: int, calls: int, wide: bool) -> list[Row]:
     cfg, dev = get_preset(preset), torch.device("cuda")
     c = op_case(SimpleNamespace(cfg=cfg, device=dev, generator=torch.Generator().manual_seed(rows)),
                 torch.bfloat16, rows=rows, num_draft=num_draft)
@@ -73,7 +76,8 @@ def _sweep(rows: int, preset: str, num_draft: int, calls: int) -> list[Row]:
         return o, vt.norm_triton(o, c.gate, c.norm_weight, c.eps), conv_rec, state_rec
 
     out: list[Row] = []
-    for kind, run, launches in (("fused", fused, FUSED), ("unfused", unfused, RECORD)):
+    extra = WIDE if wide else []
+    for kind, run, launches in (("fused", fused, FUSED + extra), ("unfused", unfused, RECORD + extra)):
         shipped = [bits(t).clone() for t in run(launches[0])]
         for launch in launches:
             try:
@@ -92,8 +96,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--wide", action="store_true", help="also the wide value blocks (64 / 128 columns per program)")
     a = ap.parse_args()
-    table = [row for rows in a.rows.split(",") for row in _sweep(int(rows), a.preset, a.num_draft, a.calls)]
+    table = [row for rows in a.rows.split(",") for row in _sweep(int(rows), a.preset, a.num_draft, a.calls, a.wide)]
     print("\nrows  path     launch                        us/call  vs shipped unfused  bits equal to shipped")
     base = {r: us for r, kind, desc, us, _ in table if kind == "unfused" and desc == _desc(RECORD[0])}
     for rows, kind, desc, us, same in table:

@@ -29,11 +29,13 @@ class Launch:
     num_warps: int = 4
     maxnreg: int | None = None
     unroll: bool = False  # the positions unrolled at compile time (the kernels' UNROLL): the same code, unrolled
+    stages: int | None = None  # Triton's num_stages (software pipelining of the positions' loads); None: its default
 
     def options(self) -> dict[str, int | bool]:
         """Launch / compile options: no mul+add contracted into an fma (verify_kernels.py: the bit-identity rules)."""
         cap = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
-        return {"num_warps": self.num_warps, "enable_fp_fusion": False} | cap
+        stages = {} if self.stages is None else {"num_stages": self.stages}
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False} | cap | stages
 
 
 # Capped at 128 registers (the compiler spills ~90 bytes): a program of either kernel otherwise holds 170-200
