@@ -58,11 +58,6 @@ class PackedBatch:
         return self.static is None and any(s > 0 for s in self.start_list)
 
     @property
-    def offsets(self) -> list[int] | DeviceSeqlens:
-        """The sequences' offsets as kernels take them: host ints, or a static pack's device offsets."""
-        return self.static if self.static is not None else self.cu_list
-
-    @property
     def last_token_index(self) -> torch.Tensor:
         return self.cu_seqlens[1:] - 1
 
