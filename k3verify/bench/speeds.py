@@ -51,8 +51,7 @@ def generate_ours(runner: ModelRunner, graphs: GraphDecoder | None, prompts: tor
         runner.admit(sid, T + new_tokens)
     marks = DeviceMarks(runner.device)
     try:
-        seqs = [(sid, prompts[sid].tolist()) for sid in ids]
-        logits = runner.prefill(seqs) if prefill_graphs is None else runner.prefill(seqs, prefill_graphs)
+        logits = runner.prefill([(sid, prompts[sid].tolist()) for sid in ids], prefill_graphs)
         out = [logits.argmax(-1)]
         marks.mark()
         for _ in range(new_tokens - 1):

@@ -38,7 +38,7 @@ class DeviceSeqlens:
 
     def host(self) -> list[int]:
         """The offsets on the host (reference backends only): a device read."""
-        return [int(c) for c in self.cu.tolist()]
+        return self.cu.tolist()
 
 
 Offsets = list[int] | DeviceSeqlens

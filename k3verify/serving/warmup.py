@@ -92,10 +92,7 @@ def _warm_prefill(runner: ModelRunner, lengths: tuple[int, ...], path: GraphPref
             admitted.append(sid)
         seqs = [(sid, [0] * n) for sid, n in zip(ids, lengths, strict=True)]
         with torch.no_grad():
-            if path is None:
-                runner.prefill(seqs)
-            else:
-                runner.prefill(seqs, path)
+            runner.prefill(seqs, path)
         return True
     finally:
         for sid in admitted:
