@@ -46,6 +46,19 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int], 
     return None
 
 
+def _padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: torch.Tensor, k_rows: torch.Tensor,
+                 allowed: torch.Tensor | None, scale: float, cudnn: bool) -> torch.Tensor:
+    """The pack gathered to [B, h, Lq | Lk, d] by row indices [B, Lq] / [B, Lk], one fused SDPA call (causal, or
+    with the boolean mask `allowed` [B, Lq, Lk]) -> [B * Lq, h, dv] in padded order."""
+    qp, kp, vp = q[q_rows].transpose(1, 2), k[k_rows].transpose(1, 2), v[k_rows].transpose(1, 2)  # [B, h, L, d]
+    with sdpa.fused_backends(q.device, cudnn):
+        if allowed is None:
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+    return out.transpose(1, 2).reshape(q_rows.numel(), q.shape[1], v.shape[2])
+
+
 def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int],
                                  ranges: list[KeyRange], scale: float) -> torch.Tensor:
     B, dev = len(ranges), q.device
@@ -59,17 +72,11 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # Padded positions read the sequence's last row (finite values); their outputs are never gathered back.
     q_rows = q_start[:, None] + torch.minimum(tq[None, :], q_len[:, None] - 1)  # [B, Lq]
     k_rows = k_start[:, None] + torch.minimum(tk[None, :], k_len[:, None] - 1)  # [B, Lk]
-    qp, kp, vp = q[q_rows].transpose(1, 2), k[k_rows].transpose(1, 2), v[k_rows].transpose(1, 2)  # [B, h, L, d]
     fresh = k_lens == q_lens and all(r[2] == 0 for r in ranges)
-    with sdpa.fused_backends(dev, cudnn):
-        if fresh:
-            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-        else:
-            # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
-            # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
-            allowed = tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
-            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
-    out = out.transpose(1, 2).reshape(B * Lq, q.shape[1], v.shape[2])
+    # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
+    # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
+    allowed = None if fresh else tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
+    out = _padded_sdpa(q, k, v, q_rows, k_rows, allowed, scale, cudnn)
     if all(n == Lq for n in q_lens):  # no padded query rows to drop
         return out
     return out.index_select(0, to_device([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dev))
@@ -108,8 +115,4 @@ def causal_attention_static_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     start, n = cu[:-1], cu[1:] - cu[:-1]
     t = torch.arange(L, device=q.device)
     rows = (start[:, None] + torch.minimum(t[None, :], (n - 1).clamp(min=0)[:, None])).clamp(max=T - 1)  # [B, L]
-    qp, kp, vp = q[rows].transpose(1, 2), k[rows].transpose(1, 2), v[rows].transpose(1, 2)  # [B, h, L, d]
-    with sdpa.fused_backends(q.device, cudnn):
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-    out = out.transpose(1, 2).reshape(B * L, q.shape[1], v.shape[2])
-    return out.index_select(0, seg_ids * L + local_pos)
+    return _padded_sdpa(q, k, v, rows, rows, None, scale, cudnn).index_select(0, seg_ids * L + local_pos)
