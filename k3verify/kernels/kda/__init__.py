@@ -22,12 +22,10 @@ DECODE_SLOTS_GATED = fla_triton.DECODE_SLOTS_GATED
 GATE_BETA = "kda.gate_beta"
 CHUNK = torch_ref.CHUNK
 
-REGISTRY.register(PREFILL, TORCH, torch_ref.kda_prefill_torch)
-REGISTRY.register(PREFILL, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
-                  available=fla_triton.available)
-REGISTRY.register(PREFILL_STATIC, TORCH, torch_ref.kda_prefill_torch)
-REGISTRY.register(PREFILL_STATIC, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
-                  available=fla_triton.available)
+for _op in (PREFILL, PREFILL_STATIC):  # the same two backends; each op is disabled on its own
+    REGISTRY.register(_op, TORCH, torch_ref.kda_prefill_torch)
+    REGISTRY.register(_op, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
+                      available=fla_triton.available)
 REGISTRY.register(DECODE_SLOTS, TORCH, torch_ref.kda_decode_slots_torch)
 REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts=fla_triton.accepts_decode_slots,
                   available=fla_triton.available)

@@ -39,11 +39,16 @@ def _fla_ops() -> tuple[Any, Any] | str:
     except Exception as exc:  # ImportError, or triton failing to initialise
         return f"fla KDA kernels unavailable: {type(exc).__name__}: {exc}"
     for fn, needed in ((chunk_kda, _PREFILL_PARAMS), (fused_recurrent_kda_fwd, _SLOTS_PARAMS)):
-        params = inspect.signature(fn).parameters
-        missing = [p for p in needed if p not in params]
+        missing = _missing_params(fn, needed)
         if missing:
             return f"fla {fn.__name__} lacks parameters {missing} (signature probe); refusing to call it"
     return chunk_kda, fused_recurrent_kda_fwd
+
+
+def _missing_params(fn: Any, needed: tuple[str, ...]) -> list[str]:
+    """The keyword parameters of `needed` that fn's signature lacks (an older fla swallows unknown ones)."""
+    params = inspect.signature(fn).parameters
+    return [p for p in needed if p not in params]
 
 
 def _loaded_ops() -> tuple[Any, Any]:
@@ -98,8 +103,7 @@ def _graph_mode_reason() -> str | None:
     ops = _fla_ops()
     if isinstance(ops, str):
         return ops
-    params = inspect.signature(ops[0]).parameters
-    missing = [p for p in _GRAPH_PARAMS if p not in params]
+    missing = _missing_params(ops[0], _GRAPH_PARAMS)
     return f"fla chunk_kda lacks parameters {missing} (signature probe): no graph-capturable varlen mode" \
         if missing else None
 
