@@ -79,19 +79,24 @@ def prefill_shape(seq_lens: Sequence[int], *, max_tokens: int, max_seqs: int) ->
     total = sum(seq_lens)
     L = _eighths(max(seq_lens), MIN_LEN)
     T = _eighths(total, L)
-    B = _pow2(len(seq_lens) + -(-(T - total) // L))
+    B = _pow2(len(seq_lens) + _fillers(T - total, L))
     if T > max_tokens or B > max_seqs or B * L > MAX_PADDED_RATIO * T:
         return None
     return PrefillShape(T, B, L)
 
 
+def _fillers(pad: int, max_len: int) -> int:
+    """How many filler sequences of at most max_len tokens make up `pad` tokens."""
+    return -(-pad // max_len)
+
+
 def fits(shape: PrefillShape, seq_lens: Sequence[int]) -> bool:
-    """Whether a pack of fresh sequences of these lengths fits a bucket (the lengths, and the fillers that make up
-    its tokens, within its bounds)."""
+    """Whether a pack of fresh sequences of these lengths (none: the capture's all-filler pack) fits a bucket: the
+    lengths, and the fillers that make up its tokens, within its bounds."""
     total = sum(seq_lens)
-    if total > shape.num_tokens or max(seq_lens) > shape.max_len:
+    if total > shape.num_tokens or max(seq_lens, default=0) > shape.max_len:
         return False
-    return len(seq_lens) + -(-(shape.num_tokens - total) // shape.max_len) <= shape.num_seqs
+    return len(seq_lens) + _fillers(shape.num_tokens - total, shape.max_len) <= shape.num_seqs
 
 
 def filler_lens(shape: PrefillShape, seq_lens: Sequence[int]) -> list[int]:
@@ -122,14 +127,12 @@ class PrefillInputs:
         if sum(seq_lens) != len(ids) or len(slots) != n or len(tables) != n:
             raise ValueError(f"{len(ids)} ids, {n} lengths (sum {sum(seq_lens)}), {len(slots)} slots and "
                              f"{len(tables)} page tables do not describe one pack")
-        if n and (sum(seq_lens) > s.num_tokens or max(seq_lens) > s.max_len or min(seq_lens) < 1):
-            raise ValueError(f"lengths {list(seq_lens)} do not fit the bucket {s}")
+        if min(seq_lens, default=1) < 1 or not fits(s, seq_lens):
+            raise ValueError(f"lengths {list(seq_lens)} (and their fillers) do not fit the bucket {s}")
         if any(int(x) == SCRATCH for x in slots):
             raise ValueError(f"a live sequence on the scratch slot: {list(slots)}")
         fill = filler_lens(s, seq_lens)
         count = n + len(fill)
-        if count > s.num_seqs:
-            raise ValueError(f"{n} sequences and {len(fill)} fillers exceed the bucket's {s.num_seqs} sequences")
         cu = [0]
         for m in [*seq_lens, *fill]:
             cu.append(cu[-1] + m)
