@@ -25,6 +25,8 @@ from k3verify.gates.html import render_html
 from k3verify.gates.junit import render_junit
 from k3verify.gates.mutation import (
     DEFAULT_CATALOG,
+    PARITY_INCONCLUSIVE,
+    PARITY_RAN,
     CatalogError,
     Mutant,
     Outcome,
@@ -137,10 +139,10 @@ def clean_runs(todo: Sequence[tuple[Mutant, str, list[str]]], child: Callable[..
         for fut in as_completed(futures):
             preset, done = futures[fut], fut.result()
             tail = "\n".join(done.output.strip().splitlines()[-8:])
-            if done.imported_from is None or done.report is None or done.returncode not in (0, 1):
+            if done.imported_from is None or done.report is None or done.returncode not in PARITY_RAN:
                 raise UsageError(f"clean run on {preset} exited {done.returncode} without a report:\n{tail}")
             red = red_summary(done.report)
-            if red or done.returncode != 0:
+            if red or done.returncode not in (0, PARITY_INCONCLUSIVE):
                 raise UsageError(f"the clean (unmutated) run on {preset} is not green; fix it before mutating:\n  "
                                  + "\n  ".join(red or [tail]))
             print(f"clean run on {preset}: green ({len(done.report['results'])} checks, "

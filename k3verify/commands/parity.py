@@ -1,5 +1,6 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
-junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error) or 2 (usage or setup problem). A setup problem
+junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error), 2 (usage or setup problem) or 4 (inconclusive: nothing
+red, but the checks that compare the model's outputs did not run, gates/evidence.py). A setup problem
 with the target (a missing or unreadable shard, a bad config) still writes a report, with verdict "error".
 """
 
@@ -36,6 +37,8 @@ from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetEr
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# 2 is a usage or setup error (cli.py); 3 is taken by the mutation runner's child for "imported the wrong copy"
+EXIT_CODES = {"pass": 0, "fail": 1, "error": 1, "inconclusive": 4}
 
 
 def register(subparsers: Subparsers) -> None:
@@ -181,4 +184,4 @@ def run_parity(args: argparse.Namespace) -> int:
     run.run.dtypes = covered_dtypes(cache)
     write_reports(run, args.report_dir, key=key)
     print_summary(run, report_dir=str(args.report_dir))
-    return 0 if run.verdict == "pass" else 1
+    return EXIT_CODES[run.verdict]

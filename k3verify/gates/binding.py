@@ -17,25 +17,29 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import k3verify
+from k3verify.gates.evidence import missing_evidence
 
 STATUSES = ("pass", "fail", "vacuous", "error", "skipped")
 HMAC_ALG = "hmac-sha256"
 MIN_KEY_BYTES = 16
 
 
-def verdict_from_counts(counts: Mapping[str, int], setup_error: str | None = None) -> str:
-    """"error" when the run never got to its checks; "pass" iff nothing failed, was vacuous or errored (skips
-    are fine) and at least one check passed (an all-skipped run proves nothing); else "fail"."""
+def verdict_from_counts(counts: Mapping[str, int], setup_error: str | None = None,
+                        missing: Sequence[str] = ()) -> str:
+    """"error" when the run never got to its checks; "fail" when anything failed, was vacuous or errored;
+    "inconclusive" when nothing did but the checks that compare the model's outputs did not run (gates/evidence.py:
+    an all-skipped run proves nothing either); else "pass"."""
     if setup_error is not None:
         return "error"
-    bad = counts["fail"] + counts["vacuous"] + counts["error"]
-    return "pass" if bad == 0 and counts["pass"] > 0 else "fail"
+    if counts["fail"] + counts["vacuous"] + counts["error"]:
+        return "fail"
+    return "inconclusive" if missing or counts["pass"] == 0 else "pass"
 
 
 @cache
@@ -59,19 +63,22 @@ def recompute_summary(data: Mapping[str, Any]) -> dict[str, Any]:
     for result in data["results"]:
         counts[result["status"]] += 1
     setup_error = data["summary"].get("setup_error")
+    missing = [] if setup_error is not None else missing_evidence(data["results"])
     out: dict[str, Any] = {"counts": counts, "total": len(data["results"]),
-                           "verdict": verdict_from_counts(counts, setup_error)}
+                           "verdict": verdict_from_counts(counts, setup_error, missing)}
     if setup_error is not None:
         out["setup_error"] = setup_error
+    if missing:
+        out["missing_evidence"] = missing
     return out
 
 
 def summary_problem(data: Mapping[str, Any]) -> str | None:
     """Why a report's summary cannot be believed (it disagrees with its own results), or None."""
     claimed, implied = data["summary"], recompute_summary(data)
-    for key in ("verdict", "counts", "total"):
-        if claimed.get(key) != implied[key]:
-            return (f"its summary.{key} {claimed.get(key)!r} contradicts its results, which give {implied[key]!r} "
+    for key in ("verdict", "counts", "total", "missing_evidence"):
+        if claimed.get(key) != implied.get(key):
+            return (f"its summary.{key} {claimed.get(key)!r} contradicts its results, which give {implied.get(key)!r} "
                     "(the report was edited)")
     return None
 

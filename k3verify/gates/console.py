@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -87,8 +88,9 @@ def make_console(stderr: bool = False) -> Console:
 
 def verdict_line(run: RunResult) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in run.counts.items() if n) or "no checks"
-    colour = "green" if run.verdict == "pass" else "red"
-    return (f"[bold {colour}]{run.verdict.upper()}[/] {counts} in {run.run.wall_time_s:.1f}s "
+    colour = {"pass": "green", "inconclusive": "yellow"}.get(run.verdict, "red")
+    why = f": {'; '.join(run.missing_evidence)} --" if run.verdict == "inconclusive" else ""
+    return (f"[bold {colour}]{run.verdict.upper()}[/]{escape(why)} {counts} in {run.run.wall_time_s:.1f}s "
             f"({run.run.suite}, {run.run.device}, seed {run.run.seed})")
 
 

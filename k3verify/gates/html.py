@@ -19,6 +19,7 @@ h2{margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 h3{margin:18px 0 6px;font-size:15px}
 .verdict{padding:18px 24px;color:#fff;font-size:18px}
 .verdict.pass{background:#1a7f37}.verdict.fail{background:#cf222e}.verdict.error{background:#9a6700}
+.verdict.inconclusive{background:#6e4b00}.verdict .why{display:block;font-size:15px;margin-top:6px}
 .verdict .word{font-size:34px;font-weight:700;letter-spacing:2px;margin-right:16px}
 table{border-collapse:collapse;margin:4px 0 10px}
 th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
@@ -65,7 +66,12 @@ def _banner(data: Mapping[str, Any]) -> str:
     target = run["preset"] or run["checkpoint"] or "no model"
     return (f'<header id="verdict" class="verdict {_e(verdict)}"><span class="word">{_e(verdict.upper())}</span>'
             f'{_e(counts) or "no checks"} &middot; suite {_e(run["suite"])} &middot; {_e(target)} '
-            f'&middot; {_e(run["device"])}</header>')
+            f'&middot; {_e(run["device"])}{_why(summary)}</header>')
+
+
+def _why(summary: Mapping[str, Any]) -> str:
+    reasons = summary.get("missing_evidence") or []
+    return "".join(f'<span class="why">not verified: {_e(r)}</span>' for r in reasons)
 
 
 def _run_table(run: Mapping[str, Any]) -> str:

@@ -33,6 +33,10 @@ DEFAULT_CATALOG = PACKAGE_DIR.parent / "mutations"
 MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.server", "k3verify.kernels", "k3verify.tokenizer",
                     "k3verify.checkpoint", "k3verify.config")
 RED = ("fail", "vacuous", "error")
+# parity's exit codes for a run that produced a report: pass, fail, inconclusive (a mutant child runs only the
+# expected killers, which may hold no evidence check: its statuses are what count, not its verdict)
+PARITY_INCONCLUSIVE = 4
+PARITY_RAN = (0, 1, PARITY_INCONCLUSIVE)
 CHILD_MARK = "k3verify-mutant-child: k3verify imported from "
 
 
@@ -287,7 +291,7 @@ def classify(mutant: Mutant, preset: str, expected: Sequence[str], child: ChildR
     if child.imported_from is None or child.returncode == 3:
         out.reason = f"child did not import the mutated copy (rc {child.returncode}): {tail}"
         return out
-    if child.report is None or child.returncode not in (0, 1):
+    if child.report is None or child.returncode not in PARITY_RAN:
         out.reason = f"parity exited {child.returncode} without a usable report: {tail}"
         return out
     by_id = {r["id"]: r for r in child.report["results"]}

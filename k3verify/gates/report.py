@@ -76,6 +76,8 @@ def report_dict(run: RunResult) -> dict[str, Any]:
     }
     if run.setup_error is not None:
         out["summary"]["setup_error"] = run.setup_error
+    if run.missing_evidence:
+        out["summary"]["missing_evidence"] = run.missing_evidence
     if run.mutations:
         out["mutations"] = [dict(m) for m in run.mutations]
         out["summary"]["mutation_counts"] = {s: sum(m.get("status") == s for m in run.mutations)

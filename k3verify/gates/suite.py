@@ -27,6 +27,7 @@ import k3verify
 from k3verify.cli import UsageError
 from k3verify.gates.binding import source_digest, verdict_from_counts
 from k3verify.gates.evaluate import evaluate_trial
+from k3verify.gates.evidence import missing_evidence
 from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
 from k3verify.gates.noise import NoiseLookup
 from k3verify.gates.noise import lookup as noise_lookup
@@ -80,8 +81,15 @@ class RunResult:
         return status_counts(self.results)
 
     @property
+    def missing_evidence(self) -> list[str]:
+        """Why the results do not show the model's outputs compared (gates/evidence.py); empty when they do."""
+        if self.setup_error is not None:
+            return []
+        return missing_evidence(result_records(self.results))
+
+    @property
     def verdict(self) -> str:
-        return verdict_from_counts(self.counts, self.setup_error)
+        return verdict_from_counts(self.counts, self.setup_error, self.missing_evidence)
 
 
 def status_counts(results: Iterable[Result]) -> dict[str, int]:
@@ -92,9 +100,14 @@ def status_counts(results: Iterable[Result]) -> dict[str, int]:
 
 
 def verdict(results: Sequence[Result]) -> str:
-    """"pass" iff nothing failed, was vacuous or errored (skips are fine) and at least one check passed:
-    an all-skipped run proves nothing (the rule lives in gates/binding.py, which `serve` re-applies)."""
-    return verdict_from_counts(status_counts(results))
+    """"pass" iff nothing failed, was vacuous or errored (skips are fine) and the checks that compare the model's
+    outputs ran, else "fail" or "inconclusive" (the rule lives in gates/binding.py, which `serve` re-applies)."""
+    return verdict_from_counts(status_counts(results), None, missing_evidence(result_records(results)))
+
+
+def result_records(results: Iterable[Result]) -> list[dict[str, Any]]:
+    """The fields of each result that the evidence rule reads, as report.json has them."""
+    return [{"id": r.id, "status": Status(r.status).value, "reason": r.reason, "metrics": r.metrics} for r in results]
 
 
 def derive_seed(seed: int, check_id: str) -> int:

@@ -56,13 +56,13 @@ def test_select_by_suite_glob_and_prefix(registry: Registry) -> None:
 @pytest.mark.parametrize(("statuses", "expected"), [
     ([Status.PASS, Status.SKIPPED], "pass"),
     ([Status.PASS], "pass"),
-    ([Status.SKIPPED, Status.SKIPPED], "fail"),
-    ([], "fail"),
+    ([Status.SKIPPED, Status.SKIPPED], "inconclusive"),
+    ([], "inconclusive"),
     ([Status.PASS, Status.FAIL], "fail"),
     ([Status.PASS, Status.VACUOUS], "fail"),
     ([Status.PASS, Status.ERROR], "fail"),
 ])
-def test_verdict_needs_a_pass_and_nothing_red(statuses: list[Status], expected: str) -> None:
+def test_verdict_red_on_any_red_result_inconclusive_when_nothing_ran(statuses: list[Status], expected: str) -> None:
     from k3verify.gates.gate import Result
 
     results = [Result(id=f"gates.t.r{i}", component="gates", level="module", kind="rms", bar=5e-3, bar_reason=None,
