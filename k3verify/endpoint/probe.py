@@ -1,9 +1,10 @@
 """What an OpenAI-compatible server offers, found by asking it (about ten small requests), never assumed.
 
 Each optional feature the checks use is probed with one request whose answer shows whether the server really
-applies it (not merely accepts it): token ids in logprobs, echo with prompt logprobs, logit_bias, chat, a
-tokenize endpoint (prompt and chat forms). A missing feature makes the checks that need it skip with the
-reason recorded here, never fail.
+applies it (not merely accepts it): token ids in logprobs (an `id` per entry, or vLLM's `token_id:N`), echo with
+prompt logprobs, logit_bias, chat, a tokenize endpoint (prompt and chat forms; vLLM and SGLang read `prompt`,
+llama.cpp reads `content`), and llama.cpp's native `/completion` with every generated id. A missing feature makes
+the checks that need it skip with the reason recorded here, never fail.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3verify.endpoint.client import EndpointClient, Reply
-from k3verify.endpoint.wire import TOKEN_ID_PREFIX, TokenResolver
+from k3verify.endpoint.wire import LOGPROB_FORMS, Answer, TokenResolver, WireError, parse_completion
 
-TOKENIZE_PATHS = ("/tokenize", "/v1/tokenize")  # vLLM, SGLang
+TOKENIZE_PATHS = ("/tokenize", "/v1/tokenize")  # vLLM, SGLang, llama.cpp
+TOKENIZE_FIELDS = ("prompt", "content")  # vLLM and SGLang read `prompt`; llama.cpp reads `content`
+NATIVE_PATH = "/completion"  # llama.cpp: every generated id, apart from the logprobs that may leave some out
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Capabilities:
     tokenize: Feature
     tokenize_chat: Feature
     tokenize_path: str | None = None
+    native_ids: Feature = Feature(False, "not probed")  # llama.cpp's /completion with return_tokens
+    tokenize_field: str = "prompt"  # the body field the tokenize endpoint reads
+    logprob_form: str = "none"  # wire.LOGPROB_FORMS: the form /v1/completions answers logprobs in
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,12 +76,13 @@ def identify(client: EndpointClient, model: str | None) -> tuple[str, ServerIden
     return model, ServerIdentity([dict(c) for c in cards], reply.headers)
 
 
-def _answer_tokens(reply: Reply) -> list[Any] | None:
+def _answer(reply: Reply, resolver: TokenResolver) -> Answer | None:
+    """The completion's answer when it parses and carries logprobs for its token; None otherwise."""
     try:
-        tokens = reply.body["choices"][0]["logprobs"]["tokens"]
-    except (KeyError, IndexError, TypeError):
+        answer = parse_completion(resolver, reply.body)
+    except WireError:
         return None
-    return tokens if isinstance(tokens, list) else None
+    return answer if answer.steps else None
 
 
 def _missing(what: str, reply: Reply) -> Feature:
@@ -87,23 +94,42 @@ def probe(client: EndpointClient, model: str, prompt: list[int], forced_token: i
     """Probe every optional feature with `prompt` (a few token ids); `forced_token` is what logit_bias forces."""
     base = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}
     plain = client.post("/v1/completions", base)
-    if not plain.ok or _answer_tokens(plain) is None:
-        completions = _missing("completions with a token-id prompt and logprobs", plain)
+    answer = _answer(plain, resolver) if plain.ok else None
+    if answer is None:
+        completions = _missing("completions with a token-id prompt and logprobs", plain) if not plain.ok else \
+            Feature(False, f"completions answered without logprobs this package can read: {str(plain.body)[:200]}")
         off = Feature(False, f"needs completions with logprobs, which failed ({completions.reason})")
-        return Capabilities(completions, off, off, off, _chat(client, model), off, off)
-    completions = Feature(True, "token-id prompts with logprobs")
-    ids_reply = client.post("/v1/completions", {**base, "return_tokens_as_token_ids": True})
-    tokens = _answer_tokens(ids_reply)
-    if not ids_reply.ok:
-        token_ids = _missing("return_tokens_as_token_ids", ids_reply)
-    elif tokens and str(tokens[0]).startswith(TOKEN_ID_PREFIX):
-        token_ids = Feature(True, "return_tokens_as_token_ids gives 'token_id:N'")
+        return Capabilities(completions, off, off, off, _chat(client, model), off, off,
+                            native_ids=_native(client, prompt))
+    completions = Feature(True, f"token-id prompts with logprobs ({LOGPROB_FORMS[answer.wire]})")
+    extra: dict[str, Any] = {}
+    if answer.wire == "content+id":
+        token_ids = Feature(True, "each logprobs entry carries its token's id")
     else:
-        token_ids = Feature(False, "return_tokens_as_token_ids was accepted but tokens came back as text")
-    extra = {"return_tokens_as_token_ids": True} if token_ids.available else {}
+        ids_reply = client.post("/v1/completions", {**base, "return_tokens_as_token_ids": True})
+        with_ids = _answer(ids_reply, resolver) if ids_reply.ok else None
+        if not ids_reply.ok:
+            token_ids = _missing("return_tokens_as_token_ids", ids_reply)
+        elif with_ids is not None and with_ids.wire == "legacy+token_id":
+            token_ids = Feature(True, "return_tokens_as_token_ids gives 'token_id:N'")
+            extra = {"return_tokens_as_token_ids": True}
+        else:
+            token_ids = Feature(False, "return_tokens_as_token_ids was accepted but tokens came back as text")
+    tokenize, tokenize_chat, path, field = _tokenize(client, model)
     return Capabilities(completions, token_ids, _echo(client, base | extra, len(prompt)),
                         _logit_bias(client, base | extra, forced_token, resolver), _chat(client, model),
-                        *_tokenize(client, model))
+                        tokenize, tokenize_chat, path, _native(client, prompt), field, answer.wire)
+
+
+def _native(client: EndpointClient, prompt: list[int]) -> Feature:
+    reply = client.post(NATIVE_PATH, {"prompt": prompt, "n_predict": 1, "temperature": 0, "n_probs": 1,
+                                      "return_tokens": True})
+    if not reply.ok:
+        return _missing(f"{NATIVE_PATH} (llama.cpp's native completion)", reply)
+    tokens = reply.body.get("tokens") if isinstance(reply.body, Mapping) else None
+    if not isinstance(tokens, list) or len(tokens) != 1:
+        return Feature(False, f"{NATIVE_PATH} answered without one generated id in `tokens`: {str(reply.body)[:160]}")
+    return Feature(True, f"{NATIVE_PATH} with return_tokens lists every generated id")
 
 
 def _echo(client: EndpointClient, base: dict[str, Any], prompt_len: int) -> Feature:
@@ -124,12 +150,11 @@ def _logit_bias(client: EndpointClient, base: dict[str, Any], forced: int, resol
     reply = client.post("/v1/completions", {**base, "logit_bias": {str(forced): 100}})
     if not reply.ok:
         return _missing("logit_bias", reply)
-    tokens = _answer_tokens(reply)
-    got = resolver.resolve(str(tokens[0])) if tokens else None
+    answer = _answer(reply, resolver)
+    got = answer.steps[0].token_id if answer is not None else None
     if got == forced:
         return Feature(True, f"logit_bias +100 on token {forced} makes it the answer")
-    return Feature(False, f"logit_bias +100 on token {forced} was accepted but not applied (answer: "
-                          f"{tokens[0] if tokens else None!r})")
+    return Feature(False, f"logit_bias +100 on token {forced} was accepted but not applied (answer: {got!r})")
 
 
 def _chat(client: EndpointClient, model: str) -> Feature:
@@ -143,16 +168,21 @@ def _chat(client: EndpointClient, model: str) -> Feature:
     return Feature(True, "chat completions with usage")
 
 
-def _tokenize(client: EndpointClient, model: str) -> tuple[Feature, Feature, str | None]:
+def _tokenize(client: EndpointClient, model: str) -> tuple[Feature, Feature, str | None, str]:
+    """(prompt form, chat form, path, body field): the first path and field that tokenize a word to >= 1 id."""
     tried = []
     for path in TOKENIZE_PATHS:
-        reply = client.post(path, {"model": model, "prompt": "hello"})
-        if reply.ok and isinstance(reply.body, Mapping) and isinstance(reply.body.get("tokens"), list):
-            chat = client.post(path, {"model": model, "messages": [{"role": "user", "content": "hi"}]})
-            ok = chat.ok and isinstance(chat.body, Mapping) and isinstance(chat.body.get("tokens"), list)
-            chat_feature = Feature(True, f"{path} with messages") if ok else \
-                _missing(f"{path} with messages", chat)
-            return Feature(True, f"{path} with a prompt"), chat_feature, path
-        tried.append(f"{path} -> {reply.error_message()[:120]}")
+        for key in TOKENIZE_FIELDS:
+            reply = client.post(path, {"model": model, key: "hello"})
+            tokens = reply.body.get("tokens") if reply.ok and isinstance(reply.body, Mapping) else None
+            if isinstance(tokens, list) and tokens:
+                chat = client.post(path, {"model": model, "messages": [{"role": "user", "content": "hi"}]})
+                listed = chat.body.get("tokens") if chat.ok and isinstance(chat.body, Mapping) else None
+                chat_feature = Feature(True, f"{path} with messages") if isinstance(listed, list) and listed else \
+                    Feature(False, f"{path} with messages gave no tokens ({chat.error_message()[:120]})")
+                return Feature(True, f"{path} with `{key}`"), chat_feature, path, key
+            tried.append(f"{path} `{key}` -> {reply.error_message()[:100]}")
+            if reply.status == 404:
+                break  # no such path: its other field will not exist either
     missing = Feature(False, f"no tokenize endpoint ({'; '.join(tried)})")
-    return missing, missing, None
+    return missing, missing, None, "prompt"

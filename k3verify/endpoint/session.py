@@ -7,15 +7,25 @@ endpoint_*.py) then only ask the session to build request bodies and parse answe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 import torch
 
+from k3verify.endpoint.align import align_entries
 from k3verify.endpoint.client import EndpointClient, Limits, Reply
-from k3verify.endpoint.probe import Capabilities, ServerIdentity, identify, probe
-from k3verify.endpoint.wire import Answer, TokenResolver, Vocabulary, parse_chat, parse_completion, parse_stream
+from k3verify.endpoint.probe import NATIVE_PATH, Capabilities, ServerIdentity, identify, probe
+from k3verify.endpoint.wire import (
+    Answer,
+    Step,
+    TokenResolver,
+    Vocabulary,
+    parse_chat,
+    parse_completion,
+    parse_native,
+    parse_stream,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -29,7 +39,10 @@ class EndpointSession:
     caps: Capabilities
     identity: ServerIdentity
     resolver: TokenResolver
+    vocab: Vocabulary
     note: str = ""
+    realigned: int = 0  # answers whose logprobs left positions out, put back by id from the native form
+    unaligned: list[str] = field(default_factory=list)  # answers that could not be put back (their ids unreadable)
 
     def completion_body(self, prompt: Sequence[int], **fields: Any) -> dict[str, Any]:
         """A /v1/completions body with a token-id prompt; token ids in logprobs where the server offers them."""
@@ -42,12 +55,46 @@ class EndpointSession:
         """A non-streamed completion parsed by token id; a non-2xx answer raises EndpointAnswerError."""
         reply = self.client.post("/v1/completions", self.completion_body(prompt, **fields))
         echo_len = len(prompt) if fields.get("echo") and fields.get("logprobs") is not None else None
-        return parse_completion(self.resolver, expect_ok(reply, "completion"), echo_len=echo_len)
+        answer = parse_completion(self.resolver, expect_ok(reply, "completion"), echo_len=echo_len)
+        return self._every_position(prompt, answer, fields)
 
     def complete_streamed(self, prompt: Sequence[int], **fields: Any) -> Answer:
         reply, events = self.client.stream("/v1/completions", self.completion_body(prompt, stream=True, **fields))
         expect_ok(reply, "streamed completion")
-        return parse_stream(self.resolver, events, chat=False)
+        return self._every_position(prompt, parse_stream(self.resolver, events, chat=False), fields)
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes a token adds to generated text: special tokens add none."""
+        return b"" if self.vocab.is_special(token_id) else self.vocab.token_bytes(token_id)
+
+    def _every_position(self, prompt: Sequence[int], answer: Answer, fields: dict[str, Any]) -> Answer:
+        """An answer with fewer logprobs entries than generated tokens (llama.cpp holds back a token that ends
+        inside a UTF-8 character) spread over its positions by id (endpoint/align.py), the ids read from the
+        native form of the same greedy request; where that cannot be done, no position is identified."""
+        n = answer.completion_tokens
+        if n is None or len(answer.steps) >= n or fields.get("logprobs") is None:
+            return answer
+        why = f"{len(answer.steps)} logprobs entries for {n} generated tokens"
+        native = self.native_greedy(prompt, fields) if self.caps.native_ids.available else None
+        steps = None if native is None or native.all_ids is None else \
+            align_entries(answer.steps, native.all_ids, self.piece)
+        if steps is None:
+            self.unaligned.append(why + ("" if native is not None else
+                                         f": no native form to read the ids from ({self.caps.native_ids.reason})"))
+            return replace(answer, steps=[Step(None, None) for _ in range(n)])
+        self.realigned += 1
+        return replace(answer, steps=steps, all_ids=native.all_ids if native else None)
+
+    def native_greedy(self, prompt: Sequence[int], fields: dict[str, Any]) -> Answer | None:
+        """The same request through llama.cpp's native /completion (greedy requests only: a sampled one would not
+        repeat), every generated id listed."""
+        if fields.get("temperature") != 0:
+            return None
+        body: dict[str, Any] = {"prompt": list(prompt), "n_predict": fields.get("max_tokens", 16), "temperature": 0,
+                                "n_probs": int(fields.get("logprobs") or 0), "return_tokens": True}
+        body.update({k: fields[k] for k in ("stop", "logit_bias") if k in fields})
+        reply = self.client.post(NATIVE_PATH, body)
+        return parse_native(self.resolver, expect_ok(reply, "native completion"))
 
     def chat(self, messages: list[dict[str, Any]], **fields: Any) -> Answer:
         reply = self.client.post("/v1/chat/completions", {"model": self.model, "messages": messages, **fields})
@@ -59,6 +106,7 @@ class EndpointSession:
         return {"url": self.url, "model": self.model, "declared_dtype": str(self.dtype).removeprefix("torch."),
                 "server": {"models": self.identity.models, "headers": self.identity.headers},
                 "capabilities": self.caps.as_dict(), "note": self.note,
+                "logprob_entries_left_out": {"realigned": self.realigned, "unaligned": list(self.unaligned)},
                 "limits": vars(self.client.limits).copy(),
                 "requests": {"sent": stats.sent, "retried": stats.retried, "by_status": dict(stats.by_status)}}
 
@@ -87,4 +135,4 @@ def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_to
     except BaseException:
         client.close()
         raise
-    return EndpointSession(url, client, name, DTYPES[dtype], caps, identity, resolver, note)
+    return EndpointSession(url, client, name, DTYPES[dtype], caps, identity, resolver, vocab, note)

@@ -1,9 +1,16 @@
-"""OpenAI answers as token ids: completions (plain, echo, streamed) and chat completions (plain, streamed).
+"""OpenAI answers as token ids: completions (plain, echo, streamed), chat completions (plain, streamed) and
+llama.cpp's native `/completion`.
 
-Token identity is by id, never by text: two byte tokens can decode to the same replacement character. A token
-is resolved from vLLM's `token_id:N` form (return_tokens_as_token_ids), else from chat logprobs' `bytes`, else
-from its text only where exactly one vocabulary entry decodes to that text cleanly; otherwise it stays
-unresolved (None) and the checks stop comparing a sequence at its first unresolved token.
+Logprobs come in two shapes, recognised by content, not by who the server claims to be: OpenAI's legacy
+completions form `{tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}` (vLLM, SGLang) and the
+chat form `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`, which llama.cpp also
+answers completions with, each entry carrying the token's `id`.
+
+Token identity is by id, never by text: two byte tokens can decode to the same replacement character. A token is
+resolved from an `id` field where the server gives one, else from vLLM's `token_id:N` form
+(return_tokens_as_token_ids), else from chat logprobs' `bytes`, else from its text only where exactly one
+vocabulary entry decodes to that text cleanly; otherwise it stays unresolved (None) and the checks stop comparing
+a sequence at its first unresolved token.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ class Vocabulary(Protocol):
     n_vocab: int
 
     def token_bytes(self, token_id: int) -> bytes: ...
+
+    def is_special(self, token_id: int) -> bool: ...
 
 
 class WireError(ValueError):
@@ -42,7 +51,9 @@ class TokenResolver:
                 by_text[text].extend(ids)
         self._by_text = {text: ids[0] for text, ids in by_text.items() if len(ids) == 1}
 
-    def resolve(self, token: str, raw: Sequence[int] | None = None) -> int | None:
+    def resolve(self, token: str, raw: Sequence[int] | None = None, token_id: object = None) -> int | None:
+        if isinstance(token_id, int) and not isinstance(token_id, bool):
+            return token_id
         if token.startswith(TOKEN_ID_PREFIX) and token[len(TOKEN_ID_PREFIX):].isdigit():
             return int(token[len(TOKEN_ID_PREFIX):])
         if raw is not None:
@@ -70,6 +81,14 @@ class Answer:
     steps: list[Step]
     prompt_steps: list[Step] | None = None  # echo=true: the prompt's own positions
     usage: dict[str, Any] | None = None
+    wire: str = ""  # the logprobs form the answer came in (see LOGPROB_FORMS)
+    all_ids: list[int] | None = None  # every generated id, where the server lists them apart from logprobs
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """usage.completion_tokens, when the server reported it."""
+        value = (self.usage or {}).get("completion_tokens")
+        return value if isinstance(value, int) else None
 
     @property
     def token_ids(self) -> list[int | None]:
@@ -105,6 +124,44 @@ def _top_map(resolver: TokenResolver, top: Mapping[str, float] | None) -> tuple[
     return out, unresolved
 
 
+LOGPROB_FORMS = {
+    "legacy": "OpenAI completions logprobs {tokens, token_logprobs, top_logprobs, text_offset}",
+    "legacy+token_id": "OpenAI completions logprobs with tokens as 'token_id:N' (vLLM's return_tokens_as_token_ids)",
+    "content": "chat-style logprobs.content[] resolved by bytes / text",
+    "content+id": "chat-style logprobs.content[] with each token's id (llama.cpp)",
+    "none": "no logprobs in the answer",
+}
+
+
+def logprob_form(logprobs: Any) -> str:
+    """Which of LOGPROB_FORMS a `logprobs` object has (a WireError for anything else)."""
+    if logprobs is None:
+        return "none"
+    if not isinstance(logprobs, Mapping):
+        raise WireError(f"logprobs is not an object: {str(logprobs)[:200]}")
+    if isinstance(logprobs.get("content"), list):
+        entries = logprobs["content"]
+        with_ids = bool(entries) and all(isinstance(e, Mapping) and isinstance(e.get("id"), int) for e in entries)
+        return "content+id" if with_ids else "content"
+    if isinstance(logprobs.get("tokens"), list):
+        tokens = logprobs["tokens"]
+        with_ids = bool(tokens) and all(str(t).startswith(TOKEN_ID_PREFIX) for t in tokens)
+        return "legacy+token_id" if with_ids else "legacy"
+    if not logprobs:
+        return "none"
+    raise WireError(f"logprobs has neither `content` nor `tokens`: keys {sorted(logprobs)[:8]}")
+
+
+def logprob_steps(resolver: TokenResolver, logprobs: Any, where: str) -> tuple[list[Step], str]:
+    """(steps, form) of a completions or chat `logprobs` object, whichever form it has."""
+    form = logprob_form(logprobs)
+    if form == "none":
+        return [], form
+    if form.startswith("content"):
+        return chat_steps(resolver, logprobs), form
+    return completion_steps(resolver, logprobs, where), form
+
+
 def completion_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None, where: str) -> list[Step]:
     """Steps of a completions `logprobs` object {tokens, token_logprobs, top_logprobs, text_offset}."""
     if logprobs is None:
@@ -123,14 +180,15 @@ def completion_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None
 def parse_completion(resolver: TokenResolver, body: Any, *, echo_len: int | None = None) -> Answer:
     """A /v1/completions body; with echo_len, its first echo_len logprob positions are the prompt's."""
     choice = _choice(body, "completion")
-    steps = completion_steps(resolver, choice.get("logprobs"), "completion")
+    steps, form = logprob_steps(resolver, choice.get("logprobs"), "completion")
     prompt_steps = None
     if echo_len is not None and steps:
         if len(steps) < echo_len:
             raise WireError(f"completion: echo=true answered {len(steps)} logprob positions for a prompt of "
                             f"{echo_len} tokens")
         prompt_steps, steps = steps[:echo_len], steps[echo_len:]
-    return Answer(str(choice.get("text") or ""), choice.get("finish_reason"), steps, prompt_steps, body.get("usage"))
+    return Answer(str(choice.get("text") or ""), choice.get("finish_reason"), steps, prompt_steps, body.get("usage"),
+                  form)
 
 
 def chat_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None) -> list[Step]:
@@ -139,12 +197,12 @@ def chat_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None) -> l
     for entry in (logprobs or {}).get("content") or []:
         top, unresolved = {}, 0
         for alt in entry.get("top_logprobs") or []:
-            alt_id = resolver.resolve(str(alt.get("token", "")), alt.get("bytes"))
+            alt_id = resolver.resolve(str(alt.get("token", "")), alt.get("bytes"), alt.get("id"))
             if alt_id is None:
                 unresolved += 1
             else:
                 top[alt_id] = float(alt["logprob"])
-        token_id = resolver.resolve(str(entry.get("token", "")), entry.get("bytes"))
+        token_id = resolver.resolve(str(entry.get("token", "")), entry.get("bytes"), entry.get("id"))
         steps.append(Step(token_id, float(entry["logprob"]), top, unresolved))
     return steps
 
@@ -152,24 +210,38 @@ def chat_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None) -> l
 def parse_chat(resolver: TokenResolver, body: Any) -> Answer:
     choice = _choice(body, "chat completion")
     message = choice.get("message") or {}
-    return Answer(str(message.get("content") or ""), choice.get("finish_reason"),
-                  chat_steps(resolver, choice.get("logprobs")), None, body.get("usage"))
+    steps, form = logprob_steps(resolver, choice.get("logprobs"), "chat completion")
+    return Answer(str(message.get("content") or ""), choice.get("finish_reason"), steps, None, body.get("usage"), form)
 
 
 def parse_stream(resolver: TokenResolver, events: Sequence[Any], *, chat: bool) -> Answer:
     """The chunks of one streamed answer joined: text, steps, the last finish_reason, the usage chunk's usage."""
-    text, steps, finish, usage = [], [], None, None
+    text, steps, finish, usage, form = [], [], None, None, "none"
     for event in events:
         if isinstance(event, Mapping) and "error" in event:
             raise WireError(f"stream carried an error event: {str(event['error'])[:300]}")
         if isinstance(event, Mapping) and event.get("usage"):
             usage = event["usage"]
         for choice in (event.get("choices") or []) if isinstance(event, Mapping) else []:
-            if chat:
-                text.append((choice.get("delta") or {}).get("content") or "")
-                steps.extend(chat_steps(resolver, choice.get("logprobs")))
-            else:
-                text.append(choice.get("text") or "")
-                steps.extend(completion_steps(resolver, choice.get("logprobs"), "completion stream"))
+            text.append(((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or "")
+            chunk_steps, chunk_form = logprob_steps(resolver, choice.get("logprobs"), "stream")
+            steps.extend(chunk_steps)
+            form = chunk_form if chunk_form != "none" else form
             finish = choice.get("finish_reason") or finish
-    return Answer("".join(text), finish, steps, None, usage)
+    return Answer("".join(text), finish, steps, None, usage, form)
+
+
+NATIVE_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def parse_native(resolver: TokenResolver, body: Any) -> Answer:
+    """llama.cpp's native `/completion` answer with `return_tokens` and `n_probs`: every generated id in `tokens`,
+    their logprobs in `completion_probabilities` (chat-style entries with ids), usage from its own counters."""
+    if not isinstance(body, Mapping) or not isinstance(body.get("tokens"), list):
+        raise WireError(f"/completion: expected an object with a `tokens` list (return_tokens); got {str(body)[:200]}")
+    ids = [int(t) for t in body["tokens"]]
+    steps = chat_steps(resolver, {"content": body.get("completion_probabilities") or []})
+    usage = {"completion_tokens": body.get("tokens_predicted", len(ids)), "prompt_tokens": body.get("tokens_evaluated")}
+    stop = body.get("stop_type")
+    finish = NATIVE_FINISH.get(str(stop)) if stop is not None else ("stop" if body.get("stopped_eos") else None)
+    return Answer(str(body.get("content") or ""), finish, steps, None, usage, "native", ids)

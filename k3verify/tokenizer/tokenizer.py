@@ -113,6 +113,7 @@ class KimiTokenizer:
         source: str = "<memory>",
     ) -> None:
         n_base = len(mergeable_ranks)
+        self.mergeable_ranks = dict(mergeable_ranks)  # the BPE ranks as loaded: a GGUF vocabulary derives merges
         self.num_base_tokens = n_base
         self.n_vocab = n_base + NUM_SPECIAL_SLOTS
         self.source = source

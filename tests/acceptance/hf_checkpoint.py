@@ -71,18 +71,24 @@ def write_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> dic
     return ids | {"num_base": n}
 
 
-def hf_tiny_config(specials: dict[str, int]) -> dict[str, Any]:
-    """kl-tiny reshaped: 3 KDA heads, v_head 40 != qk_nope 32, 12 experts top-3, this vocabulary's ids."""
+def hf_tiny_config(specials: dict[str, int], kda_heads: int = 3) -> dict[str, Any]:
+    """kl-tiny reshaped: 3 KDA heads (against 4 MLA heads), v_head 40 != qk_nope 32, 12 experts top-3, this
+    vocabulary's ids."""
     cfg = preset_hf_config("kl-tiny")
-    cfg["linear_attn_config"]["num_heads"] = 3
+    cfg["linear_attn_config"]["num_heads"] = kda_heads
     cfg.update(v_head_dim=40, qk_nope_head_dim=32, num_experts=12, num_experts_per_token=3,
                vocab_size=specials["num_base"] + NUM_SPECIAL_SLOTS, bos_token_id=specials["[BOS]"],
                eos_token_id=specials["[EOS]"], pad_token_id=specials["[PAD]"], initializer_range=0.1)
     return cfg
 
 
-def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Any:
-    """save_pretrained of a bf16 KimiLinearForCausalLM (random init, seed `seed`) plus its own tokenizer."""
+def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0, *, kda_heads: int = 3,
+                        released_spelling: bool = False) -> Any:
+    """save_pretrained of a bf16 KimiLinearForCausalLM (random init, seed `seed`) plus its own tokenizer.
+
+    `released_spelling`: the dense layer's MLP renamed from transformers' `block_sparse_moe.*` to the released
+    checkpoints' `mlp.*` (what llama.cpp's converter reads); `kda_heads` equal to the 4 MLA heads suits
+    llama.cpp's Kimi graphs, which assume one head count for both."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from transformers import AutoModelForCausalLM, KimiLinearConfig
@@ -90,6 +96,24 @@ def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, se
         out.mkdir(parents=True)
         specials = write_tokenizer(out, chat_template)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(KimiLinearConfig(**hf_tiny_config(specials)), dtype=torch.bfloat16)
+        config = KimiLinearConfig(**hf_tiny_config(specials, kda_heads))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(out)
+    if released_spelling:
+        dense = [f"model.layers.{i}.block_sparse_moe." for i in range(config.first_k_dense_replace)]
+        rename_tensors(out / "model.safetensors", {old: old.replace("block_sparse_moe.", "mlp.") for old in dense})
     return model
+
+
+def rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
+    """Rewrite a safetensors file with every tensor name starting with a key of `prefixes` re-prefixed."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = {}
+    for name, tensor in load_file(str(path)).items():
+        old = next((p for p in prefixes if name.startswith(p)), None)
+        tensors[name if old is None else prefixes[old] + name[len(old):]] = tensor
+    save_file(tensors, str(path), metadata=metadata)

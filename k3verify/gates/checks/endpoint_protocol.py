@@ -41,6 +41,9 @@ def check_chat_template(ctx: CheckContext) -> Trial:
     if not ep.caps.chat.available:
         raise SkipCheck(f"the endpoint offers no chat completions: {ep.caps.chat.reason}")
     tokenizer = ctx.target.tokenizer()
+    if tokenizer.chat_template is None:
+        raise SkipCheck(f"the checkpoint has no chat template ({tokenizer.source} has no chat_template): there is "
+                        "no reference rendering to hold the endpoint's to")
     ref, cand, ctrl, notes = {}, {}, {}, []
     for i, messages in enumerate(CONVERSATIONS[: 3 if ctx.suite == "full" else 2]):
         want = encode_chat(tokenizer, messages)

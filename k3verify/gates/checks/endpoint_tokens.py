@@ -83,36 +83,45 @@ def check_greedy_tokens(ctx: CheckContext) -> Trial:
     return Trial(reference=ref, candidate=cand, control=ctrl, metrics=metrics, notes=notes)
 
 
-def _top_ids(step: Step, k: int) -> list[int]:
-    return [t for t, _ in sorted(step.top.items(), key=lambda kv: -kv[1])[:k]]
-
-
-def _rows(steps: list[Step], scores: Scores, k: int, chosen: list[int] | None, label: str) -> Rows:
-    """(endpoint, gold, base) logprobs [P, k (+1 with `chosen`)]: the chosen token's (if given), then the top-k."""
+def _rows(steps: list[Step], scores: Scores, k: int, chosen: list[int] | None, label: str,
+          positions: list[int] | None = None) -> Rows:
+    """(endpoint, gold, base) logprobs [P, k (+1 with `chosen`)]: the chosen token's (if given), then the gold's
+    top-k tokens'. For a top-k token the endpoint did not list, its value is the lowest it did list: the bound its
+    list implies, so a wrong top-k membership costs what the missing token's true value is above that bound."""
     cand, gold, base = [], [], []
     for p, step in enumerate(steps):
-        ids = ([chosen[p]] if chosen is not None else []) + _top_ids(step, k)
+        top = scores.gold[p].topk(k).indices.tolist()
+        ids = ([chosen[p]] if chosen is not None else []) + top
+        floor = min(step.top.values())
         values = ([step.logprob if step.token_id == chosen[p] else float("nan")] if chosen is not None else [])
-        cand.append(values + [step.top[t] for t in _top_ids(step, k)])
+        cand.append(values + [step.top.get(t, floor) for t in top])
         gold.append(scores.gold[p, ids])
         base.append(scores.base[p, ids])
     first = 1 if chosen is not None else 0  # prompt positions start at 1: position 0 has nothing before it
+    where = positions if positions is not None else list(range(len(steps)))
     return Rows(torch.tensor(cand, dtype=torch.float64), torch.stack(gold), torch.stack(base),
-                [f"{label} position {p + first}" for p in range(len(steps))])
+                [f"{label} position {p + first}" for p in where])
+
+
+def _centred(rows: torch.Tensor) -> torch.Tensor:
+    """Each row minus its mean: what is left is how the listed tokens' probabilities relate (the normalised
+    distribution over them), without the log-partition that dominates raw logprob values on a flat model."""
+    return rows - rows.nanmean(dim=1, keepdim=True)
 
 
 def _measured_trial(ctx: CheckContext, parts: list[Rows], notes: list[str], what: str) -> Trial:
-    """One RMS trial over all rows: the bar is BAR_FACTOR x the oracle's own dtype noise on the same entries."""
+    """One RMS trial over all rows, each centred: the bar is BAR_FACTOR x the oracle's own dtype noise on the same
+    entries, measured the same way."""
     factor = BAR_FACTOR[session(ctx).dtype]
-    cand, gold, base = (torch.cat([getattr(p, name) for p in parts]) for name in ("cand", "gold", "base"))
+    cand, gold, base = (_centred(torch.cat([getattr(p, name) for p in parts])) for name in ("cand", "gold", "base"))
     labels = [label for p in parts for label in p.labels]
     noise = rel_rms(base, gold)
     if noise <= 0.0:
         raise RuntimeError("the oracle at the declared dtype equals the gold exactly: no noise to take a bar from")
     worst = (cand - gold).abs().nan_to_num(float("inf")).amax(dim=1)
     w = int(worst.argmax())
-    notes.append(f"{what}; bar = {factor} x the oracle's own rel RMS at the declared dtype ({noise:.3g}) = "
-                 f"{factor * noise:.3g}")
+    notes.append(f"{what}; each row centred (its mean removed); bar = {factor} x the oracle's own rel RMS at the "
+                 f"declared dtype ({noise:.3g}) = {factor * noise:.3g}")
     notes.append(f"largest deviation at {labels[w]}: {float(worst[w]):.3g} nats (the oracle's own at the declared "
                  f"dtype there: {float((base[w] - gold[w]).abs().max()):.3g})")
     return Trial(reference=gold, candidate=cand, control=torch.roll(cand, 1, dims=0), position_dim=0,
@@ -129,14 +138,23 @@ def _measured_trial(ctx: CheckContext, parts: list[Rows], notes: list[str], what
 @fx.single_thread
 def check_topk_logprobs(ctx: CheckContext) -> Trial:
     answers = [g for g in greedy_answers(ctx) if g.tokens]
-    steps = [g.answer.steps[: len(g.tokens)] for g in answers]
-    k = min([TOP_K, *(len(s.top) for rows in steps for s in rows)])
-    if k == 0:
+    listed = [[(p, s) for p, s in enumerate(g.answer.steps[: len(g.tokens)]) if s.top] for g in answers]
+    k = min([TOP_K, *(len(s.top) for rows in listed for _, s in rows)])
+    if k == 0 or not any(listed):
         raise SkipCheck("the endpoint's logprobs list no identifiable top_logprobs alternatives")
-    parts = [_rows(rows, score(ctx, g.prompt + g.tokens, len(g.prompt)), k, None, f"prompt {i}")
-             for i, (g, rows) in enumerate(zip(answers, steps, strict=True))]
-    return _measured_trial(ctx, parts, [], f"top-{k} logprobs of {sum(len(r) for r in steps)} generated positions "
-                                      f"(asked for {TOP_K}), oracle at the endpoint's ids")
+    parts, notes = [], []
+    for i, (g, rows) in enumerate(zip(answers, listed, strict=True)):
+        if not rows:
+            continue
+        scores = score(ctx, g.prompt + g.tokens, len(g.prompt))
+        at = [p for p, _ in rows]
+        parts.append(_rows([s for _, s in rows], Scores(scores.gold[at], scores.base[at]), k, None, f"prompt {i}", at))
+        if len(rows) < len(g.tokens):
+            notes.append(f"prompt {i}: {len(g.tokens) - len(rows)} of {len(g.tokens)} positions have no logprobs "
+                         "entry (left out by the endpoint); not compared")
+    positions = sum(len(rows) for rows in listed)
+    return _measured_trial(ctx, parts, notes, f"top-{k} logprobs of {positions} generated positions (asked for "
+                                              f"{TOP_K}), at the gold's top-{k} tokens")
 
 
 @register_check(
