@@ -103,6 +103,7 @@ def probe(client: EndpointClient, model: str, prompt: list[int], forced_token: i
                             native_ids=_native(client, prompt))
     completions = Feature(True, f"token-id prompts with logprobs ({LOGPROB_FORMS[answer.wire]})")
     extra: dict[str, Any] = {}
+    form = answer.wire
     if answer.wire == "content+id":
         token_ids = Feature(True, "each logprobs entry carries its token's id")
     else:
@@ -112,13 +113,13 @@ def probe(client: EndpointClient, model: str, prompt: list[int], forced_token: i
             token_ids = _missing("return_tokens_as_token_ids", ids_reply)
         elif with_ids is not None and with_ids.wire == "legacy+token_id":
             token_ids = Feature(True, "return_tokens_as_token_ids gives 'token_id:N'")
-            extra = {"return_tokens_as_token_ids": True}
+            extra, form = {"return_tokens_as_token_ids": True}, with_ids.wire
         else:
             token_ids = Feature(False, "return_tokens_as_token_ids was accepted but tokens came back as text")
     tokenize, tokenize_chat, path, field = _tokenize(client, model)
     return Capabilities(completions, token_ids, _echo(client, base | extra, len(prompt)),
                         _logit_bias(client, base | extra, forced_token, resolver), _chat(client, model),
-                        tokenize, tokenize_chat, path, _native(client, prompt), field, answer.wire)
+                        tokenize, tokenize_chat, path, _native(client, prompt), field, form)
 
 
 def _native(client: EndpointClient, prompt: list[int]) -> Feature:

@@ -53,10 +53,15 @@ def test_endpoint_parity_is_green_against_our_server(preset: str, tmp_path: Path
     endpoint = data["run"]["endpoint"]
     assert endpoint["model"] == preset and endpoint["declared_dtype"] == "float32"
     assert endpoint["server"]["models"][0]["id"] == preset and endpoint["server"]["headers"]["server"] == "uvicorn"
-    assert all(f["available"] for f in endpoint["capabilities"].values() if isinstance(f, dict))
-    assert 0 < endpoint["requests"]["sent"] <= 400 and endpoint["requests"]["by_status"] == {
-        "200": endpoint["requests"]["sent"]}
-    assert results["endpoint.logprobs.topk"]["bar"] < 1e-5, "an fp32 endpoint is held to fp32 noise"
+    caps = endpoint["capabilities"]
+    assert all(f["available"] for name, f in caps.items() if isinstance(f, dict) and name != "native_ids")
+    assert not caps["native_ids"]["available"], "llama.cpp's native /completion is not ours"
+    assert caps["logprob_form"] == "legacy+token_id" and caps["tokenize_field"] == "prompt"
+    sent = endpoint["requests"]["sent"]  # one 404: the probe of llama.cpp's native /completion
+    assert 0 < sent <= 400 and endpoint["requests"]["by_status"] == {"200": sent - 1, "404": 1}
+    for check in ("endpoint.logprobs.topk", "endpoint.logprobs.prompt"):  # held to fp32 noise, controls far out
+        r = results[check]
+        assert r["bar"] < 1e-3 and r["control"]["metric"] >= 10 * r["bar"], (check, r["bar"], r["control"])
     want = GateWant(resolve_target(preset).digest, k3verify.__version__, "cpu", "float32", source_digest(), preset)
     gate = lookup_report(tmp_path, want)
     assert gate.passing is None and "--endpoint" in gate.reason
@@ -107,12 +112,17 @@ def refuse_echo_and_tokenize(path: str, body: dict[str, Any]) -> tuple[int, dict
 
 def test_stub_without_prompt_logprobs_skips_those_checks_with_reason(tmp_path: Path) -> None:
     """No echo, no tokenize endpoint: prompt logprobs are skipped with the server's answer as the reason, the chat
-    check falls back to prompt-token counts; nothing fails."""
+    check falls back to prompt-token counts; nothing fails, and with neither greedy tokens nor a logprobs check run
+    the verdict is inconclusive, not pass."""
     with served() as url, ServerThread(proxy_app(url, refuse=refuse_echo_and_tokenize)) as proxy:
         code, data = parity(tmp_path, "--endpoint", proxy.url, "--only", "endpoint.logprobs.prompt",
                             "--only", "endpoint.chat.template")
     results = by_id(data)
-    assert code == 0
+    assert code == 4 and data["summary"]["verdict"] == "inconclusive"
+    assert data["summary"]["missing_evidence"] == [
+        "endpoint: endpoint.greedy.tokens was not selected",
+        "endpoint: endpoint.logprobs.* did not run (endpoint.logprobs.prompt: " + results[
+            "endpoint.logprobs.prompt"]["reason"] + ")"]
     prompt = results["endpoint.logprobs.prompt"]
     assert prompt["status"] == "skipped" and "echo is not supported" in prompt["reason"]
     chat = results["endpoint.chat.template"]
