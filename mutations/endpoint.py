@@ -63,4 +63,13 @@ MUTANTS = [
         new="zip(step.seq_ids, tokens[::-1], bad, lps[::-1],",
         killers=["endpoint.batch.invariance"],
     ),
+    Mutant(
+        id="endpoint.render.topk_one_position_late",
+        fault="a completion's top_logprobs are reported one position late (each generated position shows the "
+              "alternatives of the position before it)",
+        target="k3verify.server.render:CompletionRenderer._logprobs",
+        old="top_logprobs=[top(lp) for lp in prompt.logprobs] + [top(lp) for lp in entries],",
+        new="top_logprobs=[top(lp) for lp in prompt.logprobs] + [top(lp) for lp in entries[:1] + entries[:-1]],",
+        killers=["endpoint.logprobs.topk"],
+    ),
 ]

@@ -143,3 +143,24 @@ def test_endpoint_usage_errors_exit_2(argv: list[str], message: str, tmp_path: P
     """Endpoint checks without an endpoint, endpoint flags without one, an unreachable or malformed URL: exit 2."""
     assert main(["parity", "--report-dir", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def strip_logprobs(path: str, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    for choice in answer.get("choices") or []:
+        choice.pop("logprobs", None)
+    return answer
+
+
+def test_server_without_logprobs_is_inconclusive_never_pass(tmp_path: Path) -> None:
+    """A server that answers but never returns logprobs offers nothing to compare: every output check skips with
+    the probe's reason, and the verdict is INCONCLUSIVE (exit 4), naming the evidence that did not run."""
+    with served() as url, ServerThread(proxy_app(url, perturb=strip_logprobs)) as proxy:
+        code, data = parity(tmp_path, "--endpoint", proxy.url)
+    results = by_id(data)
+    assert code == 4 and data["summary"]["verdict"] == "inconclusive"
+    assert results["endpoint.greedy.tokens"]["status"] == "skipped"
+    assert "completions answered without logprobs" in results["endpoint.greedy.tokens"]["reason"]
+    assert not any(r["status"] in ("fail", "vacuous", "error") for r in results.values())
+    assert any(m.startswith("endpoint: endpoint.greedy.tokens did not run") for m in data["summary"]["missing_evidence"])
+    junit = (tmp_path / "junit.xml").read_text()
+    assert 'name="verdict.evidence"' in junit
