@@ -1,0 +1,27 @@
+"""llama.cpp as a peer: the session's installation (K3V_LLAMACPP_DIR, made by scripts/build_llamacpp.sh), or a skip
+that says how to get one. With K3V_REQUIRE_LLAMACPP=1 (as .ci/run sets it) a missing installation fails instead:
+CI must never pass by skipping the peer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "acceptance"))  # hf_checkpoint: a transformers-written checkpoint
+
+from k3verify.peers.llamacpp import LlamaCpp, LlamaCppError  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llamacpp() -> LlamaCpp:
+    try:
+        return LlamaCpp.from_env()
+    except LlamaCppError as exc:
+        if os.environ.get("K3V_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(f"K3V_REQUIRE_LLAMACPP=1 but llama.cpp is not available: {exc}")
+        pytest.skip(f"llama.cpp not available ({exc}); `bash scripts/build_llamacpp.sh .llamacpp` and "
+                    "K3V_LLAMACPP_DIR=.llamacpp run these tests")
