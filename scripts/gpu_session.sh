@@ -61,6 +61,7 @@
 #                                        speculative round and the offline loop under cProfile (spec_round_diag.py)
 #   bash scripts/gpu_session.sh kda-decode-tune  launch configurations of fla's KDA decode recurrence at batch 1/16/64
 #                                        (scripts/kda_decode_tune.py), then the batch-1 speculative round by piece
+#   bash scripts/gpu_session.sh long-context  32k/128k prefill, peak vs plan, decode at context, parity at 32k
 #   bash scripts/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
 #                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
 #   bash scripts/gpu_session.sh prefill-graph  the served prefill eager vs replayed from a CUDA graph per pack (PACKS),
@@ -254,6 +255,14 @@ prefill-graph)
         timeout 150 python3 -m k3verify mutate --device cuda --jobs 2 --timeout 140 --report-dir "$OUT/mutate-pg" \
             --only kernel.fla.static_pack_without_offsets 2>&1 | quiet | tail -4
     fi
+    ;;
+long-context)
+    # One prompt of 32k and 128k tokens prefilled in the engine's 8k segments: tok/s, CUDA peak vs plan (10%),
+    # decode step at that context vs the floor, parity vs the fp32 serving path at 32k (bar: 2x the 1k drift)
+    step "long context ${LC_PRESET:-kl-48b-8l}: ${CONTEXTS:-32768,131072}"
+    timeout "${LC_S:-420}" python3 scripts/long_context.py --preset "${LC_PRESET:-kl-48b-8l}" \
+        --contexts "${CONTEXTS:-32768,131072}" --parity "${PARITY_AT:-32768}" --parity-base 1024 \
+        --json "$OUT/long-context-${LC_PRESET:-kl-48b-8l}.json" 2>&1 | quiet | tail -14
     ;;
 spec-b1)
     b=${SPEC_BATCH:-1}
