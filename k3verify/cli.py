@@ -1,4 +1,4 @@
-"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan`.
+"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan | llamacpp`.
 
 Each subcommand lives in its own module under `k3verify.commands` and exposes
 `register(subparsers)`; it sets `func` on its parser, which returns an exit code.
@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import TypeAlias
 
-COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan")
+COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp")
 
 
 # What each command's `register` receives (a string alias: the class is not subscriptable at run time).
