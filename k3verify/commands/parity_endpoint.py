@@ -36,6 +36,8 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests", type=int, default=400, metavar="N",
                    help="requests sent at most, retries included (default 400)")
     g.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per request, seconds (default 120)")
+    g.add_argument("--endpoint-note", metavar="TEXT",
+                   help="recorded in the report: how the server was started (its command line, numerics)")
 
 
 def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> list[Check]:
@@ -43,7 +45,7 @@ def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> lis
     no --only, keep only them."""
     ours = [c for c in checks if c.id.startswith(PREFIX)]
     if args.endpoint is None:
-        for flag in ("model", "api_key"):
+        for flag in ("model", "api_key", "endpoint_note"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --endpoint runs only")
         rest = [c for c in checks if not c.id.startswith(PREFIX)]
@@ -72,12 +74,13 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
         return
     dtype = args.dtype or "bfloat16"
     with ExitStack() as stack:
-        url, note = args.endpoint, ""
+        url, note = args.endpoint, args.endpoint_note or ""
         try:
             tokenizer = target.tokenizer()
             if url == SELF:
                 url = stack.enter_context(serve_locally(target, DTYPES[dtype], device))
-                note = f"--endpoint self: k3verify's own server for {target.name} in {dtype} on {device}"
+                note = f"--endpoint self: k3verify's own server for {target.name} in {dtype} on {device}" + (
+                    f"; {note}" if note else "")
             plain = tokenizer.num_base_tokens
             session = open_session(url, vocab=tokenizer, probe_prompt=[(97 * k + 11) % plain for k in range(1, 6)],
                                    eos_token=min(target.cfg.eos_token_ids), dtype=dtype, model=args.model,

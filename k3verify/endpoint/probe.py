@@ -51,6 +51,7 @@ class ServerIdentity:
 
     models: list[dict[str, Any]] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
+    props: dict[str, Any] = field(default_factory=dict)  # llama.cpp's GET /props: build, model file, slots, context
 
 
 class SetupError(RuntimeError):
@@ -73,7 +74,22 @@ def identify(client: EndpointClient, model: str | None) -> tuple[str, ServerIden
         model = ids[0]
     elif model not in ids:
         raise SetupError(f"--model {model!r} is not served by {client.root}; it lists {ids}")
-    return model, ServerIdentity([dict(c) for c in cards], reply.headers)
+    return model, ServerIdentity([dict(c) for c in cards], reply.headers, _props(client))
+
+
+PROPS = ("build_info", "model_path", "model_ftype", "total_slots")
+
+
+def _props(client: EndpointClient) -> dict[str, Any]:
+    """What llama.cpp's GET /props says of the build and the model file (empty for servers without it)."""
+    reply = client.get("/props")
+    if not reply.ok or not isinstance(reply.body, Mapping):
+        return {}
+    out = {k: reply.body[k] for k in PROPS if k in reply.body}
+    settings = reply.body.get("default_generation_settings")
+    if isinstance(settings, Mapping) and "n_ctx" in settings:
+        out["n_ctx"] = settings["n_ctx"]
+    return out
 
 
 def _answer(reply: Reply, resolver: TokenResolver) -> Answer | None:

@@ -104,7 +104,8 @@ class EndpointSession:
         """What report.json["run"]["endpoint"] says about this endpoint and the traffic sent to it."""
         stats = self.client.stats
         return {"url": self.url, "model": self.model, "declared_dtype": str(self.dtype).removeprefix("torch."),
-                "server": {"models": self.identity.models, "headers": self.identity.headers},
+                "server": {"models": self.identity.models, "headers": self.identity.headers,
+                           "props": self.identity.props},
                 "capabilities": self.caps.as_dict(), "note": self.note,
                 "logprob_entries_left_out": {"realigned": self.realigned, "unaligned": list(self.unaligned)},
                 "limits": vars(self.client.limits).copy(),
