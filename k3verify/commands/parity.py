@@ -123,9 +123,12 @@ def parallel_layout(tp: int | None, ep: int | None) -> tuple[int, int] | None:
         return None
     layout = (1 if tp is None else tp, 1 if ep is None else ep)
     try:
-        ParallelLayout(*layout)
+        world = ParallelLayout(*layout).world
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
+    if world == 1:
+        raise UsageError(f"--tp {layout[0]} --ep {layout[1]} is a world of one rank, the single-process model itself: "
+                         "the dist.* checks compare a world of >= 2 ranks with it")
     return layout
 
 

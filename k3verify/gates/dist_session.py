@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,15 +69,34 @@ def greedy(model: ParallelServingModel | Any, prompts: list[list[int]], steps: i
     return generate_greedy(runner, prompts, steps)
 
 
-def shifted_read(tensors: Tensors, spec: SliceSpec) -> torch.Tensor:
-    """A mis-sliced load: every split tensor's window moved by one row (same shape, wrong rows)."""
-    if spec.dim is None:
-        return read_spec(tensors, spec)
-    shape = tensors.entries[spec.source].shape if isinstance(tensors, CheckpointReader) else \
-        tensors[spec.source].shape
-    size = shape[spec.dim]
-    step = 1 if spec.stop < size else -1
-    return read_spec(tensors, SliceSpec(spec.source, spec.dim, spec.start + step, spec.stop + step))
+_EXPERT_SOURCE = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
+
+
+def mis_sliced_read(cfg: ModelConfig, layout: ParallelLayout) -> Callable[[Tensors, SliceSpec], torch.Tensor]:
+    """A mis-sliced load of `layout`: every split tensor's window moved by one row (same shape, wrong rows), and
+    where the layout splits experts, every rank's experts read from the next global id (expert g gets g + 1's
+    weights): the wrong experts under the right local names. A layout that splits neither has no such fault."""
+    shift_experts = layout.ep > 1 and cfg.num_experts > 1
+
+    def read(tensors: Tensors, spec: SliceSpec) -> torch.Tensor:
+        if spec.dim is None:
+            m = _EXPERT_SOURCE.match(spec.source) if shift_experts else None
+            if m is None:
+                return read_spec(tensors, spec)
+            wrong = f"{m.group(1)}{(int(m.group(2)) + 1) % cfg.num_experts}{m.group(3)}"
+            return read_spec(tensors, SliceSpec(wrong))
+        shape = tensors.entries[spec.source].shape if isinstance(tensors, CheckpointReader) else \
+            tensors[spec.source].shape
+        step = 1 if spec.stop < shape[spec.dim] else -1
+        return read_spec(tensors, SliceSpec(spec.source, spec.dim, spec.start + step, spec.stop + step))
+
+    return read
+
+
+def splits_anything(cfg: ModelConfig, layout: ParallelLayout) -> bool:
+    """Whether `layout` cuts any checkpoint tensor (tp > 1: heads, columns, vocabulary) or deals experts out
+    (ep > 1 with routed experts): otherwise every rank loads the whole model and a mis-sliced load cannot exist."""
+    return layout.tp > 1 or (layout.ep > 1 and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
 
 
 def _partial_forward(m: TPKimiDeltaAttention | TPMultiHeadLatentAttention) -> Any:
@@ -227,8 +247,8 @@ def _run_empty_rank(spec: SessionSpec, model: ParallelServingModel) -> dict[str,
 
 def _run_shifted(spec: SessionSpec, cfg: ModelConfig, tensors: Tensors, model: ParallelServingModel
                  ) -> dict[str, Any]:
-    """The asked layout's model reloaded with every split slice moved by one row (its last use)."""
-    load_rank(model, cfg, model.layout, tensors, read=shifted_read)
+    """The asked layout's model reloaded mis-sliced (mis_sliced_read; its last use)."""
+    load_rank(model, cfg, model.layout, tensors, read=mis_sliced_read(cfg, model.layout))
     for m in model.moe_layers():
         m.invalidate()
     return {"control.shifted_greedy": greedy(model, spec.prompts, spec.steps),

@@ -23,7 +23,8 @@ def test_tp_ep_flags_add_the_dist_checks_to_the_quick_suite() -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [(["--tp", "2", "--ep", "3"], "each degree must be 1 or the world"),
-                                                (["--tp", "0"], "--tp must be >= 1")])
+                                                (["--tp", "0"], "--tp must be >= 1"),
+                                                (["--tp", "1"], "a world of one rank")])
 def test_a_bad_layout_is_a_usage_error(flags: list[str], message: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["parity", *flags, "--report-dir", str(tmp_path)]) == 2
@@ -35,6 +36,6 @@ def test_a_layout_the_model_cannot_take_skips_with_the_reason(tmp_path: Path) ->
     rc = main(["parity", "--preset", "k3-tiny", "--tp", "4", "--ep", "4", "--only", "dist",
                "--report-dir", str(tmp_path)])
     results = json.loads((tmp_path / "report.json").read_text())["results"]
-    assert rc == 1  # an all-skipped run proves nothing: verdict fail
+    assert rc == 4  # an all-skipped run proves nothing: verdict inconclusive
     assert {r["status"] for r in results} == {"skipped"}
     assert all("KDA heads) = 3 cannot be split over 4 ranks" in r["reason"] for r in results)

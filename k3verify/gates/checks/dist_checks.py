@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from k3verify.gates import CheckContext, Kind, Trial, register_check
+from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates.checks._dist_common import (
     DIST_BAR,
     DIST_BAR_REASON,
@@ -21,10 +21,22 @@ from k3verify.gates.checks._dist_common import (
     depth_order,
     session,
 )
+from k3verify.gates.dist_session import splits_anything
 from k3verify.serving.parallel.layout import ParallelLayout
 from k3verify.serving.parallel.reconcile import cover_size, reconcile_slices, stored_shapes
 
 SUITES = ("full",)
+MIS_SLICED = ("the asked layout loaded mis-sliced: every split tensor's slice moved by one row, and where experts are "
+              "split, every rank's experts read from the next global id (the wrong experts under its local names)")
+
+
+def _mis_sliced_session(ctx: CheckContext) -> Session:
+    """The session, when its asked layout has something to mis-slice (else the check cannot fail: skipped)."""
+    s = session(ctx)
+    if not splits_anything(ctx.cfg, ParallelLayout(*s.layout)):
+        raise SkipCheck(f"tp={s.layout[0]} ep={s.layout[1]} splits no tensor and no expert of this model "
+                        "(no routed experts): every rank loads the whole model, so no load can be mis-sliced")
+    return s
 
 
 def _logits_trial(s: Session, layout: str, control: str) -> Trial:
@@ -80,10 +92,10 @@ def _compared_tokens(s: Session, tokens: list[list[int]], notes: list[str], labe
 
 @register_check(
     id="dist.greedy", component="serving", level="serving", kind=Kind.BITEXACT, suites=SUITES, devices=("cpu",),
-    control="the asked layout loaded with every split tensor's slice moved by one row (mis-sliced ranks)",
+    control=MIS_SLICED,
 )
 def check_greedy(ctx: CheckContext) -> Trial:
-    s = session(ctx)
+    s = _mis_sliced_session(ctx)
     notes: list[str] = []
     ref: dict[str, Any] = {}
     cand: dict[str, Any] = {}
@@ -156,10 +168,10 @@ def _expected(ctx: CheckContext, source: str, got: torch.Tensor, dim: int | None
 @register_check(
     id="dist.weights.slices", component="weights", level="module", kind=Kind.BITEXACT, suites=SUITES,
     devices=("cpu",),
-    control="the asked layout loaded with every split tensor's slice moved by one row (mis-sliced ranks)",
+    control=MIS_SLICED,
 )
 def check_slices(ctx: CheckContext) -> Trial:
-    s = session(ctx)
+    s = _mis_sliced_session(ctx)
     built, shifted = _reassemble(s, "state"), _reassemble(s, "control.shifted_state")
     reader = ctx.target.weights()
     ref = {src: _expected(ctx, src, got, dim, reader) for src, (got, dim) in built.items()}
