@@ -98,6 +98,9 @@ MUTANTS = [
         target=f"{MOE}:SparseMoE.forward",
         old="return y + self.shared_experts(x)",
         new="return y",
+        # plain (unpacked) MoE adds the shared expert inside the combine's last launch, not on the line above
+        also=(("return moe_combine(self, x, weights, idx, add=self.shared_experts(x))",
+               "return moe_combine(self, x, weights, idx).to(x.dtype)"),),
         killers=["moe.*"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(

@@ -229,15 +229,18 @@ class ChildRun:
 
 
 def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, catalog_dir: Path, cache_dir: Path,
-              seed: int, threads: int | None, timeout_s: float, device: str = "cpu") -> ChildRun:
+              seed: int, threads: int | None, timeout_s: float, device: str = "cpu",
+              prepare: Callable[[Path], dict[str, str]] | None = None) -> ChildRun:
     """Run `parity --only check_ids` on `preset` in a fresh process against a (mutated) package copy.
 
     `cache_dir` (K3V_CACHE_DIR) is private to one mutate run: the clean run builds each synthetic checkpoint
-    there once; a mutant of checkpoint-writing code changes the cache key and builds its own."""
+    there once; a mutant of checkpoint-writing code changes the cache key and builds its own. `prepare(root)`
+    may change the copy before the child starts (gates/line_probe.py) and returns environment it adds."""
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="k3v-mutant-") as tmp:
         root = make_copy(Path(tmp) / "src", mutant)
+        extra_env = prepare(root) if prepare is not None else {}
         report_dir = Path(tmp) / "report"
         cli = ["parity", "--preset", preset, "--suite", "full", "--seed", str(seed), "--device", device,
                "--report-dir", str(report_dir)]
@@ -250,7 +253,7 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
         if mutant is not None and mutant.kind == "patch":
             opts += ["--catalog", str(catalog_dir.resolve()), "--mutant", mutant.id]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-                   PYTHONDONTWRITEBYTECODE="1", K3V_CACHE_DIR=str(cache_dir))
+                   PYTHONDONTWRITEBYTECODE="1", K3V_CACHE_DIR=str(cache_dir), **extra_env)
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         code = "from k3verify.gates.mutation import child_main; raise SystemExit(child_main())"
