@@ -1,6 +1,7 @@
 """Tensor / expert parallel faults: a rank loads the wrong slice, a partial sum is never reduced, expert ids
 are not offset per rank, partial sums are reduced in bf16. Each is killed by the dist.* checks (a gloo world
-of 2 against the single-process model)."""
+of 2 against the single-process model; dist.reduce.fp32 a world of 4 of its own). The last two change only the
+arithmetic precision of a sum in bf16 runs and nothing in fp32 ones: only the bf16 checks can see them."""
 
 from __future__ import annotations
 
@@ -40,5 +41,25 @@ MUTANTS = [
         old="buf = t.float()",
         new="buf = t.to(torch.bfloat16)",
         killers=["dist.tp.logits", "dist.ep.logits", "dist.layout.logits"], presets=PRESETS,
+    ),
+    Mutant(
+        id="dist.reduce.activation_dtype",
+        fault="the collective sums in its input's dtype: a bf16 partial is reduced by a bf16 ring (one rounding per "
+              "hop) instead of in fp32 with one rounding at the end",
+        target="k3verify.serving.parallel.comm:Comm.all_reduce",
+        old="buf = t.float()",
+        new="buf = t.clone()",
+        killers=["dist.reduce.fp32"], presets=PRESETS,
+    ),
+    Mutant(
+        id="dist.ep.partial_rounded_before_reduce",
+        fault="an expert-parallel rank rounds its fp32 partial sum of expert terms to the activation dtype before "
+              "the all-reduce (bf16: a second rounding the single-process combine never makes)",
+        target="k3verify.serving.parallel.moe:ParallelMoE.forward",
+        old="routed = self.comm.all_reduce(routed)",
+        new="routed = self.comm.all_reduce(routed.to(x.dtype))",
+        also=(("return self.comm.all_reduce(routed).to(x.dtype) + self.shared_experts(x)",
+               "return self.comm.all_reduce(routed.to(x.dtype)) + self.shared_experts(x)"),),
+        killers=["dist.moe.bf16"], presets=PRESETS,
     ),
 ]

@@ -1,6 +1,7 @@
 """One gloo world per parity run for the dist.* checks: the ranks build the parallel model under three
 layouts (TP only, EP only, the requested one), run the same inputs the single-process reference runs, and
-also run every control (a deliberately broken parallel model) so that one spawn serves all the checks.
+also run every control (a deliberately broken parallel model) so that one spawn serves all the checks. The
+EP-only layout is also built in bf16, for its MoE blocks' precision (gates/dist_precision.py).
 
 Each rank writes what it computed to `<out_dir>/rank<r>.pt`; `run_session` waits for the world and returns
 those dicts, rank by rank. The controls break the parallel model from outside (patching one instance), never
@@ -23,6 +24,7 @@ import torch
 from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.config import ModelConfig
+from k3verify.gates.dist_precision import moe_inputs, moe_outputs, partials_rounded
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.layers.kda import KimiDeltaAttention
 from k3verify.serving.layers.mla import MultiHeadLatentAttention
@@ -48,6 +50,7 @@ class SessionSpec:
     pack: list[list[int]]  # prefill sequences (one packed batch)
     prompts: list[list[int]]  # greedy prompts
     steps: int
+    seed: int = 0  # of the bf16 MoE blocks' inputs (dist_precision.moe_inputs)
 
     @property
     def world(self) -> int:
@@ -187,8 +190,9 @@ def stale_partials(model: ParallelServingModel) -> Iterator[None]:
         yield
 
 
-def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors) -> ParallelServingModel:
-    return ParallelServingModel(cfg, Comm(ParallelLayout(tp, ep, rank)), torch.float32, "cpu").load(tensors)
+def _build(cfg: ModelConfig, tp: int, ep: int, rank: int, tensors: Tensors,
+           dtype: torch.dtype = torch.float32) -> ParallelServingModel:
+    return ParallelServingModel(cfg, Comm(ParallelLayout(tp, ep, rank)), dtype, "cpu").load(tensors)
 
 
 def prefill_logits(model: Any, pack: list[list[int]], captures: dict[str, torch.Tensor] | None = None
@@ -255,6 +259,17 @@ def _run_shifted(spec: SessionSpec, cfg: ModelConfig, tensors: Tensors, model: P
             "control.shifted_state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+def _run_bf16_moe(spec: SessionSpec, cfg: ModelConfig, rank: int, tensors: Tensors) -> dict[str, Any]:
+    """The EP-only layout's MoE blocks in bf16 on dist_precision.moe_inputs, and the same with each rank's partial
+    sum rounded to bf16 before the collective (the control)."""
+    model = _build(cfg, 1, spec.world, rank, tensors, torch.bfloat16)
+    inputs = moe_inputs(cfg.hidden_size, len(model.moe_layers()), spec.seed)
+    out = {"moe_bf16": moe_outputs(model, inputs)}
+    with partials_rounded(model.comm, torch.bfloat16):
+        out["control.moe_bf16_rounded"] = moe_outputs(model, inputs)
+    return out
+
+
 def run_rank(rank: int, init_file: str, spec: SessionSpec) -> None:
     """One rank of the session (the function spawn_world starts in every process)."""
     torch.set_num_threads(1)
@@ -268,6 +283,8 @@ def run_rank(rank: int, init_file: str, spec: SessionSpec) -> None:
             if cfg.num_experts >= spec.world:  # on the asked layout when it splits experts, else on EP only
                 out.update(_run_empty_rank(spec, models["asked" if spec.ep > 1 else "ep"]))
             out.update(_run_shifted(spec, cfg, tensors, models["asked"]))
+            if cfg.num_experts >= spec.world:
+                out.update(_run_bf16_moe(spec, cfg, rank, tensors))
         torch.save(out, Path(spec.out_dir) / f"rank{rank}.pt")
     finally:
         leave_world(world)

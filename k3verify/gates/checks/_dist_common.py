@@ -11,6 +11,7 @@ import torch
 from k3verify.gates import CheckContext, SkipCheck
 from k3verify.gates import fixtures as fx
 from k3verify.gates.compare import rel_rms_error
+from k3verify.gates.dist_precision import moe_blocks, moe_inputs, moe_outputs
 from k3verify.gates.dist_session import empty_rank_step, prefill_logits, run_session
 from k3verify.gates.suite import derive_seed
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
@@ -96,6 +97,12 @@ def reference_noise(ctx: CheckContext, pack: list[list[int]]) -> float:
     return rel_rms_error(high, low)
 
 
+def single_moe_bf16(ctx: CheckContext, seed: int) -> list[torch.Tensor]:
+    """The single-process bf16 model's MoE blocks on the inputs the ranks' EP-only bf16 blocks got."""
+    model = fx.serving_model(ctx, torch.bfloat16)
+    return moe_outputs(model, moe_inputs(ctx.cfg.hidden_size, len(moe_blocks(model)), seed))
+
+
 def _inputs(ctx: CheckContext) -> tuple[list[list[int]], list[list[int]]]:
     g = torch.Generator().manual_seed(derive_seed(ctx.seed, "dist.session"))
     V = ctx.cfg.vocab_size
@@ -112,16 +119,18 @@ def session(ctx: CheckContext) -> Session:
     key = f"dist.session.tp{layout[0]}.ep{layout[1]}"
     if key not in ctx.cache:
         pack, prompts = _inputs(ctx)
+        moe_seed = derive_seed(ctx.seed, "dist.moe.bf16")
         ranks = run_session({"checkpoint_dir": str(ctx.checkpoint_dir), "names": ctx.target.names,
                              "tp": layout[0], "ep": layout[1],
-                             "pack": pack, "prompts": prompts, "steps": STEPS})
+                             "pack": pack, "prompts": prompts, "steps": STEPS, "seed": moe_seed})
         model = fx.serving_model(ctx)
         captures: dict[str, torch.Tensor] = {}
         logits = prefill_logits(model, pack, captures)
         noise = reference_noise(ctx, pack)
         toks, gaps = greedy_with_gaps(model, prompts, STEPS)
         single = {"logits": logits, "captures": captures, "greedy": toks, "gaps": gaps,
-                  "empty": empty_rank_step(model, pack, len(ranks)) if "empty.logits" in ranks[0] else None}
+                  "empty": empty_rank_step(model, pack, len(ranks)) if "empty.logits" in ranks[0] else None,
+                  "moe_bf16": single_moe_bf16(ctx, moe_seed) if "moe_bf16" in ranks[0] else None}
         ctx.cache[key] = Session(layout, ranks, single, noise)
     found: Session = ctx.cache[key]
     return found

@@ -1,8 +1,12 @@
 """The collectives a rank's layers call, over torch.distributed (gloo on CPU, NCCL on GPU).
 
-Sums are reduced in fp32 whatever the activation dtype: a bf16 all-reduce would round every partial
-sum, so W ranks would add W roundings the single-process model never makes. A world of one has no
-process group and every collective is the identity, which is how the same layers run unsplit.
+A sum is reduced in fp32 whatever its input's dtype and rounded once to it: a bf16 ring would round its running
+sum at every hop (W - 1 roundings at W ranks), and would round the MoE's fp32 partial sums (parallel/moe.py) before
+adding them. What the collective cannot undo is a partial its producer already rounded: a row-parallel GEMM
+(o_proj, down_proj) outputs the activation dtype, so in bf16 each rank's partial is rounded once there, where
+the single-process GEMM rounds the whole sum once. Held in bf16 by the dist.reduce.fp32 and dist.moe.bf16 checks.
+A world of one has no process group and every collective is the identity, which is how the same layers run
+unsplit.
 """
 
 from __future__ import annotations
