@@ -1,5 +1,7 @@
 """Config-dependent constants and the precision of fp32-inside-bf16 reductions: one norm site at the wrong eps,
-a reduction done in bf16 where the reference does it in fp32, a constant read from the wrong config key.
+a reduction done in bf16 where the reference does it in fp32 (the `*_in_activation_dtype` entries change the
+accumulator's dtype alone: a sequential fp32 accumulator in their place passes norm.sites.bf16), a constant read
+from the wrong config key.
 
 Faults of this kind move whole-model fp32 logits by less than a model-level bar; they are killed by the
 module-level checks built for them (norm.sites.*, mlp.act.*, attn_res.module.*, mla.decode.bf16)."""
@@ -13,6 +15,9 @@ MODEL = "k3verify.serving.model"
 MLA = "k3verify.serving.layers.mla"
 RES = "k3verify.serving.layers.attn_res"
 NORMS = ["norm.sites.*"]
+# mean(x32^2) with the running sum rounded to x's dtype after every add (fp32 squares, fp32 adds, bf16 storage)
+MEAN_SQUARE_IN_X_DTYPE = ("__import__('functools').reduce(lambda a, b: (a + b).to(x.dtype), x32.pow(2).unbind(-1), "
+                          "torch.zeros((), dtype=x.dtype)).float()[..., None] / x32.shape[-1]")
 
 MUTANTS = [
     Mutant(
@@ -138,6 +143,26 @@ MUTANTS = [
         new="    x32 = x\n    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)\n"
             "    return weight * normed.to(x.dtype)",
         killers=["norm.sites.bf16"],
+    ),
+    Mutant(
+        id="norm.mean_square_in_activation_dtype",
+        fault="RMSNorm sums its fp32 squares in an accumulator of the activation dtype (bf16: rounded after every "
+              "add) instead of fp32; the squares, the normalization and the output cast stay as they are",
+        target="k3verify.kernels.norm.torch_ref:rms_norm_torch",
+        old="x32.pow(2).mean(dim=-1, keepdim=True) + eps)\n    return weight * normed.to(x.dtype)",
+        new=MEAN_SQUARE_IN_X_DTYPE + " + eps)\n"
+            "    return weight * normed.to(x.dtype)",
+        killers=["norm.sites.bf16"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
+        id="norm.gated_mean_square_in_activation_dtype",
+        fault="the gated RMSNorm (KDA o_norm) sums its fp32 squares in an accumulator of the activation dtype "
+              "instead of fp32; everything else stays in fp32 with one cast at the end",
+        target="k3verify.kernels.norm.torch_ref:gated_rms_norm_torch",
+        old="x32.pow(2).mean(dim=-1, keepdim=True) + eps)\n    return (normed * weight.float()",
+        new=MEAN_SQUARE_IN_X_DTYPE + " + eps)\n"
+            "    return (normed * weight.float()",
+        killers=["norm.sites.bf16"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
         id="mlp.situ.betas_from_swapped_keys", quick=True,
