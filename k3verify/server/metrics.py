@@ -1,6 +1,7 @@
 """Prometheus metrics, on registries of their own (several servers can share a process).
 
-EngineMetrics is what the engine observes (load, TTFT, inter-token latency, restarts, non-finite failures), kept
+EngineMetrics is what the engine observes (load, TTFT, inter-token latency, restarts, non-finite failures, and with
+`serve --speculative` the speculator's drafted / accepted tokens, verify passes, auto-off and cost-gate declines), kept
 where the engine runs; ServerMetrics is what the HTTP side counts (requests, tokens), and renders both: the
 engine's from its own EngineMetrics in one process, or as text fetched from the engine's process when the HTTP
 server runs in a process of its own (server/engine_link.py).
@@ -8,12 +9,43 @@ server runs in a process of its own (server/engine_link.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+if TYPE_CHECKING:
+    from k3verify.serving.spec.step import SpecCounters
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# counter name (exposed with _total) -> (SpecCounters field, help)
+SPECULATION_COUNTERS = {
+    "k3v_spec_verify_steps": ("verify_steps", "Speculative verify passes run"),
+    "k3v_spec_drafted_tokens": ("drafted", "Draft tokens verified (those a request could still use)"),
+    "k3v_spec_accepted_tokens": ("accepted", "Draft tokens the verify passes accepted"),
+    "k3v_spec_emitted_tokens": ("emitted", "Tokens emitted by verify passes (accepted drafts and the bonus token)"),
+    "k3v_spec_verified_rows": ("verified_rows", "Rows with drafts in verify passes"),
+    "k3v_spec_rider_rows": ("rider_rows", "Greedy rows without drafts that rode along in a verify pass"),
+    "k3v_spec_requests_turned_off": ("turned_off", "Requests whose speculation the per-request auto-off stopped"),
+    "k3v_spec_gate_declined_steps": ("gated_steps", "Steps with drafts that the cost gate sent to plain decode"),
+    "k3v_spec_plain_ahead_steps": ("plain_ahead_steps",
+                                   "Steps decoded plainly with launch-ahead while the cost gate declined"),
+}
+
+
+class _SpeculationCollector:
+    """The speculator's totals as Prometheus counters, read when scraped; none while nothing speculates."""
+
+    def __init__(self) -> None:
+        self.counters: SpecCounters | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.counters is None:
+            return
+        for name, (field, doc) in SPECULATION_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(self.counters, field))
 
 
 class EngineMetrics:
@@ -31,6 +63,8 @@ class EngineMetrics:
                                  registry=self.registry)
         self.inter_token = Histogram("k3v_inter_token_latency_seconds", "Time between consecutive generated tokens",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.speculation = _SpeculationCollector()
+        self.registry.register(self.speculation)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -47,6 +81,9 @@ class EngineMetrics:
 
     def count_nonfinite(self) -> None:
         self.nonfinite.inc()
+
+    def watch_speculation(self, counters: SpecCounters) -> None:
+        self.speculation.counters = counters
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -93,6 +130,9 @@ class ServerMetrics:
 
     def count_nonfinite(self) -> None:
         self._observer().count_nonfinite()
+
+    def watch_speculation(self, counters: SpecCounters) -> None:
+        self._observer().watch_speculation(counters)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -147,6 +147,8 @@ class Engine:
             log.info("GIL switch interval %.4f s -> %.4f s (the engine thread waits less for the HTTP thread)",
                      sys.getswitchinterval(), GIL_SWITCH_S)
             sys.setswitchinterval(GIL_SWITCH_S)
+        if self.observer is not None and self.speculator is not None:
+            self.observer.watch_speculation(self.speculator.counters)
         self._thread.start()
         return self
 

@@ -4,9 +4,12 @@ shapes it needs of a tokenizer and a metrics observer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from k3verify.serving.sampler import TokenLogprob
+
+if TYPE_CHECKING:  # serving/spec imports the engine's events
+    from k3verify.serving.spec.step import SpecCounters
 
 
 class EngineDeadError(RuntimeError):
@@ -34,6 +37,9 @@ class Observer(Protocol):
     def set_load(self, num_waiting: int, num_running: int) -> None: ...
     def count_restart(self) -> None: ...
     def count_nonfinite(self) -> None: ...
+    def watch_speculation(self, counters: SpecCounters) -> None:
+        """The speculator's running totals, read at every scrape (they only grow)."""
+        ...
 
 
 @dataclass
