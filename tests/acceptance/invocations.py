@@ -1,0 +1,71 @@
+"""The invocation matrix: every documented `k3verify parity` invocation, on a healthy target, as one table.
+
+CELLS run in CI (tests/acceptance/test_parity_suites.py), each must PASS with no fail, vacuous or error. MANUAL
+are the documented commands CI does not run, each with its last recorded result. docs/invocations.md lists both
+(tests/acceptance/test_invocation_matrix.py keeps it in step, and requires every flag of the parity parser, and
+every choice of a flag that has choices, in some cell or manual command).
+
+Placeholders in argv: K3_TINY_DIR and KL_TINY_DIR are those presets' checkpoints as `k3verify checkpoint make`
+writes them to disk, KEY_FILE a report key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    argv: tuple[str, ...]  # after `k3verify parity`, --report-dir left out
+    holds: str
+    full_suite: bool = False  # also: every model-level check reports its error over depth
+    lists: bool = False  # --list: prints the checks and exits 0, no report
+
+    @property
+    def command(self) -> str:
+        return " ".join(("k3verify parity", *self.argv))
+
+
+@dataclass(frozen=True)
+class Manual:
+    command: str
+    result: str  # the last recorded result (docs/invocations.md says where and when)
+
+
+CELLS = (
+    Cell("default", (), "the README's command: k3-tiny, quick suite, bfloat16, cpu"),
+    Cell("full-k3-tiny", ("--preset", "k3-tiny", "--suite", "full"),
+         "every check, the dist.* ones at tp 2 ep 2 (TP-only and EP-only too); quick is a subset of full",
+         full_suite=True),
+    Cell("full-k3-syn-25", ("--preset", "k3-syn-25", "--suite", "full"), "as above on k3-syn-25", full_suite=True),
+    Cell("full-k3-skew-10", ("--preset", "k3-skew-10", "--suite", "full"), "as above on k3-skew-10", full_suite=True),
+    Cell("full-kl-tiny", ("--preset", "kl-tiny", "--suite", "full"), "as above on kl-tiny (its tp 2 ep 2 layout)",
+         full_suite=True),
+    Cell("quick-k3-tp4", ("--preset", "k3-tp4", "--suite", "quick", "--seed", "1"),
+         "the one synthetic preset without a full cell, at another seed"),
+    Cell("ep2", ("--ep", "2"), "the quick suite and the dist.* checks at tp 1 ep 2 (experts split, no tensor)"),
+    Cell("tp2", ("--tp", "2"), "the quick suite and the dist.* checks at tp 2 ep 1"),
+    Cell("tp2-ep2", ("--tp", "2", "--ep", "2"), "the quick suite and the dist.* checks at tp 2 ep 2"),
+    Cell("kl-ep2", ("--preset", "kl-tiny", "--ep", "2", "--only", "dist"),
+         "kl-tiny at tp 1 ep 2 (its quick suite is the full cell's subset; tp 2 ep 2 is in the full cell)"),
+    Cell("kl-tp2", ("--preset", "kl-tiny", "--tp", "2", "--only", "dist"), "kl-tiny at tp 2 ep 1"),
+    Cell("checkpoint-k3-float32", ("--checkpoint", "K3_TINY_DIR", "--dtype", "float32", "--device", "cpu"),
+         "k3-tiny as written to disk, served-model checks in float32"),
+    Cell("checkpoint-kl-bfloat16", ("--checkpoint", "KL_TINY_DIR", "--dtype", "bfloat16", "--report-key", "KEY_FILE"),
+         "kl-tiny as written to disk in bfloat16, the report signed"),
+    Cell("endpoint-self-float32", ("--endpoint", "self", "--dtype", "float32", "--model", "k3-tiny",
+                                   "--concurrency", "2", "--max-requests", "300", "--timeout", "60"),
+         "our own server for k3-tiny over HTTP in float32, with the request limits"),
+    Cell("endpoint-self-bfloat16", ("--endpoint", "self", "--dtype", "bfloat16"),
+         "our own server for k3-tiny over HTTP in bfloat16"),
+    Cell("list", ("--list", "--suite", "full"), "the full suite's checks, one line each", lists=True),
+)
+
+MANUAL = (
+    Manual("k3verify parity --endpoint http://127.0.0.1:8765 --api-key KEY --model k3-tiny",
+           "against `k3verify serve --api-key KEY --port 8765` on k3-tiny: PASS 8 pass; without --api-key: exit 2, "
+           "`401: Incorrect or missing API key`"),
+    Manual("k3verify parity --endpoint self --dtype float16", "PASS 8 pass"),
+    Manual("k3verify parity --help", "usage, exit 0"),
+)
