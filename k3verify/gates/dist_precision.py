@@ -72,11 +72,16 @@ def partials_rounded(comm: Comm, dtype: torch.dtype) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name = value` for the block; what the instance held before (if anything) comes back after."""
+    own, saved = name in vars(obj), getattr(obj, name)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        delattr(obj, name)
+        if own:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
 
 
 @dataclass(frozen=True)
