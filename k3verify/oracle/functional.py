@@ -12,9 +12,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x² + eps), not F.normalize's max(‖x‖, eps)
-RENORM_EPS = 1e-20
-MLA_LORA_EPS = 1e-6  # the two MLA LoRA norms, whatever rms_norm_eps says (SPEC §1)
+# Constants public implementations disagree on: docs/conventions.md lists who uses what, and
+# oracle/conventions.py lets the oracle compute with an alternative (read at forward time, never bound here).
+L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x² + eps), not F.normalize's max(‖x‖, eps); llama.cpp: rms_norm_eps
+RENORM_EPS = 1e-20  # the router's top-k renormalisation, as the released code; llama.cpp clamps the sum instead
+MLA_LORA_EPS = 1e-6  # the two MLA LoRA norms, whatever rms_norm_eps says (SPEC §1); llama.cpp, vLLM: rms_norm_eps
+Q8_0_BLOCK = 32  # llama.cpp's Q8_0: 32 values share one fp16 scale max|x|/127
 
 
 def hi(x: torch.Tensor) -> torch.Tensor:
@@ -80,24 +83,26 @@ def kda_gate_safe(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, l
     return lower_bound * torch.sigmoid(torch.exp(hi(a_log).view(heads, 1)) * x)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Depthwise causal conv of ONE sequence + SiLU: x [T, D], weight [D, 1, W] or [D, W] -> [T, D].
 
     Left zero-pad of W−1 (the sequence start); the weight is cast to x's dtype here because K3
-    ships conv weights in fp32 while activations are bf16."""
+    ships conv weights in fp32 while activations are bf16. activation "none" skips the SiLU."""
+    if activation not in ("silu", "none"):
+        raise ValueError(f"causal_conv activation must be 'silu' or 'none'; got {activation!r}")
     w = weight.reshape(weight.shape[0], -1).to(x.dtype)  # [D, W]
     W = w.shape[1]
     padded = torch.cat([x.new_zeros(W - 1, x.shape[1]), x], dim=0)  # [T+W-1, D]
     out = torch.zeros_like(x)
     for j in range(W):  # tap j sees token t−(W−1−j)
         out = out + padded[j:j + x.shape[0]] * w[:, j]
-    return F.silu(out)
+    return F.silu(out) if activation == "silu" else out
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """[..., d] -> [..., d] in fp32: x / sqrt(sum(x²) + 1e-6)."""
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """[..., d] -> [..., d] in fp32: x / sqrt(sum(x²) + eps), eps 1e-6 as fla."""
     h = hi(x)
-    return h / torch.sqrt(h.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    return h / torch.sqrt(h.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -121,13 +126,17 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, topk_group: int,
-           renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+           renormalize: bool, scaling: float, renorm_eps: float = RENORM_EPS,
+           scaling_at: str = "after_renorm") -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router with correction bias: x [T, H] -> (weights [T, k] fp32, idx [T, k] int64).
 
     Logits x·Wᵀ in fp32; s = sigmoid; choose top-k of s + bias (restricted to the best `topk_group`
     groups, scored by the sum of their two best biased scores as in noaux_tc, when num_groups >
     topk_group); weights are the UNcorrected s; renormalize /(sum + 1e-20) when top_k > 1; × scaling.
+    `scaling_at` places the scaling: "after_renorm" (the released code), "before_renorm" or "none".
     Indices are sorted ascending per token so that two implementations can be compared."""
+    if scaling_at not in ("after_renorm", "before_renorm", "none"):
+        raise ValueError(f"router scaling_at must be after_renorm, before_renorm or none; got {scaling_at!r}")
     logits = hi(x) @ hi(weight).t()  # [T, E]
     s = torch.sigmoid(logits)
     choice = s + hi(bias)
@@ -140,48 +149,65 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int
         choice = choice.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), float("-inf"))
     idx = choice.topk(top_k, dim=-1).indices.sort(dim=-1).values
     w = s.gather(1, idx)
+    if scaling_at == "before_renorm":
+        w = w * scaling
     if top_k > 1 and renormalize:
-        w = w / (w.sum(-1, keepdim=True) + RENORM_EPS)
-    return w * scaling, idx
+        w = w / (w.sum(-1, keepdim=True) + renorm_eps)
+    return (w * scaling if scaling_at == "after_renorm" else w), idx
 
 
-def moe_combine(expert_outputs: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+def moe_combine(expert_outputs: list[torch.Tensor], weights: torch.Tensor,
+                accumulate_in_activation: bool = False) -> torch.Tensor:
     """Σ_k w_k · y_k accumulated in fp32, in slot order: y_k [T, N] (slot k's expert output per token),
-    weights [T, k] -> [T, N] in fp32 (the caller casts back)."""
+    weights [T, k] -> [T, N] in fp32 (the caller casts back). `accumulate_in_activation` rounds the running
+    sum to y's dtype after every slot (a bf16 accumulator)."""
     acc = hi(expert_outputs[0]).new_zeros(expert_outputs[0].shape)
     for slot, y in enumerate(expert_outputs):
         acc = acc + hi(weights[:, slot:slot + 1]) * hi(y)
+        if accumulate_in_activation:
+            acc = hi(acc.to(y.dtype))
     return acc
 
 
 def attn_res_mix(p: torch.Tensor, blocks: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, scores_in_activation: bool = False) -> torch.Tensor:
     """Block Attention Residual mix (SPEC §5): p [T, H], blocks n × [T, H] -> [T, H] in p's dtype.
 
     V = [B_0..B_{n-1}, p] in fp32; K = V·rsqrt(mean(V²) + eps) (no weight); scores = K·(norm.w ⊙ proj.w);
-    α = softmax over the n+1 sources; return Σ α·V (raw V), cast back. No 1/√d."""
+    α = softmax over the n+1 sources; return Σ α·V (raw V), cast back. No 1/√d.
+    `scores_in_activation` rounds the scores to p's dtype before the softmax."""
     V = torch.stack([hi(b) for b in blocks] + [hi(p)], dim=0)  # [n+1, T, H]
     K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
     query = hi(norm_w).reshape(-1) * hi(proj_w).reshape(-1)  # [H]
-    alpha = torch.softmax(K @ query, dim=0)  # [n+1, T]
+    scores = K @ query  # [n+1, T]
+    if scores_in_activation:
+        scores = hi(scores.to(p.dtype))
+    alpha = torch.softmax(scores, dim=0)  # [n+1, T]
     return (alpha[..., None] * V).sum(0).to(p.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     softmax_in_activation: bool = False) -> torch.Tensor:
     """Causal softmax attention of one sequence: q, k [h, T, dq]; v [h, T, dv] -> [h, T, dv].
 
-    Scores in the activation dtype, softmax in fp32 (as eager attention does), cast back."""
+    Scores in the activation dtype, softmax in fp32 (as eager attention does), cast back.
+    `softmax_in_activation` runs the softmax's exp, sum and division in the activation dtype instead."""
     T = q.shape[1]
     scores = (q @ k.transpose(-1, -2)) * scale  # [h, T, T]
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(hi(scores.masked_fill(future, float("-inf"))), dim=-1).to(q.dtype)
+    scores = scores.masked_fill(future, float("-inf"))
+    if softmax_in_activation:
+        e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+        return (e / e.sum(dim=-1, keepdim=True)) @ v
+    probs = torch.softmax(hi(scores), dim=-1).to(q.dtype)
     return probs @ v
 
 
 def sparse_moe(x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor,
                expert: Callable[[int, torch.Tensor], torch.Tensor], shared: Callable[[torch.Tensor], torch.Tensor],
                latent_down: torch.Tensor | None = None, latent_norm: torch.Tensor | None = None,
-               latent_up: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+               latent_up: torch.Tensor | None = None, eps: float = 0.0,
+               combine_in_activation: bool = False) -> torch.Tensor:
     """(Latent) MoE block: x [T, H] -> [T, H].
 
     The router ran on the hidden x (topk_w, topk_idx [T, k]). LatentMoE: x_lat = down(x) once per
@@ -192,7 +218,7 @@ def sparse_moe(x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor,
     for e in topk_idx.unique().tolist():
         tokens, slot = (topk_idx == e).nonzero(as_tuple=True)  # a token picks an expert at most once
         slots[slot, tokens] = expert(e, h[tokens])
-    out = moe_combine(list(slots), topk_w).to(x.dtype)
+    out = moe_combine(list(slots), topk_w, combine_in_activation).to(x.dtype)
     if latent_norm is not None:
         out = rms_norm(out, latent_norm, eps)
     if latent_up is not None:
@@ -204,26 +230,43 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
         kv_a_proj: torch.Tensor, kv_a_norm: torch.Tensor, kv_b_proj: torch.Tensor, o_proj: torch.Tensor,
         q_proj: torch.Tensor | None = None, q_a_proj: torch.Tensor | None = None,
         q_a_norm: torch.Tensor | None = None, q_b_proj: torch.Tensor | None = None,
-        g_proj: torch.Tensor | None = None, lora_eps: float = MLA_LORA_EPS) -> torch.Tensor:
+        g_proj: torch.Tensor | None = None, q_a_eps: float = MLA_LORA_EPS, kv_a_eps: float = MLA_LORA_EPS,
+        softmax_in_activation: bool = False) -> torch.Tensor:
     """MLA of one sequence without rotary (mla_use_nope): x [T, H] -> [T, H].
 
     q = q_b(q_a_layernorm(q_a(x))) (or q_proj); [c | k_rot] = kv_a_proj_with_mqa(x);
     [k_nope | v] = kv_b(kv_a_layernorm(c)); k = [k_nope, k_rot broadcast to heads];
     scale (qk_nope + qk_rope)^-0.5; causal softmax; out *= sigmoid(g_proj(x)) when gated; o_proj.
-    Both LoRA norms use eps 1e-6 whatever the layer eps is."""
+    Both LoRA norms use eps 1e-6 (q_a_eps, kv_a_eps) whatever the layer eps is."""
     T = x.shape[0]
     if q_proj is not None:
         q = linear(x, q_proj)
     elif q_a_proj is not None and q_a_norm is not None and q_b_proj is not None:
-        q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, lora_eps), q_b_proj)
+        q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, q_a_eps), q_b_proj)
     else:
         raise ValueError("mla needs q_proj, or q_a_proj, q_a_norm and q_b_proj")
     q = q.view(T, heads, qk_nope + qk_rope).transpose(0, 1)  # [h, T, dq]
     c, k_rot = linear(x, kv_a_proj).split([kv_lora_rank, qk_rope], dim=-1)
-    kv = linear(rms_norm(c, kv_a_norm, lora_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)
+    kv = linear(rms_norm(c, kv_a_norm, kv_a_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)
     k_nope, v = kv.split([qk_nope, v_dim], dim=-1)
     k = torch.cat([k_nope, k_rot[None].expand(heads, T, qk_rope)], dim=-1)  # [h, T, dq]
-    out = causal_attention(q, k, v, (qk_nope + qk_rope) ** -0.5).transpose(0, 1).reshape(T, heads * v_dim)
+    out = causal_attention(q, k, v, (qk_nope + qk_rope) ** -0.5, softmax_in_activation)
+    out = out.transpose(0, 1).reshape(T, heads * v_dim)
     if g_proj is not None:
         out = out * torch.sigmoid(linear(x, g_proj))
     return linear(out, o_proj)
+
+
+def q8_0_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded as llama.cpp's CPU path quantizes an activation row to Q8_0, in x's
+    dtype: per block of 32, in fp32, q = round_half_even(x · 127/max|x|) (int8) and d = fp16(max|x|/127) (the
+    AVX2 `quantize_row_q8_0`); the value is q·d. A block of zeros stays zero."""
+    K = x.shape[-1]
+    if K % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0 rounds rows in blocks of {Q8_0_BLOCK}; got a row of {K} values")
+    blocks = x.float().reshape(*x.shape[:-1], K // Q8_0_BLOCK, Q8_0_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # torch.round is half-to-even, as _mm256_round_ps(_MM_ROUND_NEAREST)
+    d = (amax / 127.0).to(torch.float16).float()
+    return (q * d).reshape(x.shape).to(x.dtype)

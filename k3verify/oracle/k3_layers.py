@@ -1,5 +1,8 @@
 """The reference's layer modules. Attribute paths equal checkpoint names, so the strict loader fills
 them with one loop. Every forward takes ONE sequence x [T, H] (no batch dim) and returns [T, H].
+
+Constants public implementations disagree on are read through `active.current(knob, released)` at forward time
+(oracle/conventions.py names the knobs), so a cached model computes with whatever conventions are applied.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ import torch
 from torch import nn
 
 from k3verify.config import ModelConfig
-from k3verify.oracle import fla_ref
+from k3verify.oracle import active, fla_ref
 from k3verify.oracle import functional as Fn
 
 
@@ -29,13 +32,15 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float, dtype: torch.dtype) -> None:
+    """`eps` is the released value; `knob` names the convention that may replace it at forward time."""
+
+    def __init__(self, n: int, eps: float, dtype: torch.dtype, knob: str | None = None) -> None:
         super().__init__()
         self.weight = _param(n, dtype=dtype)
-        self.eps = eps
+        self.eps, self.knob = eps, knob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Fn.rms_norm(x, self.weight, self.eps)
+        return Fn.rms_norm(x, self.weight, self.eps if self.knob is None else active.current(self.knob, self.eps))
 
 
 class WeightOnly(nn.Module):
@@ -67,10 +72,30 @@ class GLU(nn.Module):
 
 
 class Expert(GLU):
-    """A routed expert: w1 gate, w3 up, w2 down (dense; MXFP4 checkpoints are dequantized into it)."""
+    """A routed expert: w1 gate, w3 up, w2 down (dense; MXFP4 checkpoints are dequantized into it).
+
+    Knob `moe.expert_activations`: "exact", or "q8_0": the inputs of all three matmuls rounded to Q8_0 blocks,
+    as llama.cpp's CPU path multiplies MXFP4 weights (oracle/precision.py's w4a8-q8act)."""
 
     def __init__(self, cfg: ModelConfig, width: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__(cfg, width, inter, dtype, names=("w1", "w3", "w2"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = active.current("moe.expert_activations", "exact")
+        if mode == "exact":
+            return super().forward(x)
+        if mode != "q8_0":
+            raise ValueError(f"moe.expert_activations must be 'exact' or 'q8_0'; got {mode!r}")
+        w1, w3, w2 = (getattr(self, n).weight for n in self._names)
+        x = Fn.q8_0_round(x)
+        gate, up = Fn.linear(x, w1), Fn.linear(x, w3)
+        if self.act == "situ":
+            if self.beta is None or self.linear_beta is None:
+                raise ValueError("hidden_act 'situ' needs situ_beta and situ_linear_beta in the config")
+            h = Fn.situ(gate, up, self.beta, self.linear_beta)
+        else:
+            h = torch.nn.functional.silu(gate) * up
+        return Fn.linear(Fn.q8_0_round(h), w2)
 
 
 class Router(nn.Module):
@@ -88,7 +113,9 @@ class Router(nn.Module):
         """x [T, H] -> (topk_weights [T, k] fp32, topk_idx [T, k] int64 ascending per token)."""
         c = self.cfg
         return Fn.router(x, self.weight, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
-                         c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+                         c.topk_group, c.moe_renormalize, c.routed_scaling_factor,
+                         renorm_eps=active.current("router.renorm_eps", Fn.RENORM_EPS),
+                         scaling_at=active.current("router.scaling", "after_renorm"))
 
 
 class SparseMoE(nn.Module):
@@ -115,7 +142,9 @@ class SparseMoE(nn.Module):
             x, weights, idx, lambda e, h: self.experts[e](h), self.shared_experts,
             latent_down=self.routed_expert_down_proj.weight if self.latent else None,
             latent_norm=norm.weight if norm is not None else None,
-            latent_up=self.routed_expert_up_proj.weight if self.latent else None, eps=self.eps)
+            latent_up=self.routed_expert_up_proj.weight if self.latent else None,
+            eps=active.current("moe.latent_norm_eps", self.eps),
+            combine_in_activation=active.in_activation("moe.combine_precision"))
 
 
 class KDA(nn.Module):
@@ -143,23 +172,28 @@ class KDA(nn.Module):
     def _conv_branch(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """`{name}_proj` then its causal depthwise conv `{name}_conv1d` (set up by name in __init__)."""
         proj, conv = self.get_submodule(f"{name}_proj"), self.get_submodule(f"{name}_conv1d")
-        return Fn.causal_conv(proj(x), conv.get_parameter("weight"))
+        return Fn.causal_conv(proj(x), conv.get_parameter("weight"), active.current("kda.conv_activation", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, h, dk = x.shape[0], self.heads, self.head_dim
-        q = Fn.l2norm(self._conv_branch("q", x).view(T, h, dk))
-        k = Fn.l2norm(self._conv_branch("k", x).view(T, h, dk))
+        l2_eps = active.current("kda.l2norm_eps", Fn.L2NORM_EPS)
+        q = Fn.l2norm(self._conv_branch("q", x).view(T, h, dk), l2_eps)
+        k = Fn.l2norm(self._conv_branch("k", x).view(T, h, dk), l2_eps)
         v = self._conv_branch("v", x).view(T, h, dk)
         raw = self.f_b_proj(self.f_a_proj(x)).view(T, h, dk)  # no activation between f_a and f_b
         a_log = self.A_log.reshape(-1)[:h]
-        if self.lower_bound is None:
+        gate_form = active.current("kda.gate", "plain" if self.lower_bound is None else "safe")
+        if gate_form == "plain":
             g = Fn.kda_gate_plain(raw, a_log, self.dt_bias)
-        else:
+        elif gate_form == "safe" and self.lower_bound is not None:
             g = Fn.kda_gate_safe(raw, a_log, self.dt_bias, self.lower_bound)
+        else:
+            raise ValueError(f"kda.gate {gate_form!r} needs 'plain', or 'safe' with a gate_lower_bound in the config "
+                             f"(this one has {self.lower_bound})")
         beta = torch.sigmoid(Fn.hi(self.b_proj(x)))  # [T, h], applied exactly once
         o = self.core(q, k, v, g, beta)  # [T, h, dk]
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = Fn.gated_rms_norm(o, gate.view(T, h, dk), self.o_norm.weight, self.eps)
+        o = Fn.gated_rms_norm(o, gate.view(T, h, dk), self.o_norm.weight, active.current("kda.o_norm_eps", self.eps))
         return self.o_proj(o.reshape(T, h * dk))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -209,4 +243,7 @@ class MLA(nn.Module):
                       v_dim=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, kv_a_proj=need("kv_a_proj_with_mqa"),
                       kv_a_norm=need("kv_a_layernorm"), kv_b_proj=need("kv_b_proj"), o_proj=need("o_proj"),
                       q_proj=w("q_proj"), q_a_proj=w("q_a_proj"), q_a_norm=w("q_a_layernorm"),
-                      q_b_proj=w("q_b_proj"), g_proj=w("g_proj"))
+                      q_b_proj=w("q_b_proj"), g_proj=w("g_proj"),
+                      q_a_eps=active.current("mla.q_a_norm_eps", Fn.MLA_LORA_EPS),
+                      kv_a_eps=active.current("mla.kv_a_norm_eps", Fn.MLA_LORA_EPS),
+                      softmax_in_activation=active.in_activation("mla.softmax_precision"))

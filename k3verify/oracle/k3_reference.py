@@ -15,6 +15,7 @@ from torch import nn
 
 from k3verify.checkpoint.names import module_specs, quantized_pair
 from k3verify.config import ModelConfig
+from k3verify.oracle import active
 from k3verify.oracle import functional as Fn
 from k3verify.oracle.k3_layers import GLU, KDA, MLA, RMSNorm, SparseMoE, WeightOnly
 
@@ -33,8 +34,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(H, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(H, eps, dtype)
+        self.input_layernorm = RMSNorm(H, eps, dtype, knob="norm.input_layernorm_eps")
+        self.post_attention_layernorm = RMSNorm(H, eps, dtype, knob="norm.post_attention_layernorm_eps")
         if cfg.uses_attn_res:
             self.self_attention_res_norm = WeightOnly(H, dtype=dtype)
             self.self_attention_res_proj = WeightOnly(1, H, dtype=dtype)
@@ -62,7 +63,8 @@ class DecoderLayer(nn.Module):
     def mix(self, pair: str, p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
         """Block Attention Residual mix with this layer's `{pair}_norm` / `{pair}_proj`."""
         norm, proj = getattr(self, f"{pair}_norm"), getattr(self, f"{pair}_proj")
-        return Fn.attn_res_mix(p, blocks, norm.weight, proj.weight, self.eps)
+        return Fn.attn_res_mix(p, blocks, norm.weight, proj.weight, active.current("attn_res.layer_mix_eps", self.eps),
+                               active.in_activation("attn_res.softmax_precision"))
 
 
 class Model(nn.Module):
@@ -71,7 +73,7 @@ class Model(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = WeightOnly(cfg.vocab_size, H, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, knob="norm.final_norm_eps")
         if cfg.uses_attn_res:
             self.output_attn_res_norm = WeightOnly(H, dtype=dtype)
             self.output_attn_res_proj = WeightOnly(1, H, dtype=dtype)
@@ -123,7 +125,8 @@ class Model(nn.Module):
             _record(captures, i, a, f)
         assert partial is not None
         return Fn.attn_res_mix(partial, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                               self.cfg.rms_norm_eps)
+                               active.current("attn_res.output_mix_eps", self.cfg.rms_norm_eps),
+                               active.in_activation("attn_res.softmax_precision"))
 
 
 def _record(captures: dict[str, torch.Tensor] | None, i: int, a: torch.Tensor, f: torch.Tensor) -> None:
