@@ -25,7 +25,8 @@ SOURCES: dict[str, tuple[str | None, str | None, str, tuple[str, ...]]] = {
     "transformers": ("transformers", "5.24.0", "transformers", ("models/kimi_linear/modeling_kimi_linear.py",)),
     "fla": ("fla-core", "0.6.0", "fla", ("ops/kda/naive.py", "ops/kda/gate.py")),
     "k3verify.oracle": (None, None, "k3verify.oracle", ("functional.py", "k3_layers.py", "k3_reference.py",
-                                                        "fla_ref.py", "hf_kimi_linear.py", "active.py")),
+                                                        "fla_ref.py", "hf_kimi_linear.py", "active.py",
+                                                        "conventions.py", "precision.py")),
 }
 
 
