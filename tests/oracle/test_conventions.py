@@ -186,3 +186,12 @@ def test_assignment_of_an_uncatalogued_value_has_no_mutant() -> None:
     """A value the catalog does not list is still applied, but claims no alternative and no mutant."""
     a = parse_assignment("kda.l2norm_eps=3e-6", get_preset("kl-tiny"))
     assert isinstance(a, Assignment) and a.alternative is None and a.mutant is None and a.value == 3e-6
+
+
+def test_every_named_mutant_is_in_the_mutation_catalog() -> None:
+    """A mutant id the catalog names must exist in mutations/: the endpoint tests inject it into our server."""
+    from k3verify.gates.mutation import load_catalog
+
+    known = {m.id for m in load_catalog()}
+    named = [m for c in CATALOG for m in c.mutants]
+    assert named and not sorted(set(named) - known), f"unknown mutants: {sorted(set(named) - known)}"
