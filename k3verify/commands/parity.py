@@ -15,11 +15,15 @@ from pathlib import Path
 import torch
 
 from k3verify.cli import Subparsers, UsageError
-from k3verify.commands.parity_endpoint import endpoint_session, register_endpoint_args, select_endpoint_checks
-from k3verify.endpoint.session import DTYPES
+from k3verify.commands.parity_endpoint import (
+    endpoint_session,
+    explain_endpoint,
+    register_endpoint_args,
+    select_endpoint_checks,
+)
 from k3verify.gates.binding import read_report_key
 from k3verify.gates.console import print_summary, progress_hooks
-from k3verify.gates.gate import Check
+from k3verify.gates.gate import Check, CheckContext
 from k3verify.gates.report import write_reports
 from k3verify.gates.suite import (
     RunResult,
@@ -32,6 +36,7 @@ from k3verify.gates.suite import (
     select_checks,
 )
 from k3verify.oracle.pinning import report_pins
+from k3verify.oracle.precision import PRECISIONS
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 
@@ -50,10 +55,11 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--only", action="append", default=[], metavar="PATTERN",
                    help="glob over check ids, or an id prefix such as 'kda.conv' (repeatable)")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=list(PRECISIONS), default=None,
                    help="the serving dtype (default bfloat16): the served-model checks run in it and the report "
                         "records the dtypes covered (bfloat16 or float32); with --endpoint, the precision the "
-                        "endpoint computes in (float16 too)")
+                        "endpoint computes in (float16 too, or w4a8-q8act: MXFP4 experts times activations rounded "
+                        "to Q8_0 blocks, as llama.cpp's CPU path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
@@ -184,6 +190,11 @@ def run_parity(args: argparse.Namespace) -> int:
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
         if endpoint is not None:
             run.run.endpoint = endpoint.record()
+            explain_ctx = CheckContext(target, device, args.seed, torch.Generator().manual_seed(args.seed), args.suite,
+                                       cache, endpoint, dtype=dtype)
+            explanation = explain_endpoint(args, run.results, explain_ctx)
+            if explanation is not None:
+                run.run.endpoint["explanation"] = explanation
     run.run.dtypes = covered_dtypes(cache)
     write_reports(run, args.report_dir, key=key)
     print_summary(run, report_dir=str(args.report_dir))

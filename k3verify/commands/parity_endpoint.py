@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 
@@ -17,11 +18,16 @@ from k3verify.cli import UsageError
 from k3verify.endpoint.client import EndpointError, Limits
 from k3verify.endpoint.local import SELF, serve_locally
 from k3verify.endpoint.probe import SetupError
-from k3verify.endpoint.session import DTYPES, EndpointSession, open_session
-from k3verify.gates.gate import Check
+from k3verify.endpoint.session import EndpointSession, open_session
+from k3verify.gates.checks._endpoint_common import TOP_K, greedy_answers
+from k3verify.gates.explain import explain
+from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status
+from k3verify.oracle.conventions import parse_assignment
 from k3verify.target import Target, TargetError
 
 PREFIX = "endpoint."
+SELF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OUTPUT_CHECKS = ("endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt")
 
 
 def register_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +42,12 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests", type=int, default=400, metavar="N",
                    help="requests sent at most, retries included (default 400)")
     g.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per request, seconds (default 120)")
+    g.add_argument("--accept-convention", action="append", default=[], metavar="NAME=VALUE",
+                   help="evaluate the oracle with this known alternative convention (docs/conventions.md), an "
+                        "explicit acceptance the report lists first (repeatable)")
+    g.add_argument("--explain", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank the catalog's conventions by how much of the endpoint's distance each explains "
+                        "(default: when an output check fails)")
     g.add_argument("--endpoint-note", metavar="TEXT",
                    help="recorded in the report: how the server was started (its command line, numerics)")
 
@@ -45,9 +57,12 @@ def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> lis
     no --only, keep only them."""
     ours = [c for c in checks if c.id.startswith(PREFIX)]
     if args.endpoint is None:
-        for flag in ("model", "api_key", "endpoint_note"):
+        for flag in ("model", "api_key", "endpoint_note", "explain"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --endpoint runs only")
+        if args.accept_convention:
+            raise UsageError("--accept-convention applies to --endpoint runs only: it changes the oracle an "
+                             "endpoint is judged by, never this package's own gates")
         rest = [c for c in checks if not c.id.startswith(PREFIX)]
         if ours and not rest:
             raise UsageError(f"--only selects only endpoint checks ({', '.join(c.id for c in ours[:3])}), which need "
@@ -78,14 +93,36 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
         try:
             tokenizer = target.tokenizer()
             if url == SELF:
-                url = stack.enter_context(serve_locally(target, DTYPES[dtype], device))
+                if dtype not in SELF_DTYPES:
+                    raise ValueError(f"--endpoint self serves in {' or '.join(SELF_DTYPES)}, not {dtype}")
+                url = stack.enter_context(serve_locally(target, SELF_DTYPES[dtype], device))
                 note = f"--endpoint self: k3verify's own server for {target.name} in {dtype} on {device}" + (
                     f"; {note}" if note else "")
             plain = tokenizer.num_base_tokens
             session = open_session(url, vocab=tokenizer, probe_prompt=[(97 * k + 11) % plain for k in range(1, 6)],
                                    eos_token=min(target.cfg.eos_token_ids), dtype=dtype, model=args.model,
-                                   api_key=args.api_key, limits=_limits(args), note=note)
+                                   api_key=args.api_key, limits=_limits(args), note=note,
+                                   accepted=[parse_assignment(a, target.cfg) for a in args.accept_convention])
         except (SetupError, EndpointError, TargetError, ValueError) as exc:
             raise UsageError(f"--endpoint {args.endpoint}: {exc}") from exc
         stack.callback(session.client.close)
         yield session
+
+
+def explain_endpoint(args: argparse.Namespace, results: list[Result], ctx: CheckContext) -> dict[str, Any] | None:
+    """The catalog's conventions ranked against the endpoint's answers (gates/explain.py): with --explain, or by
+    default when an output check failed; None when not asked or nothing can be explained."""
+    failed = [r.id for r in results if r.id in OUTPUT_CHECKS and r.status in (Status.FAIL, Status.VACUOUS)]
+    session = ctx.endpoint
+    if session is None or args.explain is False or (args.explain is None and not failed):
+        return None
+    try:
+        answers = greedy_answers(ctx)
+        k = min([TOP_K, *(len(s.top) for g in answers for s in g.answer.steps[: len(g.tokens)] if s.top)])
+        found = explain(ctx, answers, session.accepted, session.precision, k)
+    except (SkipCheck, ValueError) as exc:
+        return {"headline": f"not explained: {exc}", "failed_checks": failed}
+    out = found.as_dict()
+    out["failed_checks"] = failed
+    print(f"endpoint: {out['headline']} ({found.seconds:.1f} s)", flush=True)
+    return out

@@ -26,8 +26,8 @@ from k3verify.endpoint.wire import (
     parse_native,
     parse_stream,
 )
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from k3verify.oracle.conventions import Assignment
+from k3verify.oracle.precision import PRECISIONS, Precision
 
 
 @dataclass
@@ -35,14 +35,20 @@ class EndpointSession:
     url: str
     client: EndpointClient
     model: str
-    dtype: torch.dtype  # the precision the endpoint declares (--dtype); the bars are taken at it
+    precision: Precision  # what the endpoint declares it computes in (--dtype); the bars are taken at it
     caps: Capabilities
     identity: ServerIdentity
     resolver: TokenResolver
     vocab: Vocabulary
     note: str = ""
+    accepted: list[Assignment] = field(default_factory=list)  # conventions the oracle is evaluated with
     realigned: int = 0  # answers whose logprobs left positions out, put back by id from the native form
     unaligned: list[str] = field(default_factory=list)  # answers that could not be put back (their ids unreadable)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the oracle's run at the declared precision."""
+        return self.precision.dtype
 
     def completion_body(self, prompt: Sequence[int], **fields: Any) -> dict[str, Any]:
         """A /v1/completions body with a token-id prompt; token ids in logprobs where the server offers them."""
@@ -103,7 +109,9 @@ class EndpointSession:
     def record(self) -> dict[str, Any]:
         """What report.json["run"]["endpoint"] says about this endpoint and the traffic sent to it."""
         stats = self.client.stats
-        return {"url": self.url, "model": self.model, "declared_dtype": str(self.dtype).removeprefix("torch."),
+        return {"accepted_conventions": [accepted_record(a) for a in self.accepted],
+                "url": self.url, "model": self.model, "declared_dtype": self.precision.name,
+                "precision": self.precision.description,
                 "server": {"models": self.identity.models, "headers": self.identity.headers,
                            "props": self.identity.props},
                 "capabilities": self.caps.as_dict(), "note": self.note,
@@ -124,10 +132,11 @@ def expect_ok(reply: Reply, what: str) -> Any:
 
 def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_token: int, dtype: str,
                  model: str | None = None, api_key: str | None = None, limits: Limits | None = None,
-                 note: str = "", transport: httpx.BaseTransport | None = None) -> EndpointSession:
+                 note: str = "", transport: httpx.BaseTransport | None = None,
+                 accepted: Sequence[Assignment] = ()) -> EndpointSession:
     """Connect, identify the server and the model, probe its features (SetupError if it cannot be verified)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"declared dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    if dtype not in PRECISIONS:
+        raise ValueError(f"declared precision must be one of {', '.join(PRECISIONS)}; got {dtype!r}")
     client = EndpointClient(url, api_key=api_key, limits=limits, transport=transport)
     try:
         name, identity = identify(client, model)
@@ -136,4 +145,12 @@ def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_to
     except BaseException:
         client.close()
         raise
-    return EndpointSession(url, client, name, DTYPES[dtype], caps, identity, resolver, vocab, note)
+    return EndpointSession(url, client, name, PRECISIONS[dtype], caps, identity, resolver, vocab, note,
+                           list(accepted))
+
+
+def accepted_record(a: Assignment) -> dict[str, Any]:
+    """An accepted deviation as the report lists it: what, the released value, who is known to use it."""
+    alt = a.alternative
+    return {"convention": a.convention.name, "value": a.value_text, "resolved": a.value, "site": a.convention.site,
+            "released": a.convention.released, "used_by": list(alt.used_by) if alt is not None else []}

@@ -5,6 +5,9 @@ The endpoint's own tokens are fed back to the oracle, so every position is judge
 endpoint had (a disagreement never cascades). `gold` is the oracle one precision above the declared one (fp32
 for bf16/fp16, fp64 for fp32); `base` is the oracle at the declared precision. Their distance is the noise a
 correct implementation at that precision shows: the logprob bars and the near-tie margins are taken from it.
+A quantised precision (oracle/precision.py, e.g. w4a8-q8act) computes both in its emulated arithmetic: an
+endpoint that computes so sits near the emulated gold, and the bar is how far that arithmetic moves when only the
+rounding underneath it changes. Conventions the user accepted (--accept-convention) apply to both runs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import torch
 
 from k3verify.gates import fixtures as fx
 from k3verify.gates.gate import CheckContext, SkipCheck
+from k3verify.oracle.conventions import applied
 
-GOLD_OF = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
 TIE_NOISE_FACTOR = 4.0  # a flip within 4x the oracle's own dtype noise at that position is a near-tie
 TIE_FRACTION = 1e-3  # ... or within this share of the logit range (serving.greedy.vs_oracle's rule)
 NOISE_TOP = 8  # the noise at a position is measured over the gold's top tokens there
@@ -50,10 +53,12 @@ def declared_dtype(ctx: CheckContext) -> torch.dtype:
 
 
 def _log_softmax_rows(ctx: CheckContext, seq: list[int], first: int, dtype: torch.dtype) -> torch.Tensor:
-    key = f"endpoint.oracle.{dtype}.{first}.{hash(tuple(seq))}"
+    ep = ctx.endpoint
+    assert ep is not None  # declared_dtype() refused a run without an endpoint first
+    key = f"endpoint.oracle.{dtype}.{ep.precision.name}.{first}.{hash(tuple(seq))}"
     if key not in ctx.cache:
         model = fx.reference_model(ctx, dtype)
-        with torch.no_grad():
+        with torch.no_grad(), applied(ep.accepted), ep.precision.emulated():
             logits = model(torch.tensor(seq, device=ctx.device)).logits[first - 1: len(seq) - 1]
         ctx.cache[key] = torch.log_softmax(logits.double().cpu(), dim=-1)
     rows: torch.Tensor = ctx.cache[key]
@@ -65,7 +70,8 @@ def score(ctx: CheckContext, seq: list[int], first: int) -> Scores:
     if not 1 <= first <= len(seq):
         raise ValueError(f"first must be in 1..{len(seq)}; got {first}")
     dtype = declared_dtype(ctx)
-    return Scores(_log_softmax_rows(ctx, seq, first, GOLD_OF[dtype]), _log_softmax_rows(ctx, seq, first, dtype))
+    gold = ctx.endpoint.precision.gold_dtype if ctx.endpoint is not None else dtype
+    return Scores(_log_softmax_rows(ctx, seq, first, gold), _log_softmax_rows(ctx, seq, first, dtype))
 
 
 @dataclass

@@ -31,10 +31,13 @@ from k3verify.gates.checks._endpoint_oracle import Scores, judge_tokens, rel_rms
 
 # No farther from the gold than this many times the oracle at the same precision. bf16/fp16: the bench's rule
 # (activation rounding dominates and is shared by every implementation). fp32: implementations differ by reduction
-# order instead (chunked vs recurrent KDA, fused GEMMs), which the one-order oracle does not sample: our fp32 server
-# measured 0.78-1.55x (k3-tiny, kl-tiny, k3-syn-25; top-k and prompt logprobs), so 3x leaves 2x headroom, while
-# the position-late controls sit 1e3-1e5x above the fp32 bar.
-BAR_FACTOR = {torch.float32: 3.0, torch.bfloat16: 1.5, torch.float16: 1.5}
+# order and by their exp/sigmoid/softmax formulas instead, which the one-order oracle does not sample. An independent
+# fp32 reference, transformers' KimiLinear, sits FP32_REFERENCE_SPREAD times as far from the fp64 gold as the oracle's
+# own fp32 run (measured on these very rows: 1.51x on kl-tiny, 1.64x on a transformers-written checkpoint;
+# tests/endpoint/test_endpoint_bars.py re-measures it); the fp32 bar is 3x that spread. The position-late controls
+# sit 1e3-1e5x above it.
+FP32_REFERENCE_SPREAD = 1.7
+BAR_FACTOR = {torch.float32: 3.0 * FP32_REFERENCE_SPREAD, torch.bfloat16: 1.5, torch.float16: 1.5}
 LOGPROB_CAP = 0.25
 
 
