@@ -117,6 +117,16 @@ MUTANTS = [
         killers=["kda.*"],
     ),
     Mutant(
+        id="kda.conv.silu_dropped_everywhere",
+        fault="the short conv skips its SiLU on every path (prefill and decode): the convention "
+              "kda.conv_activation=none, served",
+        target=f"{CONV}:causal_conv_varlen_torch",
+        old="y = torch.nn.functional.silu(acc)",
+        new="y = acc",
+        also=(("q, k, v = (torch.nn.functional.silu(a) for a in acc)", "q, k, v = (a for a in acc)"),),
+        killers=["endpoint.greedy.tokens", "endpoint.logprobs.topk"], presets=("k3-tiny", "kl-tiny"),
+    ),
+    Mutant(
         id="kda.conv.fp32_weight_not_cast",
         fault="K3's fp32 conv weights are used as shipped instead of cast to the activation dtype before the conv",
         target=f"{KDA}:KimiDeltaAttention.conv_weights",

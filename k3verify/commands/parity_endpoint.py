@@ -124,5 +124,4 @@ def explain_endpoint(args: argparse.Namespace, results: list[Result], ctx: Check
         return {"headline": f"not explained: {exc}", "failed_checks": failed}
     out = found.as_dict()
     out["failed_checks"] = failed
-    print(f"endpoint: {out['headline']} ({found.seconds:.1f} s)", flush=True)
     return out

@@ -96,7 +96,13 @@ def verdict_line(run: RunResult) -> str:
 
 def print_summary(run: RunResult, console: Console | None = None, report_dir: str | None = None) -> None:
     console = console or make_console()
+    endpoint = run.run.endpoint or {}
+    for a in endpoint.get("accepted_conventions") or []:
+        console.print(escape(f"accepted deviation: {a['convention']}={a['value']} instead of the released "
+                             f"{a['released']} ({a['site']})"))
     console.print(summary_table(run.results))
+    if endpoint.get("explanation"):
+        console.print(escape(f"endpoint: {endpoint['explanation']['headline']}"))
     if report_dir is not None:
         console.print(f"reports: {report_dir}/report.json, report.html, junit.xml")
     console.print(verdict_line(run))

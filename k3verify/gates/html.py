@@ -10,6 +10,7 @@ from html import escape
 from itertools import groupby
 from typing import Any
 
+from k3verify.gates.html_endpoint import accepted_section, endpoint_section, explanation_section
 from k3verify.gates.svg import line_chart, margin_bar
 
 _CSS = """
@@ -242,9 +243,11 @@ def render_html(data: Mapping[str, Any]) -> str:
     """The whole report as one HTML string (data is a validated report dict)."""
     verdict = data["summary"]["verdict"].upper()
     body = "".join([
-        _banner(data), "<main>", _results_section(data["results"]), _bars_section(data["results"]),
+        _banner(data), "<main>", accepted_section(data["run"]), explanation_section(data["run"]),
+        _results_section(data["results"]), _bars_section(data["results"]),
         _charts_section(data["results"]),
-        _kill_matrix(data.get("mutations") or []), _run_table(data["run"]), _environment(data["run"]),
+        _kill_matrix(data.get("mutations") or []), endpoint_section(data["run"]), _run_table(data["run"]),
+        _environment(data["run"]),
         "</main>",
     ])
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>k3verify {verdict}</title>'

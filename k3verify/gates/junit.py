@@ -43,6 +43,9 @@ def _check_suite(data: Mapping[str, Any]) -> ET.Element:
         "timestamp": run["started_at"],
     })
     props = ET.SubElement(suite, "properties")
+    for a in (run.get("endpoint") or {}).get("accepted_conventions") or []:  # accepted deviations come first
+        ET.SubElement(props, "property", name="accepted_convention", value=_clean(f"{a['convention']}={a['value']} "
+                                                                                   f"(released {a['released']})"))
     for name in ("k3verify_version", "git_sha", "device", "device_name", "preset", "checkpoint_digest", "seed"):
         ET.SubElement(props, "property", name=name, value=_clean(run.get(name)))
     ET.SubElement(props, "property", name="verdict", value=data["summary"]["verdict"])

@@ -220,7 +220,7 @@ CATALOG: tuple[Convention, ...] = (
         _SCALING, kind="choice", choices=("after_renorm", "before_renorm", "none")),
     Convention(
         "kda.conv_activation", "the activation after each KDA short causal conv", "silu",
-        (Alternative("none", mutant="kda.conv.silu_dropped", identifiable_on=_ALL),), _KDA, kind="choice",
+        (Alternative("none", mutant="kda.conv.silu_dropped_everywhere", identifiable_on=_ALL),), _KDA, kind="choice",
         choices=("silu", "none")),
     Convention(
         "kda.gate", "the KDA forget gate: lower-bounded L*sigmoid(exp(A)*g) or plain -exp(A)*softplus(g)", "safe",
