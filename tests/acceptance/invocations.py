@@ -74,4 +74,16 @@ MANUAL = (
            "k3-tiny (0.639 of the top-5 spread) puts their bar past its cap; float16 the same. Synthetic K3 presets "
            "are verified over HTTP at --dtype float32 (the CI row)"),
     Manual("k3verify parity --help", "usage, exit 0"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --dtype float32 --explain",
+           "against upstream llama.cpp's llama-server on a transformers-written Kimi-Linear (tests/peers, run in "
+           "CI): FAIL, endpoint.logprobs.topk 0.0608 against a bar of 2.5e-5; explained first by "
+           "kda.l2norm_eps=rms_norm_eps (0.0608 -> 1.68e-5, 100%); --no-explain leaves the explanation out"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --dtype float32 "
+           "--accept-convention kda.l2norm_eps=rms_norm_eps",
+           "the same llama-server: PASS 7 pass, endpoint.logprobs.prompt skipped (llama-server ignores echo); the "
+           "accepted deviation listed first"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset k3-tp4 --dtype w4a8-q8act "
+           "--accept-convention mla.lora_norm_eps=rms_norm_eps",
+           "against llama-server on k3-tp4 (MXFP4 experts): FAIL, endpoint.logprobs.topk 0.0109 against a bar of "
+           "4.2e-5 (float32 declared: 0.066); no catalog convention explains the rest"),
 )
