@@ -48,9 +48,13 @@ def kl_server(llamacpp: LlamaCpp, kl_gguf: Path) -> Iterator[RunningServer]:
 
 
 def gguf_module(llamacpp: LlamaCpp) -> Any:
-    sys.path.insert(0, str(llamacpp.tree / "gguf-py"))
-    import gguf
-
+    """The tree's own gguf-py, imported without leaving its folder on sys.path (it holds a `tests` package)."""
+    path = str(llamacpp.tree / "gguf-py")
+    sys.path.insert(0, path)
+    try:
+        import gguf
+    finally:
+        sys.path.remove(path)
     return gguf
 
 
