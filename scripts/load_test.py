@@ -129,7 +129,8 @@ async def client_loop(client: httpx.AsyncClient, rng: random.Random, model: str,
         roll = rng.random()
         if roll < malformed_frac:
             bad = rng.choice(malformed_bodies(model))
-            kwargs = {"content": bad} if isinstance(bad, bytes) else {"json": bad}
+            kwargs = {"content": bad, "headers": {"content-type": "application/json"}} if isinstance(bad, bytes) \
+                else {"json": bad}
             r = await client.post("/v1/completions", **kwargs)
             result.malformed += 1
             if r.status_code != 400 or "error" not in r.json():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -17,6 +18,7 @@ from k3verify.server.body import read_json
 from k3verify.server.chat_render import ChatRenderer
 from k3verify.server.errors import APIError, engine_unavailable, error_response, install_error_handlers
 from k3verify.server.generation import generate
+from k3verify.server.hosts import LOOPBACK_HOSTS, CheckHost
 from k3verify.server.metrics import ServerMetrics
 from k3verify.server.middleware import CountRequests
 from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
@@ -28,6 +30,23 @@ from k3verify.tokenizer.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_TOKENS = 16
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+
+
+def api_key_problem(api_key: str | None) -> str | None:
+    """Why a configured key could never be presented as `Authorization: Bearer <key>` (None: it can). Refused, not
+    normalised: whitespace at either end cannot survive a header (HTTP strips it), and quietly serving with
+    another key than the one configured would be a silent fallback on a secret."""
+    if api_key is None:
+        return None
+    if not api_key.strip():
+        return "must be a non-empty string (None disables authentication)"
+    if api_key != api_key.strip():
+        return (f"has whitespace at its start or end ({len(api_key) - len(api_key.lstrip())} leading, "
+                f"{len(api_key) - len(api_key.rstrip())} trailing): a client's bearer token cannot carry it, so no "
+                "client could authenticate; remove it")
+    if not all(" " <= c <= "~" for c in api_key):
+        return "holds characters outside printable ASCII, which an HTTP header cannot carry reliably"
+    return None
 
 
 def check_auth(request: Request) -> None:
@@ -113,12 +132,15 @@ async def prometheus_metrics(request: Request) -> Response:
 
 def create_app(engine: ServedEngine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
                metrics: ServerMetrics | None = None, default_max_tokens: int = 1024,
-               encode_chat: ChatEncoder | None = None) -> FastAPI:
+               encode_chat: ChatEncoder | None = None,
+               allowed_hosts: Collection[str] = LOOPBACK_HOSTS) -> FastAPI:
     """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).
     A chat request without max_tokens gets what still fits, capped at default_max_tokens: the runner reserves
-    cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests."""
-    if api_key is not None and not api_key.strip():
-        raise ValueError("api_key must be a non-empty string (None disables authentication)")
+    cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests.
+    Requests whose Host is not in `allowed_hosts` (normalised by server/hosts.py) get 421."""
+    problem = api_key_problem(api_key)
+    if problem is not None:
+        raise ValueError(f"api_key {problem}")
     metrics = metrics or ServerMetrics()
     if encode_chat is None:
         encode_chat = template_chat_encoder(tokenizer)
@@ -136,5 +158,6 @@ def create_app(engine: ServedEngine, tokenizer: Any, *, model_name: str, api_key
     app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=authorized)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
-    app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)
+    app.add_middleware(CheckHost, allowed=allowed_hosts)
+    app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)  # outermost: a 421 is counted too
     return app

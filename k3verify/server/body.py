@@ -1,7 +1,8 @@
-"""Reading a request body under limits enforced while reading: at most MAX_BODY_BYTES (413 as soon as the
-declared length or the bytes received pass it, never buffering more), at most MAX_JSON_DEPTH levels of
-nesting (400; Python's json would otherwise recurse into a RecursionError), strict JSON (no NaN or
-Infinity), and text without lone UTF-16 surrogates (which no tokenizer can encode).
+"""Reading a request body under limits enforced while reading: JSON only (415 for any other Content-Type: a
+browser may send a cross-origin `text/plain` POST without asking first, never an `application/json` one), at most
+MAX_BODY_BYTES (413 as soon as the declared length or the bytes received pass it, never buffering more), at most
+MAX_JSON_DEPTH levels of nesting (400; Python's json would otherwise recurse into a RecursionError), strict JSON
+(no NaN or Infinity), and text without lone UTF-16 surrogates (which no tokenizer can encode).
 """
 
 from __future__ import annotations
@@ -22,8 +23,26 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
-def _too_large(size: int | str) -> APIError:
-    return APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+JSON_MEDIA_TYPE = "application/json"
+
+
+def _too_large(size: int | None) -> APIError:
+    """413 naming the limit; `size` is None for a body sent without a Content-Length (chunked), read only until it
+    passed the limit: how long it would have been is unknown, and a partial count would mislead."""
+    if size is None:
+        return APIError(413, f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes (it was sent in chunks "
+                             "without a Content-Length; reading stopped once it passed the limit)")
+    return APIError(413, f"the request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+
+
+def check_json_content_type(value: str | None) -> None:
+    """415 unless the Content-Type is application/json, bare or with charset=utf-8 (JSON is UTF-8: RFC 8259)."""
+    media, *params = [part.strip() for part in (value or "").split(";")]
+    charset_only = all(p.lower().replace(" ", "") in ("charset=utf-8", 'charset="utf-8"') for p in params)
+    if media.lower() != JSON_MEDIA_TYPE or not charset_only:
+        got = "no Content-Type" if value is None else f"Content-Type {value[:80]!r}"
+        raise APIError(415, f"request bodies must be JSON, sent as Content-Type: {JSON_MEDIA_TYPE} (optionally with "
+                            f"charset=utf-8); got {got}", code="unsupported_media_type")
 
 
 async def read_body(request: Request) -> bytes:
@@ -34,12 +53,12 @@ async def read_body(request: Request) -> bytes:
         if not declared.isdigit():
             raise APIError(400, f"invalid Content-Length header: {declared[:40]!r}")
         if int(declared) > MAX_BODY_BYTES:
-            raise _too_large(declared)
+            raise _too_large(int(declared))
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise _too_large(f"more than {size - len(chunk)}")
+            raise _too_large(None)  # more than declared cannot reach us: the HTTP layer cuts the body there
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -87,7 +106,8 @@ def parse_body(raw: bytes) -> Any:
 
 
 async def read_json(request: Request) -> Any:
-    """read_body then parse_body; a large body is parsed off the event loop (the depth scan and json.loads of
-    8 MiB take a fraction of a second that other clients must not wait for)."""
+    """The Content-Type checked, then read_body and parse_body; a large body is parsed off the event loop (the
+    depth scan and json.loads of 8 MiB take a fraction of a second that other clients must not wait for)."""
+    check_json_content_type(request.headers.get("content-type"))
     raw = await read_body(request)
     return parse_body(raw) if len(raw) < (64 << 10) else await asyncio.to_thread(parse_body, raw)

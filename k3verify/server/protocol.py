@@ -204,12 +204,43 @@ class ToolDefinition(_Strict):
     function: FunctionDefinition
 
 
+ACCEPTED_CONTENT = 'a string, or a list of text parts {"type": "text", "text": "..."}'
+
+
+def content_part_problem(part: object) -> str | None:
+    """Why one chat content part is not a text part (None: it is one)."""
+    if not isinstance(part, dict):
+        return f"is of type {type(part).__name__}, not an object"
+    if part.get("type") != "text":
+        return f"has type {part.get('type')!r}; only 'text' parts are accepted (no images, audio or files)"
+    if not isinstance(part.get("text"), str):
+        return f"has a 'text' that is {type(part.get('text')).__name__}, not a string"
+    extra = sorted(set(part) - {"type", "text"})
+    return f"has unknown field(s) {extra}" if extra else None
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_content_parts(cls, data: Any) -> Any:
+        """A bad content part is named (its index, what is wrong, what is accepted): pydantic's union error would
+        only say that the content is not a valid string."""
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                problem = content_part_problem(part)
+                if problem is not None:
+                    raise _Unsupported(f"content.{i}", f"content part {i} {problem}; content must be "
+                                                        f"{ACCEPTED_CONTENT}")
+        elif content is not None and not isinstance(content, str):
+            raise _Unsupported("content", f"content is of type {type(content).__name__}; it must be {ACCEPTED_CONTENT}")
+        return data
 
     @model_validator(mode="after")
     def _check_message(self) -> ChatMessage:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -79,8 +81,14 @@ INVALID_CHAT = [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
     ({"messages": [{"role": "user"}]}, "messages.0.content", "missing"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content", ""),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content", ""),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content", "content is of type int; it must be a "
+                                                                         "string, or a list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "image_url", "image_url": "x"}]}]},
+     "messages.0.content.1", "content part 1 has type 'image_url'; only 'text' parts are accepted"),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages.0.content.0",
+     'content part 0 is of type str, not an object; content must be a string, or a list of text parts {"type": '
+     '"text"'),
     ({"messages": "hi"}, "messages", "valid list"),
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs=true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "less than or equal to 20"),
@@ -148,9 +156,46 @@ def test_unknown_route_and_method_use_envelope(tiny_server: RunningServer) -> No
 
 
 def test_oversized_body_is_413(tiny_server: RunningServer) -> None:
-    """A body over the size limit is refused before parsing."""
-    r = httpx.post(f"{tiny_server.url}/v1/completions", content=b" " * (9 << 20), timeout=30)
-    assert_envelope(r, 413, contains="exceeds the limit")
+    """A body over the size limit is refused before parsing, naming its declared size and the limit."""
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=b" " * (9 << 20), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert_envelope(r, 413, contains=f"the request body of {9 << 20} bytes exceeds the limit of {8 << 20} bytes")
+
+
+def test_chunked_oversized_body_is_413_naming_the_limit_without_a_partial_count(tiny_server: RunningServer) -> None:
+    """A chunked body past the limit: the 413 states the limit and that the body exceeded it, and no byte count
+    (the server stopped reading: how long the body was is unknown)."""
+    def chunks() -> Iterator[bytes]:
+        for _ in range(9):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    err = assert_envelope(r, 413, contains=f"the request body exceeds the limit of {8 << 20} bytes (it was sent in "
+                                           "chunks without a Content-Length")
+    assert not re.search(r"\d+ bytes exceeds", err["message"]) and "more than" not in err["message"], err
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/json; charset=latin-1",
+                                          "application/jsonp"])
+def test_a_body_that_is_not_declared_json_is_415(tiny_server: RunningServer, content_type: str | None) -> None:
+    """A POST whose Content-Type is not application/json (the kind a browser sends cross-origin without a
+    preflight) is refused 415 in the envelope, naming what was sent, even when its bytes are valid JSON."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=json.dumps(GOOD).encode(), headers=headers, timeout=10)
+    err = assert_envelope(r, 415, contains="request bodies must be JSON, sent as Content-Type: application/json")
+    assert err["code"] == "unsupported_media_type"
+    assert ("no Content-Type" if content_type is None else repr(content_type)) in err["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON;charset=UTF-8"])
+def test_json_with_or_without_a_charset_is_served(tiny_server: RunningServer, content_type: str) -> None:
+    """application/json, bare or with charset=utf-8 (any case), is what a JSON API takes."""
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=json.dumps(GOOD).encode(),
+                   headers={"content-type": content_type}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_openai_client_sees_bad_request(tiny_server: RunningServer) -> None:

@@ -18,6 +18,7 @@ from k3verify.server.body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, rea
 from k3verify.server.errors import APIError
 
 GOOD = {"model": TINY, "prompt": "hi", "max_tokens": 4}
+JSON = {"content-type": "application/json"}
 MiB = 1 << 20
 
 
@@ -61,7 +62,7 @@ def test_json_depth_ignores_brackets_inside_strings() -> None:
 def test_deeply_nested_json_is_400_not_500(tiny_server: RunningServer, depth: int) -> None:
     """The 100k-bracket body of issue 15 (and one level past the limit) is a 400 naming the limit."""
     body = b'{"model": "k3-tiny", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
-    r = httpx.post(f"{tiny_server.url}/v1/completions", content=body, timeout=30)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=body, timeout=30, headers=JSON)
     assert_envelope(r, 400, contains=f"the limit is {MAX_JSON_DEPTH}")
 
 
@@ -75,9 +76,9 @@ def test_lone_surrogate_is_400_and_a_surrogate_pair_is_text(tiny_server: Running
     """A \\ud800 escape with no partner is not text (400, before any tokenizer sees it); an escaped pair is an emoji."""
     url = f"{tiny_server.url}/v1/completions"
     body = b'{"model": "k3-tiny", "max_tokens": 2, "prompt": "x\\ud800"}'
-    assert_envelope(httpx.post(url, content=body, timeout=10), 400, contains="lone UTF-16 surrogate")
+    assert_envelope(httpx.post(url, content=body, timeout=10, headers=JSON), 400, contains="lone UTF-16 surrogate")
     pair = body.replace(b"\\ud800", b"\\ud83d\\ude00")
-    assert httpx.post(url, content=pair, timeout=60).status_code == 200
+    assert httpx.post(url, content=pair, timeout=60, headers=JSON).status_code == 200
 
 
 @pytest.mark.parametrize(("ids", "contains"), [
@@ -98,7 +99,7 @@ def test_numeric_limits_are_400(tiny_server: RunningServer, change: dict[str, An
     """Values past the sampler's limits (and JSON's: 1e309 is Infinity) are 400, never reach the engine."""
     body = (b'{"model": "k3-tiny", "prompt": "x", "temperature": 1e309}' if param is None
             else httpx.Request("POST", "/", json=GOOD | change).content)
-    r = httpx.post(f"{tiny_server.url}/v1/completions", content=body, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=body, timeout=10, headers=JSON)
     assert_envelope(r, 400, param=param)
 
 
@@ -115,11 +116,24 @@ def test_tiny_temperature_poison_request_is_served(tiny_server: RunningServer, t
 
 
 def test_empty_api_key_is_refused_at_startup() -> None:
-    """create_app refuses "" (it would let an empty bearer token in); None means no authentication."""
+    """create_app refuses "" (it would let an empty bearer token in) and a key with whitespace at an end (no bearer
+    token can carry it: every client, the exact key included, would be refused); None means no authentication."""
     with pytest.raises(ValueError, match="non-empty"):
         create_app(object(), tiny_parts()[2], model_name=TINY, api_key="")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty"):
         create_app(object(), tiny_parts()[2], model_name=TINY, api_key="  ")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="whitespace at its start or end"):
+        create_app(object(), tiny_parts()[2], model_name=TINY, api_key="abc12345 ")  # type: ignore[arg-type]
+
+
+def test_a_key_presented_with_padding_is_the_configured_key() -> None:
+    """`Authorization: bearer  abc12345` (padded) is the key abc12345: presented tokens are trimmed, and a configured
+    key cannot hold padding, so both sides agree (httpx will not even send a value ending in whitespace)."""
+    with running_server(api_key="abc12345") as server:
+        url = f"{server.url}/v1/completions"
+        for header in ("Bearer abc12345", "bearer  abc12345"):
+            assert httpx.post(url, json=GOOD, headers={"Authorization": header}, timeout=60).status_code == 200
+        assert httpx.post(url, json=GOOD, headers={"Authorization": "Bearer abc1234"}, timeout=10).status_code == 401
 
 
 class PoisonRunner(RecordingRunner):
