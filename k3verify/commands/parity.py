@@ -24,7 +24,7 @@ from k3verify.commands.parity_endpoint import (
 from k3verify.gates.binding import read_report_key
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check, CheckContext
-from k3verify.gates.report import write_reports
+from k3verify.gates.report import writable_dir_problem, write_reports
 from k3verify.gates.suite import (
     RunResult,
     check_import_errors,
@@ -173,6 +173,9 @@ def run_parity(args: argparse.Namespace) -> int:
             print(f"{module} failed to import: {tb.strip().splitlines()[-1]}", file=sys.stderr)
         return 0
     key = report_key(args.report_key)
+    unwritable = writable_dir_problem(args.report_dir)
+    if unwritable is not None:
+        raise UsageError(f"--report-dir: {unwritable}; nothing was run")
     try:
         target = target_for(args.preset, args.checkpoint)
     except UsageError as exc:
@@ -195,7 +198,7 @@ def run_parity(args: argparse.Namespace) -> int:
             explanation = explain_endpoint(args, run.results, explain_ctx)
             if explanation is not None:
                 run.run.endpoint["explanation"] = explanation
-    run.run.dtypes = covered_dtypes(cache)
+    run.run.dtypes = covered_dtypes(run.results)
     write_reports(run, args.report_dir, key=key)
     print_summary(run, report_dir=str(args.report_dir))
     return EXIT_CODES[run.verdict]

@@ -22,10 +22,11 @@ from k3verify.endpoint.session import EndpointSession, open_session
 from k3verify.gates.checks._endpoint_common import TOP_K, greedy_answers
 from k3verify.gates.explain import explain
 from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status
+from k3verify.gates.suite import ENDPOINT_PREFIX
 from k3verify.oracle.conventions import parse_assignment
 from k3verify.target import Target, TargetError
 
-PREFIX = "endpoint."
+PREFIX = ENDPOINT_PREFIX
 SELF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 OUTPUT_CHECKS = ("endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,12 @@ def verdict_from_counts(counts: Mapping[str, int], setup_error: str | None = Non
     if counts["fail"] + counts["vacuous"] + counts["error"]:
         return "fail"
     return "inconclusive" if missing or counts["pass"] == 0 else "pass"
+
+
+def dtypes_of_run(results: Iterable[tuple[str, Iterable[str]]]) -> list[str]:
+    """A run's `dtypes` from its results' (status, serving_dtypes): the dtypes that checks which ran (not skipped)
+    built the served model in, sorted. parity records it; serve recomputes it from the results."""
+    return sorted({d for status, dtypes in results if status != "skipped" for d in dtypes})
 
 
 @cache

@@ -74,6 +74,22 @@ def default_bar(kind: Kind) -> float | None:
     return {Kind.BITEXACT: None, Kind.BF16: BF16_MAX_FAIL_FRACTION, Kind.RMS: RMS_DEFAULT_BAR}[Kind(kind)]
 
 
+def within_bar(kind: Kind | str, metric: float, bar: float | None) -> bool:
+    """Whether a comparison's metric passes: BITEXACT no unequal element, BF16 a failing fraction under the fixed
+    budget (whatever `bar` says), RMS a ratio under `bar`; a non-finite metric never passes. compare() decides with
+    this, and `serve` re-decides every status of a report with it."""
+    kind = Kind(kind)
+    if not math.isfinite(metric):
+        return False
+    if kind is Kind.BITEXACT:
+        return metric == 0
+    if kind is Kind.BF16:
+        return metric < BF16_MAX_FAIL_FRACTION
+    if bar is None:
+        raise ValueError("an RMS comparison needs a bar")
+    return metric < bar
+
+
 def compare(kind: Kind | str, reference: Comparable, candidate: Comparable, bar: float | None = None) -> Comparison:
     """Compare candidate to reference with `kind`. Tensors, dicts of tensors (key by key; the worst
     key decides) or anything torch.as_tensor accepts. Mismatched shapes or keys fail; they don't raise."""
@@ -147,7 +163,7 @@ def _compare_tensors(
     max_abs = float(diff.max()) if n else 0.0
     if kind is Kind.BITEXACT:
         mismatches = int((ref != cand).sum())
-        equal = torch.equal(ref, cand)
+        equal = within_bar(kind, float(mismatches), None)
         return Comparison(kind, equal, float(mismatches), None, max_abs, False, shapes, dtypes,
                           reason=None if equal else f"{mismatches} of {n} elements differ{where}",
                           worst=_worst(key, int(diff.reshape(-1).argmax()), ref.shape, r, c) if mismatches else None)
@@ -156,7 +172,7 @@ def _compare_tensors(
         fails = int((diff > tol).sum())
         fraction = fails / n if n else 0.0
         tol_ratio = diff / tol
-        within = fraction < BF16_MAX_FAIL_FRACTION
+        within = within_bar(kind, fraction, bar)
         why = None if within else (f"{fails} of {n} elements{where} outside |c-r| <= {BF16_ATOL:g} + "
                                    f"{BF16_RTOL:g}|r| (fraction {fraction:.3g} >= {BF16_MAX_FAIL_FRACTION:g})")
         return Comparison(kind, within, fraction, bar, max_abs, False, shapes, dtypes, reason=why,
@@ -164,7 +180,7 @@ def _compare_tensors(
                           worst=_worst(key, int(tol_ratio.reshape(-1).argmax()), ref.shape, r, c) if n else None)
     ratio = _rel_rms(diff, r)
     assert bar is not None  # RMS always has a bar: default_bar or the registered override
-    passed = ratio < bar
+    passed = within_bar(kind, ratio, bar)
     worst = _worst(key, int(diff.reshape(-1).argmax()), ref.shape, r, c) if n else None
     reason = None if passed else (f"RMS(c-r)/RMS(r){where} = {ratio:.3g} >= bar {bar:g}"
                                   + (" (reference RMS is 0)" if float(r.norm()) == 0.0 else ""))

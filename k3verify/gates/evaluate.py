@@ -47,12 +47,12 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
     )
     if noise_record is not None and noise_record["note"]:
         result.notes.append(noise_record["note"])
-    if not comp.passed:
-        result.status, result.reason = Status.FAIL, comp.reason
+    result.status = status_of(comp.passed, ctrl.passed)
+    if result.status is Status.FAIL:
+        result.reason = comp.reason
         if ctrl.passed:
             result.notes.append("the control passes too: even a correct candidate could not be told from a wrong one")
-    elif ctrl.passed:
-        result.status = Status.VACUOUS
+    elif result.status is Status.VACUOUS:
         result.reason = f"control passed ({check.control}): this check cannot tell right from wrong"
     result.thin = comp.passed and comp.margin is not None and comp.margin > THIN_MARGIN
     if trial.gold is not None:
@@ -66,6 +66,14 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
     if trial.control_layers:
         control.first_divergent_layer = localize_layers(check.kind, trial.control_layers, rms_bar)[1]
     return result
+
+
+def status_of(candidate_passed: bool, control_passed: bool) -> Status:
+    """The gate rule: a candidate that fails its comparison fails; else a control that passes makes the check
+    vacuous; else it passes. `serve` re-applies it to every result of a report (gates/admission.py)."""
+    if not candidate_passed:
+        return Status.FAIL
+    return Status.VACUOUS if control_passed else Status.PASS
 
 
 def _bar(check: Check, trial: Trial, noise: NoiseLookup | None) -> tuple[float | None, dict[str, Any] | None]:

@@ -20,7 +20,6 @@ from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.gate import CheckContext, SkipCheck
 from k3verify.gates.route_pin import PinStats, RouteRecord, pin_routes, record_routes
-from k3verify.gates.suite import COVERED_DTYPES
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
@@ -107,7 +106,7 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
     key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
     if ctx.level in ("model", "serving") and dtype in (torch.bfloat16, torch.float32):
         # a float64 serving model is an instrument (a gold), not a dtype anything is served in
-        ctx.cache.setdefault(COVERED_DTYPES, set()).add(_dtype_name(dtype))
+        ctx.serving_dtypes.add(_dtype_name(dtype))
     if key not in ctx.cache:
         cfg = serving_config(ctx)
         ctx.cache[key] = ServingModel(cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))

@@ -86,6 +86,7 @@ class CheckContext:
     level: str = ""  # the running check's level: model/serving-level use of a serving model counts as coverage
     parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
     noise: NoiseLookup | None = None  # the recorded noise of a noise-barred check (gates/noise.py)
+    serving_dtypes: set[str] = field(default_factory=set)  # dtypes this check built the served model in (fixtures)
 
     @property
     def needs_noise(self) -> bool:
@@ -174,6 +175,7 @@ class Result:
     traceback: str | None = None
     bar_source: str = "none"
     noise: dict[str, Any] | None = None
+    serving_dtypes: list[str] = field(default_factory=list)  # what the run's `dtypes` is recomputed from
 
     @property
     def failed(self) -> bool:

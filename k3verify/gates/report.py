@@ -1,5 +1,5 @@
-"""report.json (validated against schema.json before it is written, optionally signed), atomic writes and
-loading (`serve`'s lookup is gates/report_lookup.py).
+"""report.json (validated against schema.json before it is written, optionally signed, recorded in the report
+index beside it: gates/report_index.py), atomic writes and loading (`serve`'s lookup is gates/report_lookup.py).
 
 Every file is written to a temporary name in the destination directory, fsynced, then os.replace'd:
 a crash mid-write leaves the previous report intact and no partial file behind.
@@ -25,6 +25,7 @@ from k3verify.gates.binding import sign_report
 from k3verify.gates.gate import Result
 from k3verify.gates.html import render_html
 from k3verify.gates.junit import render_junit
+from k3verify.gates.report_index import append_entry
 from k3verify.gates.suite import RunResult, status_counts
 
 SCHEMA_VERSION = 1
@@ -59,6 +60,7 @@ def result_to_dict(result: Result) -> dict[str, Any]:
         "worst": None, "shapes": result.shapes, "dtypes": result.dtypes,
         "seed": result.seed, "duration_s": result.duration_s, "localization": result.localization,
         "instrument": result.instrument, "notes": list(result.notes), "traceback": result.traceback,
+        "serving_dtypes": list(result.serving_dtypes),
     }
     if result.worst is not None:
         out["worst"] = asdict(result.worst) | {"index": list(result.worst.index)}
@@ -118,6 +120,20 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return path
 
 
+def writable_dir_problem(directory: str | Path) -> str | None:
+    """Why reports cannot be written into `directory` (created if missing), or None: found before a suite runs,
+    not after it."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".k3v-write-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write reports into {directory}: {exc.strerror or exc}"
+    return None
+
+
 def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = None) -> dict[str, Path]:
     """Write report.json, report.html and junit.xml into out_dir. The JSON is validated first, so a
     report that does not match the schema leaves the previous files untouched; with `key` it is signed
@@ -133,7 +149,9 @@ def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = No
         "report.html": render_html(data),
         "junit.xml": render_junit(data),
     }
-    return {name: atomic_write_text(out_dir / name, text) for name, text in texts.items()}
+    written = {name: atomic_write_text(out_dir / name, text) for name, text in texts.items()}
+    append_entry(out_dir, texts["report.json"].encode("utf-8"), data["run"])  # what `serve` orders reports by
+    return written
 
 
 def load_report(path: str | Path) -> dict[str, Any]:

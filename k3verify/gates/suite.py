@@ -25,7 +25,7 @@ import torch
 
 import k3verify
 from k3verify.cli import UsageError
-from k3verify.gates.binding import source_digest, verdict_from_counts
+from k3verify.gates.binding import dtypes_of_run, source_digest, verdict_from_counts
 from k3verify.gates.evaluate import evaluate_trial
 from k3verify.gates.evidence import missing_evidence
 from k3verify.gates.gate import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
 ENV_PREFIX = "K3V_"
+ENDPOINT_PREFIX = "endpoint."  # checks of `parity --endpoint`, which judge another server and never a gate
 
 
 @dataclass
@@ -154,7 +155,10 @@ def select_checks(checks: Iterable[Check], suite: str, only: Sequence[str] | Non
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
-COVERED_DTYPES = "covered_dtypes"  # ctx.cache key: serving dtypes model/serving-level checks ran (fixtures)
+def gate_checks(checks: Iterable[Check], suite: str) -> list[Check]:
+    """The checks of `suite` that a run able to open the serve gate selects (no --only, no --endpoint): a report
+    that vouches for serving must hold every one."""
+    return [c for c in select_checks(checks, suite) if not c.id.startswith(ENDPOINT_PREFIX)]
 
 
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
@@ -178,15 +182,17 @@ def make_context_factory(target: Target, *, device: str | torch.device, seed: in
     return factory
 
 
-def covered_dtypes(cache: Mapping[str, Any]) -> list[str]:
-    """The serving dtypes a run's model/serving-level checks built their serving model in, sorted."""
-    return sorted(cache.get(COVERED_DTYPES, ()))
+def covered_dtypes(results: Iterable[Result]) -> list[str]:
+    """The serving dtypes the run's checks that ran (not skipped) built their served model in, sorted: the run's
+    `dtypes`, which `serve` recomputes the same way (gates/binding.py)."""
+    return dtypes_of_run((Status(r.status).value, r.serving_dtypes) for r in results)
 
 
 def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind: str) -> Result:
     """Run one check to a Result. Every exception becomes an `error` Result with its traceback."""
     check_seed = derive_seed(seed, check.id)
     start = time.perf_counter()
+    ctx: CheckContext | None = None
     try:
         if device_kind not in check.devices:
             raise SkipCheck(f"needs {' or '.join(check.devices)}; this run is on {device_kind}")
@@ -202,6 +208,7 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result.traceback = traceback.format_exc()
     result.seed = check_seed
     result.duration_s = time.perf_counter() - start
+    result.serving_dtypes = [] if ctx is None else sorted(ctx.serving_dtypes)
     return result
 
 

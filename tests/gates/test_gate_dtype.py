@@ -47,11 +47,10 @@ def test_serve_builds_the_model_in_the_requested_dtype(tmp_path: Path) -> None:
 def test_an_fp64_instrument_model_is_not_coverage() -> None:
     """A serving-level check may build an fp64 serving model as an instrument: that is no dtype `serve` runs."""
     from k3verify.gates import CheckContext, fixtures
-    from k3verify.gates.suite import covered_dtypes
     from k3verify.target import resolve_target
 
     ctx = CheckContext(resolve_target("kl-tiny"), torch.device("cpu"), 0, torch.Generator(), "quick", {},
                        level="serving")
     fixtures.serving_model(ctx, torch.float64)
     fixtures.serving_model(ctx, torch.float32)
-    assert covered_dtypes(ctx.cache) == ["float32"]
+    assert sorted(ctx.serving_dtypes) == ["float32"]

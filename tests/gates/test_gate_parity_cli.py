@@ -81,7 +81,7 @@ def test_list_prints_selected_checks(capsys: pytest.CaptureFixture[str]) -> None
 def test_green_run_exits_0_and_writes_valid_reports(fake_target: None, tmp_path: Path) -> None:
     out = tmp_path / "rep"
     assert main(["parity", "--only", "gates.selftest", "--seed", "5", "--report-dir", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "report.html", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "report-index.jsonl", "report.html", "report.json"]
     data = load_report(out / "report.json")
     assert data["summary"]["verdict"] == "pass" and data["summary"]["counts"]["pass"] == 4
     run = data["run"]

@@ -122,18 +122,22 @@ def test_junit_parses_and_counts_match(mixed_run: RunResult, tmp_path: Path) -> 
 
 
 def _report_at(run: RunResult, root: Path, name: str, started: str, **run_fields: object) -> None:
-    """A report as a bf16 parity run writes it (these model-free runs cover no dtype of their own)."""
+    """A report as a bf16 parity run writes it: these model-free runs build no served model, so their first check
+    is made to have built it in bfloat16 (`serve` recomputes run.dtypes from the checks)."""
     run_fields.setdefault("dtypes", ["bfloat16"])
     info = dataclasses.replace(run.run, started_at=started, **run_fields)  # type: ignore[arg-type]
-    write_reports(RunResult(info, run.results), root / name)
+    results = [dataclasses.replace(r, serving_dtypes=["bfloat16"] if i == 0 else []) for i, r in enumerate(run.results)]
+    write_reports(RunResult(info, results), root / name)
 
 
 def test_serve_lookup_on_real_reports(mixed_registry: Registry, run_checks: RunFactory, tmp_path: Path) -> None:
     """report_lookup over reports written by write_reports: identity match, newest decides, a failing run shadows."""
-    green = run_checks([mixed_registry.get("kda.t.pass")])
-    red = run_checks([mixed_registry.get("mla.t.fail")])
+    passing = mixed_registry.get("kda.t.pass")
+    failing = dataclasses.replace(mixed_registry.get("mla.t.fail"), suites=("full",))  # judged, not required
+    green = run_checks([passing])
+    red = run_checks([passing, failing])
     want = GateWant(str(green.run.checkpoint_digest), green.run.k3verify_version, "cpu", "bfloat16",
-                    green.run.source_digest, "test")
+                    green.run.source_digest, "test", checks=lambda: [passing, failing])
     _report_at(green, tmp_path, "a", "2026-01-01T00:00:00+00:00")
     _report_at(green, tmp_path, "other-ckpt", "2026-01-05T00:00:00+00:00", checkpoint_digest="sha256:other")
     _report_at(green, tmp_path, "other-device", "2026-01-05T00:00:00+00:00", device="cuda")

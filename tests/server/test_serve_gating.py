@@ -17,54 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+from gate_reports import ago, write_report
 
 import k3verify
 from k3verify.cli import UsageError, build_parser, main
 from k3verify.commands import serve
 from k3verify.gates.binding import source_digest
-from k3verify.gates.report import validate_report
 from k3verify.gates.report_lookup import GateWant, find_passing_report, lookup_report
 
 OTHER_DIGEST = "sha256:" + "0" * 64
-
-
-def result(check_id: str, status: str) -> dict[str, Any]:
-    """One schema-valid result entry."""
-    return {"id": check_id, "component": "gates", "level": "module", "kind": "bitexact", "bar": None,
-            "bar_reason": None, "bar_source": "none", "noise": None, "status": status, "reason": None, "metric": None,
-            "metrics": {}, "per_key": {},
-            "margin": None, "thin": False, "control": None, "worst": None, "shapes": {}, "dtypes": {}, "seed": 0,
-            "duration_s": 0.1, "localization": None, "instrument": None, "notes": [], "traceback": None}
-
-
-def report_data(*, digest: str, version: str = k3verify.__version__, device: str = "cpu", verdict: str = "pass",
-                started_at: str = "2026-01-01T00:00:00+00:00", only: list[str] | None = None,
-                preset: str = "k3-tiny", dtypes: list[str] | None = None, source: str | None = None) -> dict[str, Any]:
-    """A minimal schema-valid report (validated, so schema drift fails this helper, not silently) whose summary
-    is what its results imply: 3 pass + 1 skipped, plus a fail when verdict is "fail"."""
-    statuses = ["pass", "pass", "pass", "skipped"] + (["fail"] if verdict == "fail" else [])
-    results = [result(f"gates.t.c{i}", st) for i, st in enumerate(statuses)]
-    counts = {st: statuses.count(st) for st in ("pass", "fail", "vacuous", "error", "skipped")}
-    data = {
-        "schema_version": 1,
-        "run": {"k3verify_version": version, "git_sha": "unknown", "git_dirty": None, "python": "3.11",
-                "torch": "2.13", "transformers": None, "fla": None, "device": device, "device_name": "cpu",
-                "preset": preset, "checkpoint": None, "checkpoint_digest": digest, "seed": 0, "suite": "quick",
-                "only": only or [], "started_at": started_at, "wall_time_s": 1.0, "oracle": {}, "environment": {},
-                "dtypes": dtypes or ["bfloat16", "float32"], "source_digest": source or source_digest()},
-        "results": results,
-        "summary": {"counts": counts, "total": len(results), "verdict": verdict},
-    }
-    validate_report(data)
-    return data
-
-
-def write_report(directory: Path, *, data: dict[str, Any] | None = None, **kw: Any) -> Path:
-    """report_data(**kw) (or `data` as given) written as directory/report.json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "report.json"
-    path.write_text(json.dumps(data if data is not None else report_data(**kw)), encoding="utf-8")
-    return path
 
 
 def want(digest: str, device: str = "cpu", **kw: Any) -> GateWant:
@@ -119,9 +80,10 @@ def test_refuses_passing_report_for_something_else(tmp_path: Path, tiny_digest: 
 
 
 def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -> None:
-    """A passing report nested anywhere under --report-dir lets the gate open; the newest one is chosen."""
-    write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
-    newest = write_report(tmp_path / "c", digest=tiny_digest, started_at="2026-02-01T00:00:00+00:00")
+    """A passing report nested anywhere under --report-dir lets the gate open; the newest one (by the report index,
+    not by its own date) is chosen."""
+    write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at=ago(60))
+    newest = write_report(tmp_path / "c", digest=tiny_digest, started_at=ago(3600))
     gated = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
     assert gated.report == newest and gated.target.digest == tiny_digest and gated.target.name == "k3-tiny"
     assert find_passing_report(tmp_path, want(tiny_digest)) == newest
@@ -134,14 +96,14 @@ def test_run_narrowed_by_only_never_opens_the_gate(tmp_path: Path, tiny_digest: 
     assert find_passing_report(tmp_path, want(tiny_digest)) is None
     with pytest.raises(UsageError, match=r"1 report\(s\) for runs narrowed by --only"):
         serve.require_gate(serve_args("--report-dir", str(tmp_path)))
-    full = write_report(tmp_path / "full", digest=tiny_digest, started_at="2025-12-01T00:00:00+00:00")
+    full = write_report(tmp_path / "full", digest=tiny_digest, started_at=ago(86400))
     assert find_passing_report(tmp_path, want(tiny_digest)) == full
 
 
 def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: str) -> None:
     """A regression recorded after a green run closes the gate again."""
-    write_report(tmp_path / "old", digest=tiny_digest, started_at="2026-01-01T00:00:00+00:00")
-    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at="2026-03-01T00:00:00+00:00")
+    write_report(tmp_path / "old", digest=tiny_digest, started_at=ago(60))
+    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at=ago(3600))
     assert find_passing_report(tmp_path, want(tiny_digest)) is None
     with pytest.raises(UsageError, match="verdict 'fail'"):
         serve.require_gate(serve_args("--report-dir", str(tmp_path)))
@@ -149,7 +111,8 @@ def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: st
 
 def test_corrupt_report_is_ignored_with_a_warning(tmp_path: Path, tiny_digest: str,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """Half-written and schema-invalid files are skipped, each named in a warning; a valid pass still counts."""
+    """Half-written and schema-invalid files outside any report index are skipped, each named in a warning; a valid
+    pass still counts."""
     half = tmp_path / "half" / "report.json"
     half.parent.mkdir()
     half.write_text('{"schema_version": 1, "run": {"k3verify_ver', encoding="utf-8")

@@ -1,15 +1,18 @@
-"""A gate that binds: the forged reports of issue 15 no longer open `serve`; the run record must match what is
-served (digest, version, source, device, preset, dtype); the verdict is recomputed; with a key, any edit is refused."""
+"""A gate that binds: forged reports do not open `serve`; the run record must match what is served (digest,
+version, source, device, preset, dtype); the verdict, every status, the check list and the dtypes are re-derived;
+reports are ordered by the report index; with a key, any edit is refused."""
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_serve_gating import refusal, report_data, serve_args, want, write_report
+from gate_reports import ago, edit_report, quick_checks, report_data, write_report
+from test_serve_gating import refusal, serve_args, want
 
 from k3verify.cli import UsageError
 from k3verify.commands import serve
@@ -32,14 +35,14 @@ def key_file(tmp_path: Path, key: bytes = KEY) -> Path:
 
 
 def test_report_copied_from_another_preset_with_digest_edited_is_refused(tmp_path: Path, tiny_digest: str) -> None:
-    """Issue 15's first forgery: k3-syn-25's green report with the k3-tiny digest pasted in."""
+    """k3-syn-25's green report with the k3-tiny digest pasted in (its index re-recorded too): the preset differs."""
     write_report(tmp_path, digest=tiny_digest, preset="k3-syn-25")
     found = lookup_report(tmp_path, want(tiny_digest))
     assert found.passing is None and "1 report(s) for other presets" in found.reason
 
 
 def test_results_edited_to_fail_with_verdict_left_pass_is_refused(tmp_path: Path, tiny_digest: str) -> None:
-    """Issue 15's second forgery: every result says fail, summary.verdict still says pass."""
+    """Every result says fail, summary.verdict still says pass (index re-recorded, so the summary check decides)."""
     data = report_data(digest=tiny_digest)
     for r in data["results"]:
         r["status"] = "fail"
@@ -82,10 +85,10 @@ def test_serve_refuses_a_dtype_the_report_did_not_cover(tmp_path: Path, tiny_dig
     assert serve.require_gate(serve_args("--report-dir", str(tmp_path))).report == tmp_path / "both" / "report.json"
 
 
-def test_without_a_key_a_consistent_forgery_is_accepted(tmp_path: Path, tiny_digest: str) -> None:
-    """The documented limit (README threat model): another preset's report with digest AND preset edited is
-    consistent, so only a key can catch it."""
-    write_report(tmp_path, digest=tiny_digest, preset="k3-tiny")  # what the forger would produce
+def test_without_a_key_a_writer_of_the_whole_directory_gets_through(tmp_path: Path, tiny_digest: str) -> None:
+    """The documented limit (README threat model): a forger who writes report.json AND appends to the report index
+    (full access to the directory) produces what k3verify would have written; only a key can catch that."""
+    write_report(tmp_path, digest=tiny_digest, preset="k3-tiny")  # what such a forger would produce
     assert lookup_report(tmp_path, want(tiny_digest)).passing is not None
 
 
@@ -95,17 +98,18 @@ def test_with_a_key_only_untouched_signed_reports_count(tmp_path: Path, tiny_dig
     signed = sign_report(report_data(digest=tiny_digest), KEY)
     good = write_report(tmp_path / "good", data=signed)
     assert lookup_report(tmp_path, want(tiny_digest, key=KEY)).passing == good
-    newer = {"started_at": "2026-06-01T00:00:00+00:00"}
-    write_report(tmp_path / "unsigned", data=report_data(digest=tiny_digest, **newer))
-    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest, **newer), b"x" * 16))
-    edited = copy.deepcopy(signed)
-    edited["run"]["started_at"] = newer["started_at"]
-    write_report(tmp_path / "edited", data=edited)
+    write_report(tmp_path / "unsigned", data=report_data(digest=tiny_digest))
+    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16))
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
-    assert found.passing == good and len(found.skipped) == 3
+    assert found.passing == good and len(found.skipped) == 2
     assert "not signed" in caplog.text and "signed with key" in caplog.text
-    assert "edited after signing" in caplog.text
+    edited = copy.deepcopy(signed)
+    edited["run"]["seed"] = 7
+    write_report(tmp_path / "edited", data=edited)  # index re-recorded: only the signature can tell
+    with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
+        found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
+    assert found.passing == good and "edited after signing" in caplog.text
 
 
 def test_serve_with_report_key_refuses_unsigned_reports(tmp_path: Path, tiny_digest: str,
@@ -139,3 +143,87 @@ def test_source_digest_follows_every_package_file(tmp_path: Path) -> None:
     assert source_digest.__wrapped__(str(pkg)) == before
     (pkg / "sub" / "data.json").write_text("{ }")
     assert source_digest.__wrapped__(str(pkg)) != before
+
+
+def _refused(tmp_path: Path, tiny_digest: str, data: dict[str, Any], reason: str) -> None:
+    """`data` written as an edit of a report k3verify wrote (index untouched), and again as a forger who also
+    re-records the index: both refused, the second naming `reason` (the detector behind the index)."""
+    edited = tmp_path / "edited"
+    path = write_report(edited, digest=tiny_digest)
+    edit_report(path, data)
+    found = lookup_report(edited, want(tiny_digest))
+    assert found.passing is None, found.reason
+    reindexed = write_report(tmp_path / "reindexed", data=data)
+    found = lookup_report(tmp_path / "reindexed", want(tiny_digest))
+    assert found.passing is None and found.newest == reindexed and reason in found.reason, found.reason
+
+
+def test_a_metric_far_past_its_bar_with_status_pass_is_refused(tmp_path: Path, tiny_digest: str) -> None:
+    """A result whose metric is 339x its bar but whose status says pass: the status is re-decided from the metric,
+    bar and control, by the code the run decided with."""
+    data = report_data(digest=tiny_digest)
+    rms = next(r for r in data["results"] if r["kind"] == "rms" and r["status"] == "pass")
+    rms["metric"] = 339 * rms["bar"]
+    _refused(tmp_path, tiny_digest, data, f"result {rms['id']} says 'pass', but its metric")
+    assert "makes it 'fail'" in lookup_report(tmp_path / "reindexed", want(tiny_digest)).reason
+
+
+def test_a_report_holding_one_check_with_counts_fixed_is_refused(tmp_path: Path, tiny_digest: str) -> None:
+    """1 of the quick suite's checks, summary counts made consistent: refused, naming how many and which are
+    missing."""
+    data = report_data(digest=tiny_digest)
+    data["results"] = data["results"][1:2]
+    data["summary"] = {"counts": {"pass": 1, "fail": 0, "vacuous": 0, "error": 0, "skipped": 0}, "total": 1,
+                       "verdict": "pass"}
+    total = len(quick_checks())
+    _refused(tmp_path, tiny_digest, data, f"it holds 1 of the {total} checks of the quick suite; missing: "
+                                          f"{quick_checks()[0].id}")
+
+
+def test_an_fp32_only_report_with_dtypes_widened_is_refused(tmp_path: Path, tiny_digest: str) -> None:
+    """A report whose checks built the served model in float32 only, with run.dtypes widened to bfloat16 too."""
+    data = report_data(digest=tiny_digest, dtypes=["float32"])
+    data["run"]["dtypes"] = ["bfloat16", "float32"]
+    _refused(tmp_path, tiny_digest, data, "its run.dtypes ['bfloat16', 'float32'] is not what its checks ran: they "
+                                          "built the served model in ['float32'] only")
+
+
+def test_an_old_passing_report_dated_into_the_future_loses_to_a_newer_failing_one(tmp_path: Path,
+                                                                                 tiny_digest: str) -> None:
+    """An old green report re-dated past a newer red one: the index orders them (the red one decides); re-recorded
+    in the index as well, its date is after the index's write time and it is refused for that."""
+    old = write_report(tmp_path / "old", digest=tiny_digest, started_at=ago(7200))
+    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at=ago(60))
+    data = json.loads(old.read_text())
+    data["run"]["started_at"] = "2099-01-01T00:00:00+00:00"
+    edit_report(old, data)
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and found.newest == tmp_path / "new" / "report.json" and "'fail'" in found.reason
+    write_report(tmp_path / "old", data=data)
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and found.newest == old, found.reason
+    assert "its run.started_at 2099-01-01T00:00:00+00:00 is after k3verify wrote it" in found.reason
+
+
+def test_an_edit_of_a_written_report_is_named_by_the_index(tmp_path: Path, tiny_digest: str) -> None:
+    """Any edit of report.json (the threat model's attacker) is refused as not what k3verify wrote; an older report
+    put back in its place is refused as stale; a newer entry whose report was edited closes the gate rather than
+    letting an older green report decide."""
+    first = report_data(digest=tiny_digest)
+    path = write_report(tmp_path / "r", data=first)
+    edited = copy.deepcopy(first)
+    edited["run"]["seed"] = 1
+    edit_report(path, edited)
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and "is not what k3verify wrote there" in found.reason, found.reason
+    write_report(tmp_path / "r", digest=tiny_digest, verdict="fail")
+    edit_report(path, first)
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and "write #1 of its index, but write #2 came after it" in found.reason
+    older = write_report(tmp_path / "a-green", digest=tiny_digest)
+    write_report(tmp_path / "z-newer", digest=tiny_digest, verdict="fail")
+    (tmp_path / "z-newer" / "report.json").unlink()
+    (tmp_path / "r" / "report-index.jsonl").unlink()
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and found.newest == tmp_path / "z-newer" / "report.json", found.reason
+    assert "cannot be read" in found.reason and older != found.newest
