@@ -236,12 +236,22 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"config.json not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
         gen = path.parent / "generation_config.json"
-        gen_eos = _read_generation_eos(gen) if gen.is_file() else ()
+        return cls.from_bytes(path.read_bytes(), gen.read_bytes() if gen.is_file() else None, path)
+
+    @classmethod
+    def from_bytes(cls, config: bytes | bytearray, generation: bytes | bytearray | None,
+                   path: str | Path = "config.json") -> ModelConfig:
+        """From the bytes of config.json and (if the checkpoint has one) generation_config.json; `path` names
+        config.json in errors. `serve` parses the very bytes its checkpoint digest covered."""
+        try:
+            data = json.loads(config)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a JSON object; got {type(data).__name__}")
+        gen_path = Path(path).parent / "generation_config.json"
+        gen_eos = () if generation is None else _generation_eos(generation, gen_path)
         return cls.from_hf_dict(data, generation_eos=gen_eos)
 
     @classmethod
@@ -292,8 +302,13 @@ def _require(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _read_generation_eos(path: Path) -> tuple[int, ...]:
-    data = json.loads(path.read_text())
+def _generation_eos(raw: bytes | bytearray, path: Path) -> tuple[int, ...]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object; got {type(data).__name__}")
     eos = data.get("eos_token_id")
     if eos is None:
         return ()

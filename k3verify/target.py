@@ -13,9 +13,8 @@ table because there is no data to write.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,13 @@ import torch
 
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.checkpoint.hf_interop import normalize_hf_names, uses_transformers_names
-from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
+from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
+from k3verify.checkpoint.snapshot import CheckpointSnapshot
 from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
 from k3verify.config import ModelConfig
 from k3verify.presets import PRESETS, SYNTHETIC_PRESETS, get_preset, preset_hf_config
 from k3verify.tokenizer import KimiTokenizer
+from k3verify.tokenizer.tokenizer import CONFIG_FILE, MODEL_FILE
 
 DEFAULT_PRESET = "k3-tiny"
 DEFAULT_REPORT_DIR = Path("reports/latest")
@@ -68,9 +69,15 @@ class Target:
             raise TargetError(f"{self.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint must "
                               "ship its own tokenizer files") from exc
 
-    def tokenizer_loader(self) -> Callable[[], KimiTokenizer]:
-        """A picklable callable that loads the tokenizer again (in the HTTP server's own process)."""
-        return functools.partial(KimiTokenizer.from_dir, self.checkpoint_dir)
+    def tokenizer_bytes(self) -> TokenizerBytes:
+        """The tokenizer's two files, read once: what an HTTP process builds the same tokenizer from (never the
+        directory again). `serve` takes them from its snapshot instead (ServedCheckpoint)."""
+        try:
+            return TokenizerBytes((self.checkpoint_dir / MODEL_FILE).read_bytes(),
+                                  (self.checkpoint_dir / CONFIG_FILE).read_bytes(), str(self.checkpoint_dir))
+        except OSError as exc:
+            raise TargetError(f"{self.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint must "
+                              "ship its own tokenizer files") from exc
 
     def source_flag(self) -> str:
         """The command-line words that name this target again (`--preset k3-tiny`, `--checkpoint DIR`)."""
@@ -103,11 +110,73 @@ def _from_dir(ckpt: Path, *, preset: str | None, name: str) -> Target:
         raise TargetError(f"{config_path}: {exc}") from exc
     try:
         digest = checkpoint_digest(ckpt)
-        names = list(read_index(ckpt).weight_map)
     except (CheckpointError, OSError) as exc:
         raise TargetError(f"{ckpt}: cannot digest the checkpoint: {exc}") from exc
+    try:  # every shard header against its file: a truncated shard is a setup error, as a missing one is
+        with CheckpointReader(ckpt) as reader:
+            names = list(reader)
+    except (CheckpointError, OSError) as exc:
+        raise TargetError(f"the checkpoint cannot be read: {exc}") from exc
     spelling = "transformers" if uses_transformers_names(cfg, names) else "published"
     return Target(cfg, name, preset, ckpt, digest, spelling)
+
+
+@dataclass(frozen=True)
+class TokenizerBytes:
+    """A tokenizer's two files as bytes (picklable): what the HTTP process builds its tokenizer from."""
+
+    model: bytes
+    config: bytes
+    source: str  # the checkpoint directory, for messages
+
+    def load(self) -> KimiTokenizer:
+        return KimiTokenizer.from_bytes(self.model, self.config, f"{self.source}/{MODEL_FILE}",
+                                        f"{self.source}/{CONFIG_FILE}")
+
+
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """A target whose config, digest, weights and tokenizer all come from one snapshot of its directory
+    (checkpoint/snapshot.py): what `serve` loads is what its digest covered, and nothing is read again by path."""
+
+    target: Target
+    snapshot: CheckpointSnapshot
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        tensors = self.snapshot.tensors()
+        return normalize_hf_names(self.target.cfg, tensors) if self.target.names == "transformers" else tensors
+
+    def tokenizer_bytes(self) -> TokenizerBytes:
+        try:
+            return TokenizerBytes(self.snapshot.data(MODEL_FILE), self.snapshot.data(CONFIG_FILE),
+                                  str(self.target.checkpoint_dir))
+        except KeyError as exc:
+            raise TargetError(f"{self.target.checkpoint_dir}: its tokenizer cannot be loaded ({exc.args[0]}); a "
+                              "checkpoint must ship its own tokenizer files") from None
+
+    def tokenizer(self) -> KimiTokenizer:
+        files = self.tokenizer_bytes()
+        try:
+            return files.load()
+        except ValueError as exc:
+            raise TargetError(f"{self.target.checkpoint_dir}: its tokenizer cannot be loaded ({exc}); a checkpoint "
+                              "must ship its own tokenizer files") from exc
+
+
+def snapshot_target(target: Target) -> ServedCheckpoint:
+    """`target` read again as one snapshot: its digest (of the bytes read now), config and tensor names from those
+    bytes; TargetError naming the file for anything missing or unreadable."""
+    ckpt = target.checkpoint_dir
+    try:
+        snap = CheckpointSnapshot.read(ckpt)
+        cfg = ModelConfig.from_bytes(snap.data("config.json"), snap.files.get("generation_config.json"),
+                                     ckpt / "config.json")
+    except (CheckpointError, OSError) as exc:
+        raise TargetError(f"{ckpt}: cannot read the checkpoint: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TargetError(f"{ckpt / 'config.json'}: {exc}") from exc
+    spelling = "transformers" if uses_transformers_names(cfg, list(snap.entries)) else "published"
+    return ServedCheckpoint(Target(cfg, target.name, target.preset, ckpt, snap.digest, spelling), snap)
 
 
 @dataclass(frozen=True)

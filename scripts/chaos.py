@@ -1,13 +1,17 @@
 """Bounded chaos run of `k3verify serve` on loopback: the gate against a checkpoint changed after gating, then
-concurrent clients mixing good requests, fuzz, poison requests and hang-ups, with one injected engine fault.
+concurrent clients mixing good requests, fuzz, poison requests and hang-ups, with one injected engine fault; then
+`k3verify serve` itself (supervised) with kill -9 of its engine's process and of its HTTP front end under
+streaming clients (scripts/chaos_kill.py).
 
     python scripts/chaos.py                      # k3-tiny copy, real quick parity gate, 400 requests, 32 clients
-    python scripts/chaos.py --requests 1000 --clients 64
+    python scripts/chaos.py --requests 1000 --clients 64 --kill-clients 64
 
 Prints: requests sent, 2xx, 4xx, 5xx (those at the injected fault apart), engine restarts, lost. A request is
 "lost" when the server accepted it (HTTP 200) and it never got a final answer (a finish_reason or an error
-event) without the client hanging up. Exit 0 iff lost == 0, no 5xx outside the fault, exactly one restart,
-the tampered checkpoint was refused, and the engine ends healthy with clean caches.
+event) without the client hanging up, or when its connection closed with no answer at all. Exit 0 iff lost == 0,
+no 5xx outside the fault, exactly one restart, the tampered checkpoint was refused, the engine ends healthy with
+clean caches, and both kills pass (chaos_kill.py: no client of the killed engine left without an answer, the
+engine alive through the front end's death and the front end back within 10 s).
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str)
         path = "/v1/completions"
         raw = fuzz_body(rng, model) if out.kind == "fuzz" else poison_body(rng, model)
         body = raw if isinstance(raw, dict) else {"__raw__": raw}
-    kwargs: dict[str, Any] = {"content": body["__raw__"]} if "__raw__" in body else {"json": body}
+    kwargs: dict[str, Any] = {"content": body["__raw__"], "headers": {"content-type": "application/json"}} \
+        if "__raw__" in body else {"json": body}
     timeout = 0.05 if out.kind == "timeout" else 120.0
     try:
         async with client.stream("POST", path, timeout=timeout, **kwargs) as r:
@@ -182,7 +187,7 @@ def verdicts(chaos: Chaos, restarts: int) -> str:
     at_fault = [o for o in chaos.outcomes if FAULT in o.error]
     fives_elsewhere = [o for o in chaos.outcomes if (o.status or 0) >= 500 and FAULT not in o.error]
     lost = [o for o in chaos.outcomes if o.status == 200 and not o.final and not o.hung_up]
-    lost += [o for o in chaos.outcomes if o.status is None and not o.hung_up]
+    lost += [o for o in chaos.outcomes if o.status is None and not o.hung_up]  # closed without an answer
     chaos.failures += [f"5xx outside the fault: {o.kind} {o.status} {o.error[:120]}" for o in fives_elsewhere]
     chaos.failures += [f"lost: {o.kind} status {o.status} {o.error[:120]}" for o in lost]
     if restarts != 1:
@@ -215,7 +220,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill-clients", type=int, default=64, help="clients under each kill -9 (0: no kill phase)")
     return p.parse_args(argv)
+
+
+def kill_phase(ckpt: Path, reports: Path, clients: int, chaos: Chaos) -> None:
+    """kill -9 of the engine's process, then of the HTTP front end, of a supervised `k3verify serve`."""
+    import socket
+
+    from chaos_kill import ServeProcess, kill_engine, kill_front_end
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ServeProcess("--checkpoint", str(ckpt), "--report-dir", str(reports), port=port)
+    try:
+        chaos.notes.append(f"kill: serve up in {server.wait_healthy(300):.1f}s")
+        for result in (kill_engine(server, ckpt.name, clients), kill_front_end(server, ckpt.name, clients)):
+            chaos.notes += result.notes
+            chaos.failures += result.failures
+    finally:
+        rc = server.stop()
+    if rc != 0:
+        chaos.failures.append(f"serve exited {rc} on SIGTERM: {server.log()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary = run_traffic(server.url, engine, gated.target.name, args, chaos)
         finally:
             engine.stop()
+        if args.kill_clients > 0:
+            kill_phase(gated.target.checkpoint_dir, serve_args.report_dir, args.kill_clients, chaos)
     for note in chaos.notes:
         print(note)
     print(f"chaos summary ({time.monotonic() - start:.0f}s): {summary}")

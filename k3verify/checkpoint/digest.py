@@ -22,7 +22,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,13 +143,18 @@ def covered_files(ckpt_dir: Path) -> list[Path]:
     return files + tokenizer_files(ckpt_dir)
 
 
+def digest_of(files: Iterable[tuple[str, int, str]]) -> str:
+    """The checkpoint digest of (relative name, size, sha256 hex) per covered file, in digest order."""
+    h = hashlib.sha256()
+    for name, size, sha in files:
+        h.update(f"{name}\0{size}\0{sha}\n".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
 def checkpoint_digest(ckpt_dir: str | Path, cache: DigestCache | None = None) -> str:
     """sha256 over every covered file's full-content sha256 (see module doc); `cache` defaults to the on-disk one."""
     ckpt_dir = Path(ckpt_dir)
     cache = DigestCache.load() if cache is None else cache
-    h = hashlib.sha256()
-    for path in covered_files(ckpt_dir):
-        size, sha = file_sha256(path, cache)
-        h.update(f"{path.relative_to(ckpt_dir)}\0{size}\0{sha}\n".encode())
+    rows = [(str(path.relative_to(ckpt_dir)), *file_sha256(path, cache)) for path in covered_files(ckpt_dir)]
     cache.save()
-    return f"sha256:{h.hexdigest()}"
+    return digest_of(rows)

@@ -70,11 +70,26 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
             value = mxfp4.dequantize(tensors[sources[0]], tensors[sources[1]], torch.float32, group)
         else:
             value = tensors[sources[0]]
+        check_finite(" + ".join(sources), mod_name, value)
         if tuple(value.shape) != tuple(dest.shape):
             value = _fit_shape(cfg, sources[0], mod_name, value, tuple(dest.shape))
         if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
             raise WeightLoadError(f"{sources[0]} must be uint8 for {mod_name}; got {value.dtype}")
         dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
+def check_finite(source: str, mod_name: str, value: torch.Tensor) -> None:
+    """WeightLoadError naming the checkpoint tensor when it holds NaN or Inf: a model built from it would fail its
+    checks (or serve NaN logits) with nothing pointing back at the tensor."""
+    if not value.is_floating_point() or value.is_meta:
+        return
+    bad = ~torch.isfinite(value)
+    if not bool(bad.any()):
+        return
+    nan, total = int(torch.isnan(value).sum()), int(bad.sum())
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    raise WeightLoadError(f"checkpoint tensor {source} (for {mod_name}, {tuple(value.shape)} {value.dtype}) holds "
+                          f"{nan} NaN and {total - nan} Inf value(s) of {value.numel()}, the first at index {first}")
 
 
 def _fit_shape(cfg: ModelConfig, source: str, mod_name: str, value: torch.Tensor,

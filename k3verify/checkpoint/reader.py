@@ -56,15 +56,7 @@ def read_index(ckpt_dir: str | Path) -> CheckpointIndex:
     ckpt_dir = Path(ckpt_dir)
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
-        try:
-            data = json.loads(index_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{index_path}: not valid JSON: {exc}") from exc
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index_path}: missing or malformed 'weight_map'")
-        total = (data.get("metadata") or {}).get("total_size")
-        return CheckpointIndex(index_path, dict(weight_map), None if total is None else int(total))
+        return parse_index(index_path.read_bytes(), index_path)
     single = ckpt_dir / SINGLE_FILE
     if single.is_file():
         entries = read_header(single)
@@ -72,6 +64,31 @@ def read_index(ckpt_dir: str | Path) -> CheckpointIndex:
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     raise CheckpointError(f"{ckpt_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} is present")
+
+
+def parse_index(raw: bytes, index_path: Path) -> CheckpointIndex:
+    """The index json's bytes as a CheckpointIndex (`index_path` names it in errors)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index_path}: not valid JSON: {exc}") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: missing or malformed 'weight_map'")
+    total = (data.get("metadata") or {}).get("total_size")
+    return CheckpointIndex(index_path, dict(weight_map), None if total is None else int(total))
+
+
+def header_bytes_of(data: bytes | bytearray | memoryview, path: Path) -> bytes:
+    """The raw header (length prefix included) of a safetensors file held in memory."""
+    if len(data) < 8:
+        raise CheckpointError(f"{path}: truncated: {len(data)} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: corrupt header length {n}")
+    if len(data) < 8 + n:
+        raise CheckpointError(f"{path}: truncated inside the header ({len(data) - 8} of {n} bytes)")
+    return bytes(data[: 8 + n])
 
 
 def read_header_bytes(path: Path) -> bytes:
@@ -99,7 +116,11 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
 
 
 def _read_header(path: Path) -> dict[str, TensorEntry]:
-    raw = read_header_bytes(path)
+    return parse_header(read_header_bytes(path), path.stat().st_size, path)
+
+
+def parse_header(raw: bytes, size: int, path: Path) -> dict[str, TensorEntry]:
+    """A shard's header (its raw bytes, length prefix included) validated against the file's size `size`."""
     try:
         header = json.loads(raw[8:])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -130,13 +151,30 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: tensor {name!r} data starts at {begin}, expected {cursor} "
                                   f"(gap or overlap in the data offsets)")
         cursor = end
-    size, needed = path.stat().st_size, base + cursor
+    needed = base + cursor
     if size < needed:
         last = spans[-1][2] if spans else "(none)"
         raise CheckpointError(f"{path}: truncated: file has {size} bytes but the header needs {needed} "
                               f"(tensor {last!r} ends past the end of the file)")
     if size > needed:
         raise CheckpointError(f"{path}: {size - needed} trailing bytes after the last tensor")
+    return entries
+
+
+def match_index(ckpt_dir: Path, weight_map: Mapping[str, str],
+                by_file: Mapping[str, dict[str, TensorEntry]]) -> dict[str, TensorEntry]:
+    """Every tensor the index names, from its shard's header; raises naming the shard for a tensor the index names
+    that its shard lacks, or one a shard holds that the index does not name."""
+    entries: dict[str, TensorEntry] = {}
+    for name, file in weight_map.items():
+        if name not in by_file[file]:
+            raise CheckpointError(f"{ckpt_dir / file}: tensor {name!r} is named by the index but absent from "
+                                  f"this shard's header")
+        entries[name] = by_file[file][name]
+    for file, shard_entries in by_file.items():
+        stray = sorted(n for n in shard_entries if weight_map.get(n) != file)
+        if stray:
+            raise CheckpointError(f"{ckpt_dir / file}: tensor(s) {stray[:4]} are in the shard but not in the index")
     return entries
 
 
@@ -151,7 +189,6 @@ class CheckpointReader(Mapping[str, torch.Tensor]):
     def _open(self, ckpt_dir: Path) -> None:
         self.path = ckpt_dir
         self.index = read_index(self.path)
-        self.entries: dict[str, TensorEntry] = {}
         self.shard_files = tuple(sorted(set(self.index.weight_map.values())))
         by_file: dict[str, dict[str, TensorEntry]] = {}
         for file in self.shard_files:
@@ -161,16 +198,7 @@ class CheckpointReader(Mapping[str, torch.Tensor]):
                 raise CheckpointError(f"{shard}: shard file is missing (the index maps {len(named)} tensor(s) to it, "
                                       f"e.g. {named[0]!r})")
             by_file[file] = read_header(shard)
-        for name, file in self.index.weight_map.items():
-            if name not in by_file[file]:
-                raise CheckpointError(f"{self.path / file}: tensor {name!r} is named by the index but absent from "
-                                      f"this shard's header")
-            self.entries[name] = by_file[file][name]
-        for file, shard_entries in by_file.items():
-            stray = sorted(n for n in shard_entries if self.index.weight_map.get(n) != file)
-            if stray:
-                raise CheckpointError(f"{self.path / file}: tensor(s) {stray[:4]} are in the shard but not in the "
-                                      f"index")
+        self.entries = match_index(self.path, self.index.weight_map, by_file)
 
     @property
     def config_path(self) -> Path:

@@ -4,38 +4,45 @@ The gate is checked before any weight is loaded: no report.json under --report-d
 checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
 pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
 `k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
+The engine is then built from one in-memory snapshot of the checkpoint whose digest must be the gated one
+(commands/serve_engine.py); by default it runs in a process of its own beside the HTTP front end's, both under a
+supervisor that restarts either (server/supervisor.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
-from dataclasses import dataclass
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
-import torch
-
-import k3verify
-from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.cli import Subparsers, UsageError
 from k3verify.commands import parity, serve_parallel
-from k3verify.gates.binding import read_report_key, source_digest
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.server.app import create_app
-from k3verify.server.engine_link import ApiProcess, ApiStartError, api_config
-from k3verify.server.metrics import EngineMetrics, ServerMetrics
+from k3verify.commands.serve_engine import (
+    GatedTarget,
+    build_served,
+    gate_want,
+    health_policy,
+    report_key,
+    warm_up_if_cuda,
+)
+from k3verify.gates.report_lookup import lookup_report
+from k3verify.server.api_process import FrontEndConfig, bind
+from k3verify.server.app import api_key_problem, create_app
+from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback
+from k3verify.server.metrics import ServerMetrics
+from k3verify.server.supervisor import Child, ChildError, Supervisor
 from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
-from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
-from k3verify.serving.prefill_graphs import prefill_graphs_for
-from k3verify.serving.runner import ModelRunner, build_runner
-from k3verify.serving.spec.policy import CostGate, SpecPolicy
-from k3verify.serving.spec.step import SPEC_DRAFTERS, SpeculativeStep, build_speculative_step
-from k3verify.serving.warmup import warm_up
+from k3verify.serving.spec.step import SPEC_DRAFTERS
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
+
+__all__ = ["GatedTarget", "build_engine", "register", "require_gate", "run_serve"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,10 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, metavar="DIR",
                    help=f"where gate reports are searched, recursively (default {DEFAULT_REPORT_DIR})")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (repeatable); by default only loopback "
+                        "names and the --host value are answered, anything else gets 421 (DNS rebinding). With "
+                        "--host 0.0.0.0, list the names and addresses clients use")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--report-key", type=Path, metavar="FILE",
@@ -81,7 +92,8 @@ def register(subparsers: Subparsers) -> None:
                    help="requests failed by non-finite logits within --health-window after which /health answers "
                         f"503 (default {HealthPolicy.max_nonfinite}; fewer make it 'degraded')")
     p.add_argument("--max-restarts", type=int, default=HealthPolicy.max_restarts, metavar="N",
-                   help="engine restarts within --health-window before the supervisor gives up "
+                   help="restarts within --health-window before the supervisor gives up: of the engine loop, and "
+                        "of each process (the engine's, the HTTP front end's), counted apart "
                         f"(default {HealthPolicy.max_restarts})")
     p.add_argument("--health-window", type=float, default=HealthPolicy.window_s, metavar="SECONDS",
                    help=f"the window of the two counts above (default {HealthPolicy.window_s:g})")
@@ -102,25 +114,9 @@ def register(subparsers: Subparsers) -> None:
     p.set_defaults(func=run_serve)
 
 
-@dataclass(frozen=True)
-class GatedTarget:
-    """A target together with the report that vouches for it."""
-
-    target: Target
-    report: Path
-
-
 def _positive(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{name} must be >= 1; got {value}")
-
-
-def health_policy(args: argparse.Namespace) -> HealthPolicy:
-    try:
-        return HealthPolicy(max_nonfinite=args.nonfinite_threshold, max_restarts=args.max_restarts,
-                            window_s=args.health_window)
-    except ValueError as exc:
-        raise UsageError(f"--nonfinite-threshold / --max-restarts / --health-window: {exc}") from exc
 
 
 def parity_command(args: argparse.Namespace) -> str:
@@ -149,15 +145,6 @@ def run_gates(args: argparse.Namespace) -> int:
     return int(pargs.func(pargs))
 
 
-def report_key(args: argparse.Namespace) -> bytes | None:
-    if args.report_key is None:
-        return None
-    try:
-        return read_report_key(args.report_key)
-    except ValueError as exc:
-        raise UsageError(f"--report-key: {exc}") from exc
-
-
 def target_for(args: argparse.Namespace) -> Target:
     try:
         return resolve_target(args.preset, args.checkpoint)
@@ -172,20 +159,19 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
                          "leave it out to serve without authentication on loopback")
+    problem = api_key_problem(args.api_key)
+    if problem is not None:
+        raise UsageError(f"--api-key {problem}")
+    hosts_for(args)
     health_policy(args)
     if args.admit_quiet_ms < 0 or args.admit_max_hold_ms < 0:
         raise UsageError(f"--admit-quiet-ms and --admit-max-hold-ms must be >= 0; got {args.admit_quiet_ms}, "
                          f"{args.admit_max_hold_ms}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {args.port}")
-    try:
-        device_kind = torch.device(args.device).type
-    except RuntimeError as exc:
-        raise UsageError(f"--device {args.device!r}: {exc}") from exc
-    key = report_key(args)
+    report_key(args)
     target = target_for(args)
-    want = GateWant(target.digest, k3verify.__version__, device_kind, args.dtype, source_digest(), target.preset,
-                    key)
+    want = gate_want(args, target)
     found = lookup_report(args.report_dir, want)
     if found.passing is None and args.run_gates:
         print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
@@ -205,115 +191,83 @@ def require_gate(args: argparse.Namespace) -> GatedTarget:
 
 
 def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, KimiTokenizer]:
-    """(engine, tokenizer) for a gated target: weights, runner, the checkpoint's own tokenizer."""
-    target = gated.target
+    """(engine, tokenizer) for a gated target, built from one snapshot of its directory whose digest must be the
+    gated one (commands/serve_engine.py)."""
+    built = build_served(args, gated)
+    return built.engine, built.tokenizer
+
+
+def hosts_for(args: argparse.Namespace) -> tuple[str, ...]:
     try:
-        tokenizer = target.tokenizer()
-    except TargetError as exc:
-        raise UsageError(str(exc)) from exc
-    cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    layout = serve_parallel.layout_of(args)
-    if layout.world > 1 and args.speculative is not None:
-        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
-                         "ranks yet; serve a parallel layout without speculative decoding")
-    if args.prefill_graphs and (torch.device(args.device).type != "cuda" or layout.world > 1):
-        raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {args.device}, {layout.describe()}): "
-                         "CUDA graphs over collectives are not captured yet")
-    graphs = prefill_graphs = None
-    if layout.world > 1:  # rank 0 runs the engine here; ServingWorld.close() is run_serve's to call
-        args.serving_world = serve_parallel.start_world(target, args, layout)
-        runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
-    else:
-        runner = build_runner(target.cfg, target.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
-                              device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
-        graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
-        if args.prefill_graphs:
-            prefill_graphs = prefill_graphs_for(runner.model, args.max_step_tokens, runner.state_pool.num_slots)
-    if checkpoint_digest(target.checkpoint_dir) != target.digest:  # cheap when unchanged: per-file hashes cached
-        raise UsageError(f"refusing to serve: {target.checkpoint_dir} changed while its weights were loaded "
-                         "(its digest no longer matches the gated one)")
-    engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
-                    health_policy=health_policy(args), admit_quiet_s=args.admit_quiet_ms / 1e3,
-                    admit_max_hold_s=args.admit_max_hold_ms / 1e3,
-                    speculator=_speculator(args, runner), prefill_graphs=prefill_graphs)
-    return engine, tokenizer
+        return allowed_hosts(args.host, args.allowed_host)
+    except HostNameError as exc:
+        raise UsageError(f"--allowed-host / --host: {exc}") from None
 
 
-def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
-    if args.speculative is None:
-        if args.kda_fused_verify:
-            raise UsageError("--kda-fused-verify only applies with --speculative")
-        return None
-    try:
-        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
-        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
-                                      fused=args.kda_fused_verify, policy=policy,
-                                      gate=None if args.no_spec_cost_gate else CostGate())
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
-    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
-          f"KDA verify {path}", flush=True)
-    return step
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def serve_from_api_process(args: argparse.Namespace, engine: Engine, target: Target) -> None:
-    """The engine here, uvicorn and the app in a process of their own (server/engine_link.py), until that process
-    exits (SIGINT / SIGTERM) or this one is interrupted."""
-    observer = EngineMetrics()
-    engine.observer = observer
-    config = api_config(engine.start(), target.tokenizer_loader(),
-                        target.name, host=args.host, port=args.port, api_key=args.api_key, log_level="info")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the API process on the way out, as on SIGINT
-    api = ApiProcess(engine, config, observer.render)
-    try:
-        api.__enter__()
-    except ApiStartError as exc:  # a port in use, say: the user's to fix, named
-        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
-    try:
-        print(f"k3verify serve: {api.url}/v1 (model {target.name!r}); {describe_server_impl()}, in its own "
-              "process", flush=True)
-        try:
-            code = api.wait()
-        except KeyboardInterrupt:  # the API process got the terminal's SIGINT too; __exit__ stops it
-            return
-        if code not in (0, -signal.SIGINT, -signal.SIGTERM):
-            log.error("the API server process exited with code %d", code)
-    finally:
-        api.__exit__(None, None, None)
+def warn_about_wildcard_bind(args: argparse.Namespace, hosts: tuple[str, ...]) -> None:
+    if only_loopback(hosts) and args.host.strip() in ("0.0.0.0", "::", "[::]"):
+        log.warning("--host %s accepts connections from other machines, but the server answers only requests whose "
+                    "Host header is a loopback name (421 otherwise): add the names and addresses clients use with "
+                    "--allowed-host NAME (repeatable)", args.host)
 
 
 def serve_in_process(args: argparse.Namespace, engine: Engine, tokenizer: KimiTokenizer, model_name: str) -> None:
-    """Engine and uvicorn in this process (--api-in-process): one GIL for both."""
+    """Engine and uvicorn in this process (--api-in-process): one GIL for both, no supervisor."""
     import uvicorn
 
     metrics = ServerMetrics()
     engine.observer = metrics
-    app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=args.api_key, metrics=metrics)
+    app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=args.api_key, metrics=metrics,
+                     allowed_hosts=hosts_for(args))
     print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {model_name!r}); {describe_server_impl()}, "
           "in the engine's process", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def serve_supervised(args: argparse.Namespace, gated: GatedTarget) -> int:
+    """The engine's process and the HTTP front end's under a supervisor (this process) that restarts either."""
+    hosts = hosts_for(args)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    workdir = tempfile.mkdtemp(prefix="k3v-serve-")  # 0700: only this user reaches the engine's socket
+    address, authkey = os.path.join(workdir, "engine.sock"), os.urandom(32)
+    engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", args, gated, address, authkey))
+    front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=args.api_key, allowed_hosts=hosts)
+    front = Child("HTTP front end", "k3verify.server.api_process", "supervised_main", ("start", front_config),
+                  pass_fds=(sock.fileno(),))
+    supervisor = Supervisor(engine, front, args.max_restarts, args.health_window)
+    try:
+        try:
+            supervisor.start()
+        except ChildError as exc:
+            if exc.code == 2:
+                raise UsageError(str(exc)) from None
+            print(f"k3verify serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        print(f"k3verify serve: {url}/v1 (model {gated.target.name!r}); {describe_server_impl()}, in its own process "
+              f"(pid {front.pid}) beside the engine's (pid {engine.pid}), under a supervisor (pid {os.getpid()})",
+              flush=True)
+        return supervisor.run()
+    finally:
+        sock.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     gated = require_gate(args)
     target = gated.target
     print(f"k3verify serve: gate report {gated.report} vouches for {target.name} ({target.digest})", flush=True)
+    warn_about_wildcard_bind(args, hosts_for(args))
+    if not args.api_in_process:
+        return serve_supervised(args, gated)
     engine, tokenizer = build_engine(args, gated)
-    # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
-    if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
-        report = warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens, engine.launcher.prefill_graphs)
-        print(f"k3verify serve: {report.describe()}", flush=True)
+    warm_up_if_cuda(args, engine)
     try:
-        if args.api_in_process:
-            serve_in_process(args, engine, tokenizer, target.name)
-        else:
-            serve_from_api_process(args, engine, target)
+        serve_in_process(args, engine, tokenizer, target.name)
     finally:
         engine.stop()
         if getattr(args, "serving_world", None) is not None:

@@ -57,7 +57,7 @@ def start_world(target: Target, args: argparse.Namespace, layout: ParallelLayout
     caches = {"num_pages": pages, "page_size": page_size, "num_slots": args.max_batch,
               "max_context": min((pages - 1) * page_size, target.cfg.max_position_embeddings)}
     spec = WorldSpec(str(target.checkpoint_dir), layout.tp, layout.ep, torch.device(args.device).type, caches,
-                     dtype=SERVING_DTYPES[args.dtype], names=target.names)
+                     dtype=SERVING_DTYPES[args.dtype], names=target.names, digest=target.digest)
     try:
         return ServingWorld(target.cfg, spec)
     except (LayoutError, ValueError) as exc:

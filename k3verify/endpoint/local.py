@@ -23,7 +23,8 @@ SELF = "self"
 def serve_locally(target: Target, dtype: torch.dtype, device: torch.device, *, num_slots: int = 8,
                   wrap_runner: Callable[[Any], Any] | None = None) -> Iterator[str]:
     """Serve `target` in `dtype` on `device`; yields the base URL. `wrap_runner` lets tests put a fault in."""
-    tokenizer = target.tokenizer()
+    files = target.tokenizer_bytes()  # the engine's tokenizer and the API process's come from the same bytes
+    tokenizer = files.load()
     runner: Any = build_runner(target.cfg, target.weights(), dtype=dtype, device=device, num_slots=num_slots)
     if wrap_runner is not None:
         runner = wrap_runner(runner)
@@ -32,7 +33,7 @@ def serve_locally(target: Target, dtype: torch.dtype, device: torch.device, *, n
                     graphs=graphs)
     observer = EngineMetrics()
     engine.observer = observer
-    config = api_config(engine.start(), target.tokenizer_loader(), target.name)
+    config = api_config(engine.start(), files.load, target.name)
     try:
         with ApiProcess(engine, config, observer.render) as api:  # the HTTP server in its own process, as serve runs
             yield api.url

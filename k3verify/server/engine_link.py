@@ -8,21 +8,23 @@ uvicorn, request parsing, prompt tokenization and SSE rendering.
 
 Engine side: EngineHost serves the link (submit, abort, prompt scoring, the engine's metrics) and sends the
 engine's events back batched (one message per burst: an engine step emits one event per running request) with
-the engine's load and health whenever they change. API side: RemoteEngine is what the app holds instead of the
-Engine (server/state.ServedEngine): it checks a request with the engine's own limits before it is sent, so a
-refusal is the same synchronous 400 as in one process, and answers health from the last state the engine
-sent, or with why the link is gone. ApiProcess starts k3verify.server.api_process's main (from this process's
-own package) over a socket pair and waits until it listens.
+the engine's load and health whenever they change; when the link ends, the requests it submitted are aborted
+(their client is gone with it). API side: RemoteEngine (server/remote_engine.py) is what the app holds instead of
+the Engine. Two ways to run them: ApiProcess starts k3verify.server.api_process's main (from this process's own
+package) over a socket pair and waits until it listens (tests, bench, `parity --endpoint self`); under `serve`'s
+supervisor (server/supervisor.py) the engine's process listens on a private Unix socket and the HTTP process
+connects to it, greeted by an EngineHello, and connects again after either side was restarted.
 
-Wire: engine -> API ("events", [(rid, text, token_ids, logprobs, finish_reason, error, code, prompt_tokens,
-completion_tokens), ...]), ("state", EngineState), ("reply", call_id, ok, value), ("ready", port) / ("failed",
-why); API -> engine ("submit", rid, prompt_ids, params), ("abort", rid), ("call", call_id, name, args).
+Wire: engine -> API ("hello", EngineHello) (supervised links, first), ("events", [(rid, text, token_ids,
+logprobs, finish_reason, error, code, prompt_tokens, completion_tokens), ...]), ("state", EngineState),
+("reply", call_id, ok, value), ("ready", port) / ("failed", why); API -> engine ("submit", rid, prompt_ids,
+params), ("abort", rid), ("call", call_id, name, args).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 import logging
 import os
 import socket
@@ -31,7 +33,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,9 +40,9 @@ from typing import Any
 
 from k3verify.serving.admission import RequestLimits
 from k3verify.serving.engine import Engine
-from k3verify.serving.events import EngineDeadError, EngineEvent, TokenText
+from k3verify.serving.events import EngineDeadError, EngineEvent
 from k3verify.serving.health import HealthStatus
-from k3verify.serving.sampler import SamplingParams, TokenLogprob
+from k3verify.serving.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,17 @@ class EngineState:
 
 
 @dataclass(frozen=True)
+class EngineHello:
+    """What the engine's process tells a front end that connects: its limits and state, the tokenizer (a picklable
+    callable over the very bytes the engine's gate checked) and the checkpoint digest those bytes have."""
+
+    limits: RequestLimits
+    state: EngineState
+    tokenizer: Callable[[], Any]
+    digest: str
+
+
+@dataclass(frozen=True)
 class ApiConfig:
     """Everything the API process needs to build the app; picklable (factories are module-level callables or
     functools.partial of them)."""
@@ -85,14 +97,15 @@ class ApiConfig:
     default_max_tokens: int = 1024
     encode_chat: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
     log_level: str = "warning"
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and `host` (server/hosts.py)
 
 
-def _pack(rid: int, ev: EngineEvent) -> tuple[Any, ...]:
+def pack_event(rid: int, ev: EngineEvent) -> tuple[Any, ...]:
     return (rid, ev.text, ev.token_ids, ev.logprobs, ev.finish_reason, ev.error, ev.code, ev.prompt_tokens,
             ev.completion_tokens)
 
 
-def _unpack(item: tuple[Any, ...]) -> tuple[int, EngineEvent]:
+def unpack_event(item: tuple[Any, ...]) -> tuple[int, EngineEvent]:
     rid, text, ids, lps, finish, error, code, prompt_tokens, completion_tokens = item
     return rid, EngineEvent(text=text, token_ids=ids, logprobs=lps, finish_reason=finish, error=error, code=code,
                             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
@@ -102,7 +115,7 @@ def engine_state(engine: Engine) -> EngineState:
     return EngineState(engine.health(), engine.status(), engine.num_waiting, engine.num_running)
 
 
-class _Link:
+class Link:
     """One end of the socket: sends from any thread (one lock), receives on one thread."""
 
     def __init__(self, conn: Connection) -> None:
@@ -144,8 +157,9 @@ class _Link:
 class EngineHost:
     """The engine side of the link: requests and calls in, events and state out (two daemon threads)."""
 
-    def __init__(self, engine: Engine, conn: Connection, metrics_text: Callable[[], bytes]) -> None:
-        self.engine, self.link, self.metrics_text = engine, _Link(conn), metrics_text
+    def __init__(self, engine: Engine, conn: Connection, metrics_text: Callable[[], bytes],
+                 hello: EngineHello | None = None) -> None:
+        self.engine, self.link, self.metrics_text, self.hello = engine, Link(conn), metrics_text, hello
         self._cond = threading.Condition()
         self._out: list[tuple[Any, ...]] = []
         self._closed = threading.Event()
@@ -157,6 +171,9 @@ class EngineHost:
                          threading.Thread(target=self._send_events, name="k3verify-link-out", daemon=True)]
 
     def start(self) -> EngineHost:
+        if self.hello is not None:
+            self._last_state = engine_state(self.engine)
+            self.link.send(("hello", dataclasses.replace(self.hello, state=self._last_state)))
         for t in self._threads:
             t.start()
         return self
@@ -178,7 +195,7 @@ class EngineHost:
                 if self._seq.pop(rid, None) is None:
                     self._ended_early.add(rid)
         with self._cond:
-            self._out.append(_pack(rid, event))
+            self._out.append(pack_event(rid, event))
             if len(self._out) == 1:
                 self._cond.notify()
 
@@ -212,6 +229,10 @@ class EngineHost:
             except Exception:  # one bad message must not stop the link
                 log.exception("engine link: failed to handle %r", msg[0] if msg else msg)
         self.close()
+        with self._map_lock:  # the front end is gone, and its clients with it: free their slots
+            orphans, self._seq = list(self._seq.values()), {}
+        for seq_id in orphans:
+            self.engine.abort(seq_id)
         with self.link.send_lock:
             self.link.conn.close()
 
@@ -255,142 +276,6 @@ class EngineHost:
             self.link.send(("reply", call_id, True, value))
         except Exception as exc:
             self.link.send(("reply", call_id, False, exc))
-
-
-class RemoteEngine:
-    """The API side of the link: the ServedEngine the app holds when the engine runs in another process."""
-
-    def __init__(self, conn: Connection, limits: RequestLimits, state: EngineState, tokenizer: Any,
-                 on_lost: Callable[[], None] | None = None) -> None:
-        self.link = _Link(conn)
-        self.limits, self.vocab_size = limits, limits.vocab_size
-        self.token_text = TokenText(tokenizer)
-        self._state = state
-        self._lost: str | None = None
-        self._on_lost = on_lost
-        self._sinks: dict[int, Callable[[EngineEvent], None]] = {}
-        self._calls: dict[int, Future[Any]] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._receive, name="k3verify-link-in", daemon=True)
-
-    def start(self) -> RemoteEngine:
-        self._thread.start()
-        return self
-
-    # ---- ServedEngine ----
-    @property
-    def num_waiting(self) -> int:
-        return self._state.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self._state.num_running
-
-    def health(self) -> str | None:
-        return self._lost if self._lost is not None else self._state.health
-
-    def status(self) -> HealthStatus:
-        if self._lost is None:
-            return self._state.status
-        s = self._state.status
-        return HealthStatus("unhealthy", (self._lost,), s.restarts, s.nonfinite_failures)
-
-    def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
-        self.limits.check(prompt_ids, max_tokens)
-
-    def max_new_tokens_for(self, prompt_len: int) -> int:
-        return self.limits.longest_completion(prompt_len)
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[EngineEvent], None]) -> int:
-        """Checked here with the engine's limits (ValueError / ContextLengthError), then sent; the id is this
-        side's."""
-        self.limits.check_submission(prompt_ids, params)
-        reason = self.health()
-        if reason is not None:
-            raise EngineDeadError(f"engine is not running: {reason}")
-        rid = next(self._ids)
-        with self._lock:
-            self._sinks[rid] = sink
-        if not self.link.send(("submit", rid, list(prompt_ids), params)):
-            with self._lock:
-                self._sinks.pop(rid, None)
-            raise EngineDeadError(f"engine is not running: {self.health() or 'the engine link is closed'}")
-        return rid
-
-    def abort(self, seq_id: int) -> None:
-        with self._lock:
-            running = self._sinks.pop(seq_id, None) is not None
-        if running:
-            self.link.send(("abort", seq_id))
-
-    def score_prompt(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
-        result: list[TokenLogprob | None] = self.call("score_prompt", list(prompt_ids), num_top)
-        return result
-
-    def metrics_text(self) -> bytes:
-        if self._lost is not None:
-            return b""
-        text: bytes = self.call("metrics")
-        return text
-
-    def call(self, name: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
-        """A call on the engine side, waited for (from a worker thread: never from the event loop's)."""
-        fut: Future[Any] = Future()
-        call_id = next(self._ids)
-        with self._lock:
-            if self._lost is not None:
-                raise EngineDeadError(f"engine is not running: {self._lost}")
-            self._calls[call_id] = fut
-        if not self.link.send(("call", call_id, name, args)):
-            with self._lock:
-                self._calls.pop(call_id, None)
-            raise EngineDeadError("engine is not running: the engine link is closed")
-        return fut.result(timeout)
-
-    # ---- the link ----
-    def _receive(self) -> None:
-        for msg in self.link.messages():
-            kind = msg[0]
-            if kind == "events":
-                self._deliver(msg[1])
-            elif kind == "state":
-                self._state = msg[1]
-            elif kind == "reply":
-                with self._lock:
-                    fut = self._calls.pop(msg[1], None)
-                if fut is not None:
-                    fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
-            else:
-                log.error("engine link: unknown message %r from the engine side", kind)
-        self._lose("the engine process closed the link (it exited or was stopped)")
-
-    def _deliver(self, items: list[tuple[Any, ...]]) -> None:
-        for item in items:
-            rid, event = _unpack(item)
-            with self._lock:
-                sink = self._sinks.pop(rid, None) if event.finished else self._sinks.get(rid)
-            if sink is None:
-                continue  # aborted here after the engine emitted
-            try:
-                sink(event)
-            except Exception:
-                log.exception("sink of request %d failed", rid)
-
-    def _lose(self, reason: str) -> None:
-        with self._lock:
-            self._lost = reason
-            sinks, self._sinks = self._sinks, {}
-            calls, self._calls = self._calls, {}
-        for sink in sinks.values():
-            try:
-                sink(EngineEvent(error=reason, code="engine_unavailable"))
-            except Exception:
-                log.exception("sink failed while the engine link closed")
-        for fut in calls.values():
-            fut.set_exception(EngineDeadError(f"engine is not running: {reason}"))
-        if self._on_lost is not None:
-            self._on_lost()
 
 
 class ApiProcess:
@@ -471,5 +356,4 @@ def api_config(engine: Engine, tokenizer: Callable[[], Any], model_name: str, **
                      **kw)
 
 
-__all__ = ["ApiConfig", "ApiProcess", "ApiStartError", "EngineHost", "EngineState", "RemoteEngine",
-           "api_config"]
+__all__ = ["ApiConfig", "ApiProcess", "ApiStartError", "EngineHello", "EngineHost", "EngineState", "api_config"]

@@ -29,13 +29,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+RETRY_AFTER_S = 5  # an engine restart (its loop: at once; its process: the checkpoint read again) takes seconds
+
+
 def engine_unavailable(reason: str) -> APIError:
-    """503: the engine loop is not running (failed, stalled or stopped)."""
+    """503: the engine loop is not running (failed, stalled, stopped, or its process is being restarted)."""
     return APIError(503, reason, type="server_error", code="engine_unavailable")
 
 
 def error_response(err: APIError) -> JSONResponse:
+    """The envelope with its status; a 401 names the scheme, a 503 says when to try again."""
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    if err.status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 

@@ -67,8 +67,17 @@ def split_for_encoding(text: str) -> Iterator[str]:
 
 def load_mergeable_ranks(path: Path) -> dict[bytes, int]:
     """Parse a tiktoken BPE file (`base64(token) rank` per line); ranks must be exactly 0 … N-1."""
+    return parse_mergeable_ranks(path.read_bytes(), path)
+
+
+def parse_mergeable_ranks(data: bytes, path: Path | str) -> dict[bytes, int]:
+    """The ranks of a tiktoken BPE file's bytes (`path` names it in errors); see load_mergeable_ranks."""
     ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(path.read_text(encoding="ascii").splitlines(), start=1):
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not an ASCII tiktoken file: {exc}") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line:
             continue
         fields = line.split()
@@ -89,7 +98,7 @@ def load_mergeable_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _token_content(value: object, *, field: str, source: Path) -> str:
+def _token_content(value: object, *, field: str, source: Path | str) -> str:
     """HF writes special tokens either as a bare string or as an AddedToken dict with `content`."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -151,8 +160,20 @@ class KimiTokenizer:
         for path in (model_path, config_path):
             if not path.is_file():
                 raise FileNotFoundError(f"tokenizer file not found: {path}")
-        ranks = load_mergeable_ranks(model_path)
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        return cls.from_bytes(model_path.read_bytes(), config_path.read_bytes(), model_path, config_path)
+
+    @classmethod
+    def from_bytes(cls, model: bytes, config_bytes: bytes, model_path: Path | str = MODEL_FILE,
+                   config_path: Path | str = CONFIG_FILE) -> KimiTokenizer:
+        """Build from the bytes of a `tiktoken.model` and a `tokenizer_config.json` (the paths only name them in
+        errors and in `source`): what `serve` does with the very bytes its checkpoint digest covered."""
+        ranks = parse_mergeable_ranks(model, model_path)
+        try:
+            config = json.loads(config_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_path}: not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: must hold a JSON object; got {type(config).__name__}")
         decoder = config.get("added_tokens_decoder")
         if not isinstance(decoder, dict):
             raise ValueError(f"{config_path}: added_tokens_decoder must be an object mapping id → token")

@@ -114,16 +114,20 @@ def _damaged_copy(tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("damage", ["missing shard", "unreadable shard", "bad config", "config not json"])
+@pytest.mark.parametrize("damage", ["missing shard", "unreadable shard", "truncated shard", "bad config",
+                                    "config not json"])
 def test_setup_error_exits_2_naming_the_file_and_writes_an_error_report(
         damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 15: a damaged checkpoint is exit 2 (not a traceback and exit 1) with a message naming the file, and
-    report.json records verdict "error" with that message."""
+    """A damaged checkpoint (a truncated shard as much as a missing one) is exit 2 (not a traceback, nor exit 1 with
+    every check erroring) with a message naming the file, and report.json records verdict "error" with it."""
     ckpt = _damaged_copy(tmp_path)
     shard = ckpt / "model-00002-of-00003.safetensors"
-    victim = {"missing shard": shard, "unreadable shard": shard, "bad config": ckpt / "config.json",
-              "config not json": ckpt / "config.json"}[damage]
-    if damage in ("missing shard", "unreadable shard"):
+    victim = {"missing shard": shard, "unreadable shard": shard, "truncated shard": shard,
+              "bad config": ckpt / "config.json", "config not json": ckpt / "config.json"}[damage]
+    if damage == "truncated shard":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage in ("missing shard", "unreadable shard"):
         shard.unlink()
         if damage == "unreadable shard":
             shard.mkdir()  # unreadable even for root
@@ -150,3 +154,18 @@ def test_report_key_signs_the_report(fake_target: None, tmp_path: Path) -> None:
     out = tmp_path / "rep"
     assert main(["parity", "--only", "gates.selftest", "--report-dir", str(out), "--report-key", str(key)]) == 0
     assert signature_problem(load_report(out), b"a-key-of-enough-bytes") is None
+
+
+def test_a_report_dir_that_cannot_be_written_is_exit_2_before_any_check_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--report-dir under a regular file: exit 2 naming the directory, found before the suite (which never runs)."""
+    def no_suite(*args: object, **kw: object) -> None:
+        raise AssertionError("the suite ran before the report dir was found unwritable")
+
+    monkeypatch.setattr(parity, "run_suite", no_suite)
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "reports"
+    assert main(["parity", "--only", "gates.selftest", "--report-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--report-dir: cannot write reports into {out}: Not a directory; nothing was run" in err, err
+    assert "Traceback" not in err

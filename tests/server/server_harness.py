@@ -15,6 +15,7 @@ import torch
 
 from k3verify.server.app import create_app
 from k3verify.server.engine_link import ApiProcess, api_config
+from k3verify.server.hosts import allowed_hosts as hosts_allowed
 from k3verify.server.metrics import EngineMetrics, ServerMetrics
 from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
@@ -139,7 +140,7 @@ class RunningServer:
 def running_server(runner: Any | None = None, *, api_key: str | None = None, model: str = TINY,
                    tokenizer: Any | None = None, encode_chat: Any = None, eos_ids: Sequence[int] | None = None,
                    vocab_size: int | None = None, default_max_tokens: int = 1024, api_process: bool = False,
-                   **engine_kw: Any) -> Iterator[RunningServer]:
+                   allowed_hosts: tuple[str, ...] = (), **engine_kw: Any) -> Iterator[RunningServer]:
     """Engine + app + uvicorn on 127.0.0.1 at a free port (k3-tiny unless told otherwise); stopped on exit.
     api_process: the app in a process of its own, linked to the engine here (as `serve` runs it); `metrics` is
     then the engine's EngineMetrics (the app's counters live in the other process)."""
@@ -156,12 +157,13 @@ def running_server(runner: Any | None = None, *, api_key: str | None = None, mod
             from k3verify.tokenizer import default_tokenizer
 
             config = api_config(engine, default_tokenizer, model, api_key=api_key,
-                                default_max_tokens=default_max_tokens)
+                                default_max_tokens=default_max_tokens, allowed_hosts=allowed_hosts)
             with ApiProcess(engine, config, metrics.render) as api:
                 yield RunningServer(api.url, engine, runner, metrics, model, api)
         else:
             app = create_app(engine, tokenizer, model_name=model, api_key=api_key, metrics=metrics,
-                             encode_chat=encode_chat, default_max_tokens=default_max_tokens)
+                             encode_chat=encode_chat, default_max_tokens=default_max_tokens,
+                             allowed_hosts=hosts_allowed("127.0.0.1", allowed_hosts))
             with ServerThread(app) as server:
                 yield RunningServer(server.url, engine, runner, metrics, model)
     finally:

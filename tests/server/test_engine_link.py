@@ -1,6 +1,7 @@
 """The HTTP server in a process of its own (server/engine_link.py): what crosses the link arrives whole and in
 order, refusals on either side reach the client, /metrics joins both sides once, and neither process outlives
-the other's link. The shared server tests run over the link too (conftest's tiny_server, test_server_health)."""
+the other's link; a supervised front end outlives its engine and reconnects. The shared server tests run over the
+link too (conftest's tiny_server, test_server_health)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import dataclasses
 import functools
 import threading
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
 import pytest
 from server_harness import TINY, RecordingRunner, make_tiny_runner, offline_greedy, running_server, tiny_parts
 
-from k3verify.server.engine_link import ApiProcess, EngineHost, RemoteEngine, api_config, engine_state
-from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.server.engine_link import ApiProcess, EngineHello, EngineHost, api_config, engine_state
+from k3verify.server.remote_engine import RemoteEngine
+from k3verify.serving.engine import Engine, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams
-from k3verify.tokenizer import KimiTokenizer
+from k3verify.tokenizer import KimiTokenizer, default_tokenizer
 
 
 def _engine() -> Engine:
@@ -167,3 +170,57 @@ def test_api_process_imports_the_engines_package_whatever_the_working_directory(
     monkeypatch.chdir(tmp_path)
     with running_server(api_process=True) as server:
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
+def test_remote_engine_fails_in_flight_requests_then_reconnects_to_the_same_checkpoint() -> None:
+    """The engine side's link dies with a request in flight: its sink gets an engine_unavailable error event and new
+    requests are refused while the link is down; the front end then connects to the next engine (same digest) and
+    serves again. A next engine with another digest is refused and the front end told to stop."""
+    engine = _engine()
+    hosts: list[EngineHost] = []
+    digests = ["sha256:a", "sha256:a", "sha256:b"]
+
+    def connect() -> tuple[Connection, EngineHello]:
+        ours, theirs = Pipe()
+        hello = EngineHello(engine.limits, engine_state(engine), default_tokenizer, digests.pop(0))
+        hosts.append(EngineHost(engine, ours, lambda: b"", hello).start())
+        return theirs, theirs.recv()[1]
+
+    lost = threading.Event()
+    conn, hello = connect()
+    remote = RemoteEngine(conn, hello.limits, hello.state, tiny_parts()[2], on_lost=lost.set, reconnect=connect,
+                          digest=hello.digest).start()
+    try:
+        events: list[EngineEvent] = []
+        done = threading.Event()
+        longest = engine.max_new_tokens_for(3)  # ~30 s of decoding here: it must be aborted, not finish
+        remote.submit([1, 2, 3], SamplingParams(max_tokens=longest, ignore_eos=True),
+                      lambda ev: (events.append(ev), ev.finished and done.set()))
+        for _ in range(200):  # decoding: its tokens arrive
+            if events:
+                break
+            threading.Event().wait(0.05)
+        assert events and engine.num_running == 1, "the request never started: the abort below would prove nothing"
+        hosts[0].close()
+        assert done.wait(10) and events[-1].code == "engine_unavailable", events[-1:]
+        for _ in range(100):  # the engine side aborts what the lost link had submitted
+            if engine.num_running == engine.num_waiting == 0:
+                break
+            threading.Event().wait(0.05)
+        assert engine.num_running == engine.num_waiting == 0, "the dead link's request still runs"
+        for _ in range(100):
+            if remote.health() is None:
+                break
+            threading.Event().wait(0.05)
+        assert remote.health() is None and len(hosts) == 2, remote.health()
+        got, _ = _collect(remote, [1, 2, 3], SamplingParams(max_tokens=3))
+        assert got[-1].finish_reason == "length"
+        hosts[1].close()
+        assert lost.wait(10) and "serves checkpoint sha256:b, not sha256:a" in str(remote.health())
+        with pytest.raises(EngineDeadError):
+            remote.submit([1], SamplingParams(max_tokens=1), lambda ev: None)
+    finally:
+        remote.close()
+        for host in hosts:
+            host.close()
+        engine.stop()

@@ -159,6 +159,10 @@ def test_run_gates_calls_parity_then_rechecks(tmp_path: Path, tiny_digest: str,
     (["--checkpoint", "/nonexistent/ckpt"], "no config.json"),
     (["--api-key", ""], "--api-key must not be empty"),
     (["--api-key", " "], "--api-key must not be empty"),
+    (["--api-key", "abc12345 "], "--api-key has whitespace at its start or end (0 leading, 1 trailing): a client's "
+                                 "bearer token cannot carry it, so no client could authenticate; remove it"),
+    (["--api-key", "\tabc12345"], "--api-key has whitespace at its start or end (1 leading, 0 trailing)"),
+    (["--api-key", "abc\u00e912345"], "--api-key holds characters outside printable ASCII"),
     (["--nonfinite-threshold", "0"], "max_nonfinite >= 1"),
     (["--admit-quiet-ms", "-1"], "--admit-quiet-ms and --admit-max-hold-ms must be >= 0"),
 ])

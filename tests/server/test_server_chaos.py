@@ -1,21 +1,28 @@
-"""The traffic phase of scripts/chaos.py against k3-tiny: fuzz, poison requests, hang-ups and one injected engine
-fault; nothing lost, no 5xx outside the fault, one restart, healthy and clean after (the gate phase, which runs
-the real quick parity suite, is exercised by running the script itself)."""
+"""scripts/chaos.py against k3-tiny: its traffic phase (fuzz, poison requests, hang-ups and one injected engine
+fault; nothing lost, no 5xx outside the fault, one restart, healthy and clean after) and its kill phase (kill -9 of
+a supervised `serve`'s engine process and of its HTTP front end under 64 clients). The gate phase, which runs the
+real quick parity suite, is exercised by running the script itself."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import sys
 from pathlib import Path
 
+import pytest
+from gate_reports import write_report
 from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
+
+from k3verify.target import resolve_target
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def load_chaos():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(SCRIPTS))  # chaos.py imports its sibling load_test.py
-    spec = importlib.util.spec_from_file_location("k3v_chaos", SCRIPTS / "chaos.py")
+def load_chaos(name: str = "chaos"):  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(SCRIPTS))  # chaos.py imports its siblings load_test.py and chaos_kill.py
+    spec = importlib.util.spec_from_file_location(f"k3v_{name}", SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -39,3 +46,53 @@ def test_chaos_traffic_loses_nothing_and_restarts_once() -> None:
     assert "lost 0" in summary and "engine restarts 1" in summary
     assert any(chaos_mod.FAULT in o.error for o in chaos.outcomes), "the fault hit no request: proves nothing"
     assert sum(o.status == 200 for o in chaos.outcomes) > 30 and sum(o.hung_up for o in chaos.outcomes) > 5
+
+
+def test_kill_9_of_the_engine_or_the_front_end_leaves_no_client_without_an_answer(tmp_path: Path) -> None:
+    """Supervised `serve` of k3-tiny, 64 clients (48 streaming) each time: kill -9 of the engine's process leaves 0
+    connections closed without an answer (stream error events, 503 with Retry-After) and the engine is restarted;
+    kill -9 of the HTTP front end keeps the engine's process (same pid), the front end is back within 10 s, requests
+    sent while it was down are answered, and the dead clients' requests are freed."""
+    kill = load_chaos("chaos_kill")
+    write_report(tmp_path / "reports", digest=resolve_target(TINY).digest)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = kill.ServeProcess("--report-dir", str(tmp_path / "reports"), port=port)
+    try:
+        server.wait_healthy(120)
+        engine = kill.kill_engine(server, TINY, 64)
+        front = kill.kill_front_end(server, TINY, 64)
+    finally:
+        rc = server.stop()
+    print("\n".join(engine.notes + front.notes))
+    assert not engine.failures, (engine.notes, engine.failures[:5], server.log())
+    assert len(engine.answers) == 64 and not engine.unanswered
+    assert not front.failures, (front.notes, front.failures[:5], server.log())
+    assert front.back_after_s <= kill.BACK_WITHIN_S
+    assert rc == 0, server.log()
+
+
+def test_the_supervisor_gives_up_past_max_restarts_naming_what_died(tmp_path: Path) -> None:
+    """--max-restarts 1: the front end killed once is restarted; killed again within --health-window the supervisor
+    stops the engine too and exits 1, naming the process and how it ended."""
+    kill = load_chaos("chaos_kill")
+    write_report(tmp_path / "reports", digest=resolve_target(TINY).digest)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = kill.ServeProcess("--report-dir", str(tmp_path / "reports"), "--max-restarts", "1", "--health-window",
+                               "120", port=port)
+    try:
+        server.wait_healthy(120)
+        engine = server.pids["engine"]
+        os.kill(server.pids["HTTP front end"], 9)
+        server.wait_healthy(60)
+        os.kill(server.pids["HTTP front end"], 9)
+        assert server.proc.wait(60) == 1, server.log()
+    finally:
+        server.stop()
+    assert "the HTTP front end process" in server.log() and "ended (signal SIGKILL)" in server.log()
+    assert "restarted 1 time(s) within 120 s already: giving up" in server.log(), server.log()
+    with pytest.raises(OSError):
+        os.kill(engine, 0)  # the engine's process was stopped with it

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from k3verify.checkpoint.loader import WeightLoadError
+from k3verify.checkpoint.loader import WeightLoadError, check_finite
 from k3verify.checkpoint.reader import CheckpointReader
+from k3verify.checkpoint.snapshot import SnapshotTensors
 from k3verify.config import ModelConfig
 from k3verify.serving.parallel.layout import ParallelLayout
 
@@ -112,7 +113,7 @@ def read_spec(tensors: Tensors, spec: SliceSpec) -> torch.Tensor:
         raise WeightLoadError(f"the checkpoint has no tensor {spec.source!r}")
     if spec.dim is None:
         return tensors[spec.source]
-    if isinstance(tensors, CheckpointReader):
+    if isinstance(tensors, CheckpointReader | SnapshotTensors):
         return tensors.get_slice(spec.source, spec.dim, spec.start, spec.stop)
     return tensors[spec.source].narrow(spec.dim, spec.start, spec.stop - spec.start)
 
@@ -127,6 +128,7 @@ def load_rank(module: nn.Module, cfg: ModelConfig, layout: ParallelLayout, tenso
     for name, dest in state.items():
         spec = specs[name]
         value = read(tensors, spec)
+        check_finite(spec.describe(), name, value)
         if tuple(value.shape) != tuple(dest.shape):
             raise WeightLoadError(f"rank {layout.rank} ({layout.describe()}): {spec.describe()} has shape "
                                   f"{tuple(value.shape)}, but parameter {name} is {tuple(dest.shape)}")

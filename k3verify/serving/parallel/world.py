@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.reader import CheckpointReader
+from k3verify.checkpoint.snapshot import CheckpointSnapshot
 from k3verify.config import ModelConfig
 from k3verify.serving.parallel.comm import Comm, init_world, leave_world
 from k3verify.serving.parallel.launch import rendezvous_file
@@ -34,6 +35,7 @@ class WorldSpec:
     caches: dict[str, int]  # ModelRunner's num_pages, page_size, num_slots, max_context
     dtype: torch.dtype = torch.bfloat16
     names: str = "published"  # "transformers": tensor spellings read through hf_interop's name map
+    digest: str | None = None  # the gated checkpoint digest: each rank loads from a snapshot that must have it
 
     @property
     def world(self) -> int:
@@ -47,12 +49,24 @@ def _join(spec: WorldSpec, rank: int, init_file: str) -> tuple[Comm, ControlChan
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = ModelConfig.from_file(Path(spec.checkpoint_dir) / "config.json")
     comm = init_world(ParallelLayout(spec.tp, spec.ep, rank), device, init_file)
     channel = ControlChannel(spec.world)
-    with CheckpointReader(spec.checkpoint_dir) as reader:
-        tensors = normalize_hf_names(cfg, reader) if spec.names == "transformers" else reader
-        model = ParallelServingModel(cfg, comm, spec.dtype, device).load(tensors)
+    if spec.digest is None:
+        cfg = ModelConfig.from_file(Path(spec.checkpoint_dir) / "config.json")
+        with CheckpointReader(spec.checkpoint_dir) as reader:
+            tensors = normalize_hf_names(cfg, reader) if spec.names == "transformers" else reader
+            model = ParallelServingModel(cfg, comm, spec.dtype, device).load(tensors)
+        return comm, channel, model
+    # served: this rank's weights and config come from bytes it hashed itself, checked against the gated digest
+    snap = CheckpointSnapshot.read(spec.checkpoint_dir)
+    if snap.digest != spec.digest:
+        raise ValueError(f"rank {rank}: {spec.checkpoint_dir} changed since it was gated (its digest is now "
+                         f"{snap.digest}, the gate vouched for {spec.digest})")
+    cfg = ModelConfig.from_bytes(snap.data("config.json"), snap.files.get("generation_config.json"))
+    snapped = snap.tensors()
+    model = ParallelServingModel(cfg, comm, spec.dtype, device).load(
+        normalize_hf_names(cfg, snapped) if spec.names == "transformers" else snapped)
+    snap.drop_shards()
     return comm, channel, model
 
 

@@ -1,0 +1,230 @@
+"""The engine side of `k3verify serve`: the checkpoint read once into memory and checked against the gate, the
+engine built from those bytes, and the engine's own process under the supervisor (server/supervisor.py).
+
+Hash what you load, load what you hashed: `load_served` reads every file the checkpoint digest covers into memory
+(checkpoint/snapshot.py) and compares the digest of those bytes with the one the gate report vouched for. The
+config, the weights and the tokenizer (the engine's, and the bytes handed to the HTTP process) all come from that
+snapshot; nothing reads the directory by path afterwards. A restarted engine process does it all again and looks
+the report up again for the bytes it read, or refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import k3verify
+from k3verify.checkpoint.loader import WeightLoadError
+from k3verify.cli import UsageError
+from k3verify.commands import parity, serve_parallel
+from k3verify.gates.binding import read_report_key, source_digest
+from k3verify.gates.report_lookup import GateWant, lookup_report
+from k3verify.server.engine_link import EngineHello, EngineHost, engine_state
+from k3verify.server.metrics import EngineMetrics
+from k3verify.serving.engine import Engine
+from k3verify.serving.graphs import graphs_for
+from k3verify.serving.health import HealthPolicy
+from k3verify.serving.prefill_graphs import prefill_graphs_for
+from k3verify.serving.runner import ModelRunner, build_runner
+from k3verify.serving.spec.policy import CostGate, SpecPolicy
+from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
+from k3verify.serving.warmup import warm_up
+from k3verify.target import ServedCheckpoint, Target, TargetError, TokenizerBytes, snapshot_target
+from k3verify.tokenizer import KimiTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatedTarget:
+    """A target together with the report that vouches for it."""
+
+    target: Target
+    report: Path
+
+
+@dataclass
+class BuiltEngine:
+    """An engine built from one snapshot: the engine, its tokenizer, and that tokenizer's bytes (for a front end)."""
+
+    engine: Engine
+    tokenizer: KimiTokenizer
+    tokenizer_bytes: TokenizerBytes
+    target: Target
+
+
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    try:
+        return HealthPolicy(max_nonfinite=args.nonfinite_threshold, max_restarts=args.max_restarts,
+                            window_s=args.health_window)
+    except ValueError as exc:
+        raise UsageError(f"--nonfinite-threshold / --max-restarts / --health-window: {exc}") from exc
+
+
+def report_key(args: argparse.Namespace) -> bytes | None:
+    if args.report_key is None:
+        return None
+    try:
+        return read_report_key(args.report_key)
+    except ValueError as exc:
+        raise UsageError(f"--report-key: {exc}") from exc
+
+
+def gate_want(args: argparse.Namespace, target: Target) -> GateWant:
+    """What a report must name to vouch for serving `target` with these flags."""
+    try:
+        device_kind = torch.device(args.device).type
+    except RuntimeError as exc:
+        raise UsageError(f"--device {args.device!r}: {exc}") from exc
+    return GateWant(target.digest, k3verify.__version__, device_kind, args.dtype, source_digest(), target.preset,
+                    report_key(args))
+
+
+def load_served(args: argparse.Namespace, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:
+    """The gated checkpoint read once into memory; UsageError unless those bytes have the digest the gate vouched
+    for (with `recheck`, the report dir is searched again for a report that still passes for them)."""
+    try:
+        served = snapshot_target(gated.target)
+    except TargetError as exc:
+        raise UsageError(f"cannot serve: {exc}") from exc
+    digest = served.target.digest
+    if digest != gated.target.digest:
+        raise UsageError(f"refusing to serve: {gated.target.checkpoint_dir} changed after the gate checked it: the "
+                         f"bytes read to serve have digest {digest}, the gate report {gated.report} vouches for "
+                         f"{gated.target.digest}")
+    if recheck:
+        found = lookup_report(args.report_dir, gate_want(args, served.target))
+        if found.passing is None:
+            raise UsageError(f"refusing to serve {gated.target.checkpoint_dir}: no passing gate report for the bytes "
+                             f"read now ({found.reason})")
+    return served
+
+
+def build_served(args: argparse.Namespace, gated: GatedTarget, *, recheck: bool = False) -> BuiltEngine:
+    """The engine of a gated target, built from one snapshot of its directory (weights, config, tokenizer)."""
+    served = load_served(args, gated, recheck=recheck)
+    target = served.target
+    try:
+        tokenizer_bytes = served.tokenizer_bytes()
+        tokenizer = served.tokenizer()
+    except TargetError as exc:
+        raise UsageError(str(exc)) from exc
+    cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
+    layout = serve_parallel.layout_of(args)
+    if layout.world > 1 and args.speculative is not None:
+        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+                         "ranks yet; serve a parallel layout without speculative decoding")
+    if args.prefill_graphs and (torch.device(args.device).type != "cuda" or layout.world > 1):
+        raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {args.device}, {layout.describe()}): "
+                         "CUDA graphs over collectives are not captured yet")
+    graphs = prefill_graphs = None
+    try:
+        if layout.world > 1:  # rank 0 runs the engine here; each rank checks its own snapshot's digest
+            args.serving_world = serve_parallel.start_world(target, args, layout)
+            runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
+        else:
+            runner = build_runner(target.cfg, served.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
+                                  device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+            graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
+            if args.prefill_graphs:
+                prefill_graphs = prefill_graphs_for(runner.model, args.max_step_tokens, runner.state_pool.num_slots)
+    except WeightLoadError as exc:
+        raise UsageError(f"cannot serve {target.checkpoint_dir}: {exc}") from exc
+    served.snapshot.drop_shards()  # the model holds its own copy now
+    engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
+                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
+                    health_policy=health_policy(args), admit_quiet_s=args.admit_quiet_ms / 1e3,
+                    admit_max_hold_s=args.admit_max_hold_ms / 1e3,
+                    speculator=_speculator(args, runner), prefill_graphs=prefill_graphs)
+    return BuiltEngine(engine, tokenizer, tokenizer_bytes, target)
+
+
+def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
+    if args.speculative is None:
+        if args.kda_fused_verify:
+            raise UsageError("--kda-fused-verify only applies with --speculative")
+        return None
+    try:
+        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
+        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
+                                      fused=args.kda_fused_verify, policy=policy,
+                                      gate=None if args.no_spec_cost_gate else CostGate())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
+    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
+          f"KDA verify {path}", flush=True)
+    return step
+
+
+def warm_up_if_cuda(args: argparse.Namespace, engine: Engine) -> None:
+    # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
+    if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
+        report = warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens, engine.launcher.prefill_graphs)
+        print(f"k3verify serve: {report.describe()}", flush=True)
+
+
+def _serve_links(listener: Listener, engine: Engine, metrics: EngineMetrics, hello: EngineHello) -> None:
+    """One front end at a time: a new connection (a restarted front end) replaces the last one's link."""
+    host: EngineHost | None = None
+    while True:
+        try:
+            conn = listener.accept()
+        except (AuthenticationError, EOFError):
+            continue  # not our front end (wrong key) or it left mid-handshake
+        except OSError:
+            return  # the listener was closed: the process is stopping
+        if host is not None:
+            host.close()
+        host = EngineHost(engine, conn, metrics.render, hello).start()
+
+
+def engine_main(fd: int) -> int:
+    """The engine's process under `serve`'s supervisor: FD is its control connection, whose first message is
+    ("start", args, gated, address, authkey); it answers ("ready", pid), ("refused", why) (exit 2: the checkpoint
+    or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told to stop or
+    the supervisor is gone."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: [engine %(process)d] %(name)s: %(message)s")
+    control = Connection(fd)
+    _, args, gated, address, authkey = control.recv()
+    try:
+        built = build_served(args, gated, recheck=True)
+        warm_up_if_cuda(args, built.engine)
+    except UsageError as exc:
+        control.send(("refused", str(exc)))
+        return 2
+    except Exception as exc:
+        log.exception("the engine could not be built")
+        control.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    engine, metrics = built.engine, EngineMetrics()
+    engine.observer = metrics
+    engine.start()
+    hello = EngineHello(engine.limits, engine_state(engine), built.tokenizer_bytes.load, built.target.digest)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)  # a killed predecessor's socket file
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    threading.Thread(target=_serve_links, args=(listener, engine, metrics, hello), name="k3verify-links",
+                     daemon=True).start()
+    control.send(("ready", os.getpid()))
+    try:
+        control.recv()  # ("stop",), or EOF: the supervisor is gone
+    except (EOFError, OSError):
+        pass
+    finally:
+        listener.close()
+        engine.stop()
+        world: Any = getattr(args, "serving_world", None)
+        if world is not None:
+            world.close()
+    return 0
