@@ -148,7 +148,7 @@ def test_eos_check_catches_a_dropped_generation_eos_on_a_same_eos_checkpoint(
     """With both files naming one eos, only the check's own distinguishing copy can see generation eos dropped."""
     assert main(["parity", "--checkpoint", str(hf_dir), "--only", "serving.engine.eos_ids",
                  "--report-dir", str(tmp_path / "clean")]) == 0
-    monkeypatch.setattr(config_mod, "_read_generation_eos", lambda path: ())
+    monkeypatch.setattr(config_mod, "_generation_eos", lambda raw, path: ())
     assert main(["parity", "--checkpoint", str(hf_dir), "--only", "serving.engine.eos_ids",
                  "--report-dir", str(tmp_path / "broken")]) == 1
     [result] = load_report(tmp_path / "broken")["results"]

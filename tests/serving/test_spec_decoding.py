@@ -290,7 +290,7 @@ def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
     import argparse
 
     from k3verify.cli import UsageError
-    from k3verify.commands.serve import _speculator
+    from k3verify.commands.serve_engine import _speculator
 
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
 
