@@ -16,7 +16,7 @@ from test_serve_gating import refusal, serve_args, want
 
 from k3verify.cli import UsageError
 from k3verify.commands import serve
-from k3verify.gates.binding import recompute_summary, sign_report, source_digest
+from k3verify.gates.binding import dtypes_of_run, recompute_summary, sign_report, source_digest
 from k3verify.gates.report_lookup import lookup_report
 
 KEY = b"0123456789abcdef-test-key"
@@ -227,3 +227,18 @@ def test_an_edit_of_a_written_report_is_named_by_the_index(tmp_path: Path, tiny_
     found = lookup_report(tmp_path, want(tiny_digest))
     assert found.passing is None and found.newest == tmp_path / "z-newer" / "report.json", found.reason
     assert "cannot be read" in found.reason and older != found.newest
+
+
+def test_a_consistent_inconclusive_report_does_not_open_the_gate(tmp_path: Path, tiny_digest: str) -> None:
+    """Every whole-model check skipped, summary and dtypes made consistent (verdict inconclusive): admission still
+    takes only "pass"."""
+    data = report_data(digest=tiny_digest)
+    for r in data["results"]:
+        if r["id"].startswith(("model.logits.", "model.layerwise.", "served.")):
+            r.update(status="skipped", metric=None, control=None, noise=None, serving_dtypes=[])
+    data["run"]["dtypes"] = dtypes_of_run((r["status"], r["serving_dtypes"]) for r in data["results"])
+    data["summary"] = recompute_summary(data)
+    assert data["summary"]["verdict"] == "inconclusive"
+    write_report(tmp_path, data=data)
+    found = lookup_report(tmp_path, want(tiny_digest))
+    assert found.passing is None and "has verdict 'inconclusive'" in found.reason, found.reason

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from server_harness import make_tiny_runner, running_server
 
-from k3verify.commands.serve import _speculator
+from k3verify.commands.serve_engine import _speculator
 from k3verify.server.metrics import SPECULATION_COUNTERS
 from k3verify.serving.runner import generate_greedy
 from k3verify.serving.spec.drafter import ControlledDrafter
