@@ -102,9 +102,10 @@ class KillResult:
         return [a for a in self.answers if not a.final]
 
 
-async def one_client(client: httpx.AsyncClient, model: str, i: int, started: asyncio.Event | None) -> Answer:
-    """A completion of 64 tokens (every 4th not streamed), answered or cut."""
-    out = Answer(streamed=i % 4 != 0)
+async def one_client(client: httpx.AsyncClient, model: str, i: int, started: asyncio.Event | None,
+                     streamed: bool = True) -> Answer:
+    """A completion of 64 tokens, answered or cut."""
+    out = Answer(streamed=streamed)
     body: dict[str, Any] = {"model": model, "prompt": f"client {i} says", "max_tokens": 64, "ignore_eos": True,
                             "stream": out.streamed}
     try:
@@ -129,12 +130,14 @@ async def one_client(client: httpx.AsyncClient, model: str, i: int, started: asy
 
 async def clients_under_kill(url: str, model: str, clients: int, kill_after_s: float, pid: int,
                              killed_at: list[float]) -> list[Answer]:
-    """`clients` requests at once; `pid` gets SIGKILL `kill_after_s` after the first response started (the time
-    of the kill is appended to `killed_at`)."""
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
+    """`clients` streaming requests and a quarter as many plain ones at once; `pid` gets SIGKILL `kill_after_s`
+    after the first stream started (the time of the kill is appended to `killed_at`)."""
+    plain = clients // 4
+    limits = httpx.Limits(max_connections=clients + plain + 8, max_keepalive_connections=0)
     started = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
-        tasks = [asyncio.create_task(one_client(client, model, i, started)) for i in range(clients)]
+        tasks = [asyncio.create_task(one_client(client, model, i, started if i < clients else None, i < clients))
+                 for i in range(clients + plain)]
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(kill_after_s)
         os.kill(pid, 9)
@@ -152,7 +155,8 @@ def kill_engine(server: ServeProcess, model: str, clients: int) -> KillResult:
     res.back_after_s = server.back_at["engine"] - killed_at[0]
     errors = [a for a in res.answers if a.error]
     no_retry = [a for a in res.answers if a.status == 503 and a.retry_after is None]
-    res.notes.append(f"engine kill -9 (pid {pid}) under {clients} clients: {sum(a.final for a in res.answers)} "
+    res.notes.append(f"engine kill -9 (pid {pid}) under {clients} streaming and {clients // 4} plain clients: "
+                     f"{sum(a.final for a in res.answers)} "
                      f"answered ({sum(not a.error for a in res.answers if a.final)} complete, {len(errors)} errors: "
                      f"{sum(a.status == 503 for a in res.answers)} HTTP 503, "
                      f"{sum(a.streamed and a.status == 200 for a in errors)} stream error events), "
@@ -178,8 +182,8 @@ def kill_front_end(server: ServeProcess, model: str, clients: int) -> KillResult
     async def run() -> tuple[list[Answer], list[Answer]]:
         answers = await clients_under_kill(server.url, model, clients, 0.5, front, killed_at)
         async with httpx.AsyncClient(base_url=server.url) as client:  # sent while the front end is down
-            late = await asyncio.gather(*(one_client(client, model, i, None) for i in range(1, 5)))
-        return answers, list(late)
+            late = await asyncio.gather(*(one_client(client, model, i, None, i % 2 == 0) for i in range(4)))
+        return answers[:clients], list(late)
 
     cut, late = asyncio.run(run())
     server.wait_healthy(60)
@@ -192,7 +196,7 @@ def kill_front_end(server: ServeProcess, model: str, clients: int) -> KillResult
     except OSError:
         engine_alive = False
     freed = _engine_idle(server, 30)
-    res.notes.append(f"front end kill -9 (pid {front}) under {clients} clients: {sum(bool(a.cut) for a in cut)} cut "
+    res.notes.append(f"front end kill -9 (pid {front}) under {clients} streams: {sum(bool(a.cut) for a in cut)} cut "
                      f"with it (its sockets), {sum(a.final for a in cut)} answered before; engine pid {engine} alive "
                      f"{engine_alive}; front end back (pid {back}) {res.back_after_s:.1f} s after the kill; "
                      f"{sum(a.final for a in late)} of {len(late)} requests sent while it was down answered; engine "
