@@ -28,6 +28,11 @@ def accepted_section(run: Mapping[str, Any]) -> str:
             f"<th>known in</th></tr>{rows}</table></section>")
 
 
+def _share(x: float) -> str:
+    """A share of the distance explained; an alternative that makes it worse shows how much worse."""
+    return "0%" if abs(x) < 0.005 else f"{x:.0%}"
+
+
 def explanation_section(run: Mapping[str, Any]) -> str:
     found = (run.get("endpoint") or {}).get("explanation")
     if not found:
@@ -44,8 +49,9 @@ def explanation_section(run: Mapping[str, Any]) -> str:
             for c in group:
                 out.append(f"<tr><td>{rank}</td><td><code>{_e(c['assignment'])}</code></td><td>{_e(c['site'])}</td>"
                            f"<td><code>{_e(c['released'])}</code></td><td class=\"num\">{c['distance']:.3g}</td>"
-                           f"<td class=\"num\">{c['explained']:.0%}</td>"
-                           f"<td class=\"small\">{_e(', '.join(c['used_by']) or 'none known')}</td></tr>")
+                           f"<td class=\"num\">{_share(c['explained'])}</td>"
+                           f'<td class="small" style="overflow-wrap:anywhere;max-width:24em">'
+                           f"{_e(', '.join(c['used_by']) or 'none known')}</td></tr>")
         out.append("</table>")
     if found.get("unidentifiable"):
         out.append(f'<p class="small">not identifiable on these answers (they move nothing): '
