@@ -80,8 +80,9 @@ MANUAL = (
            "kda.l2norm_eps=rms_norm_eps (0.0608 -> 1.68e-5, 100%); --no-explain leaves the explanation out"),
     Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --dtype float32 "
            "--accept-convention kda.l2norm_eps=rms_norm_eps",
-           "the same llama-server: PASS 7 pass, endpoint.logprobs.prompt skipped (llama-server ignores echo); the "
-           "accepted deviation listed first"),
+           "the same llama-server started with --no-cache-prompt: PASS 8 pass, endpoint.logprobs.prompt skipped "
+           "(llama-server ignores echo), the accepted deviation listed first; with its prompt cache on (its default), "
+           "endpoint.repeat.identity fails: a repeated 3-token prompt is answered from a wrong cached state"),
     Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset k3-tp4 --dtype w4a8-q8act "
            "--accept-convention mla.lora_norm_eps=rms_norm_eps",
            "against llama-server on k3-tp4 (MXFP4 experts): FAIL, endpoint.logprobs.topk 0.0109 against a bar of "

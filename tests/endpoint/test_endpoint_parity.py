@@ -23,7 +23,7 @@ from k3verify.target import resolve_target
 
 ENDPOINT_CHECKS = {"endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt",
                    "endpoint.chat.template", "endpoint.stop.strings", "endpoint.stop.eos",
-                   "endpoint.stream.identity", "endpoint.batch.invariance"}
+                   "endpoint.stream.identity", "endpoint.batch.invariance", "endpoint.repeat.identity"}
 
 
 def parity(report: Path, *args: str, preset: str = "k3-tiny") -> tuple[int, dict[str, Any]]:
@@ -165,3 +165,31 @@ def test_server_without_logprobs_is_inconclusive_never_pass(tmp_path: Path) -> N
     assert any(m.startswith("endpoint: endpoint.greedy.tokens did not run") for m in missing)
     junit = (tmp_path / "junit.xml").read_text()
     assert 'name="verdict.evidence"' in junit
+
+
+def answer_repeats_differently(path: str, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A proxy that, like a server restoring the wrong cached state, changes the first token of every second answer
+    to the same short prompt."""
+    key = (path, tuple(body.get("prompt") or ()))
+    SEEN[key] = SEEN.get(key, 0) + 1
+    if SEEN[key] % 2 == 0 and path == "v1/completions" and len(body.get("prompt") or ()) == 3:
+        logprobs = answer["choices"][0].get("logprobs")
+        if logprobs and logprobs.get("tokens"):
+            first = logprobs["tokens"][0]
+            other = next(t for t in (logprobs.get("top_logprobs") or [{}])[0] or {} if t != first)
+            logprobs["tokens"][0] = other
+    return answer
+
+
+SEEN: dict[Any, int] = {}
+
+
+def test_a_repeat_answered_from_a_wrong_cached_state_fails(tmp_path: Path) -> None:
+    """The same greedy request sent twice: an answer that changes on the repeat (the first token replaced by a
+    runner-up, as a prompt cache restoring the wrong state does) fails endpoint.repeat.identity, naming the prompt."""
+    SEEN.clear()
+    with served() as url, ServerThread(proxy_app(url, perturb=answer_repeats_differently)) as proxy:
+        code, data = parity(tmp_path, "--endpoint", proxy.url, "--only", "endpoint.repeat.identity")
+    result = by_id(data)["endpoint.repeat.identity"]
+    assert code == 1 and result["status"] == "fail" and result["control"]["status"] == "fail"
+    assert any("prompt 0 (3 tokens): the repeat answers" in n for n in result["notes"]), result["notes"]

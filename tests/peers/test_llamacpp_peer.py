@@ -41,9 +41,12 @@ def kl_gguf(llamacpp: LlamaCpp, kl_checkpoint: Path) -> Path:
     return llamacpp.convert(kl_checkpoint, kl_checkpoint.parent / "kl-f32.gguf")
 
 
+NO_PROMPT_CACHE = ("--no-cache-prompt",)  # see test_a_repeated_short_prompt_from_the_prompt_cache_fails
+
+
 @pytest.fixture(scope="module")
 def kl_server(llamacpp: LlamaCpp, kl_gguf: Path) -> Iterator[RunningServer]:
-    with llama_server(llamacpp, kl_gguf, log=kl_gguf.with_suffix(".log")) as server:
+    with llama_server(llamacpp, kl_gguf, log=kl_gguf.with_suffix(".log"), extra=NO_PROMPT_CACHE) as server:
         yield server
 
 
@@ -105,7 +108,8 @@ def test_kimi_linear_deviation_is_named_and_passes_once_accepted(kl_server: Runn
     results = by_id(data)
     assert code == 0 and data["summary"]["verdict"] == "pass", data["summary"]
     for check in ("endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.stream.identity",
-                  "endpoint.stop.strings", "endpoint.stop.eos", "endpoint.batch.invariance"):
+                  "endpoint.stop.strings", "endpoint.stop.eos", "endpoint.batch.invariance",
+                  "endpoint.repeat.identity"):
         assert results[check]["status"] == "pass", (check, results[check]["reason"])
     assert results["endpoint.logprobs.prompt"]["status"] == "skipped"  # llama-server ignores echo
     endpoint = data["run"]["endpoint"]
@@ -115,6 +119,19 @@ def test_kimi_linear_deviation_is_named_and_passes_once_accepted(kl_server: Runn
     page = (tmp_path / "accepted" / "report.html").read_text()
     assert 0 < page.index('id="accepted"') < page.index('id="results"')
     assert 'name="accepted_convention"' in (tmp_path / "accepted" / "junit.xml").read_text()
+
+
+def test_a_repeated_short_prompt_from_the_prompt_cache_fails(llamacpp: LlamaCpp, kl_checkpoint: Path, kl_gguf: Path,
+                                                             tmp_path: Path) -> None:
+    """llama-server with its prompt cache on (its default) answers a greedy request with a prompt of three tokens
+    differently the second time: its cache restores a KDA state that is not the one after the prompt. Everything
+    else passes (the deviation accepted); endpoint.repeat.identity fails and names the prompt and the position."""
+    with llama_server(llamacpp, kl_gguf, log=tmp_path / "server.log") as server:
+        code, data = parity(tmp_path / "report", server.url, *ACCEPT_L2, target=("--checkpoint", str(kl_checkpoint)))
+    failed = {r["id"]: r for r in data["results"] if r["status"] == "fail"}
+    assert code == 1 and list(failed) == ["endpoint.repeat.identity"], list(failed)
+    notes = failed["endpoint.repeat.identity"]["notes"]
+    assert any("prompt 0 (3 tokens): the repeat answers" in n for n in notes), notes
 
 
 def scale_tensor(src: Path, dst: Path, name: str, factor: float) -> None:
@@ -141,7 +158,7 @@ def test_faults_in_the_deployment_fail_naming_the_check(llamacpp: LlamaCpp, kl_c
     faults = {"scaled": (scaled, ()),
               "eps": (kl_gguf, ("--override-kv", "kimi-linear.attention.layer_norm_rms_epsilon=float:1e-6"))}
     for name, (gguf, extra) in faults.items():
-        with llama_server(llamacpp, gguf, log=tmp_path / f"{name}.log", extra=extra) as server:
+        with llama_server(llamacpp, gguf, log=tmp_path / f"{name}.log", extra=(*NO_PROMPT_CACHE, *extra)) as server:
             code, data = parity(tmp_path / name, server.url, *ACCEPT_L2, target=target)
         failed = [r["id"] for r in data["results"] if r["status"] == "fail"]
         assert code == 1 and "endpoint.logprobs.topk" in failed, (name, failed)
@@ -158,7 +175,7 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
     gguf = llamacpp.convert(target.checkpoint_dir, tmp_path / "k3-tp4.gguf")
     preset = ("--preset", "k3-tp4")
     accept = ("--accept-convention", "mla.lora_norm_eps=rms_norm_eps")
-    with llama_server(llamacpp, gguf, log=tmp_path / "server.log") as server:
+    with llama_server(llamacpp, gguf, log=tmp_path / "server.log", extra=NO_PROMPT_CACHE) as server:
         code, data = parity(tmp_path / "fp32", server.url, target=preset)
         results = by_id(data)
         assert code == 1 and results["endpoint.logprobs.topk"]["status"] == "fail"
