@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +48,7 @@ def measure_preset(preset: str, device: str) -> tuple[dict[str, Any], list[tuple
         rows.append((preset, check.id, f"{n['value']:.3g}", f"{result.bar:.3g}", f"{result.metric:.3g}",
                      f"{result.margin:.3f}"))
     entry: dict[str, Any] = {"digest": target.digest, "device": torch.device(device).type, "seed": noise.RECORDED_SEED,
-             "torch": torch.__version__, "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
-             "checks": dict(sorted(checks.items()))}
+             "torch": torch.__version__, "checks": dict(sorted(checks.items()))}
     return entry, rows, [f"{preset} {line}" for line in bad]
 
 

@@ -53,7 +53,7 @@ class LongCalls:
     the host for longer than `threshold_s`, by call site and callee: `sys.setprofile(calls.hook)` on the thread
     (it is per thread), run, `sys.setprofile(None)`, then `calls.table()`.
 
-    This sees the waits `sync_sites` cannot: torch's sync debug mode flags the syncs torch itself issues
+    This sees the waits `sync_sites` cannot: torch's sync debug mode flags the syncs torch itself makes
     (`.item()`, `.tolist()`, a blocking copy), but not a copy from pageable host memory with non_blocking=True,
     which the CUDA driver may stage by waiting for the stream. With `spin_s`, a GPU spin kernel of that length
     is queued at `arm()` and again after every long call, so the GPU is always behind the host and every call

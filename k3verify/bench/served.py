@@ -231,8 +231,8 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
     (perf_counter is the system's monotonic clock: comparable across processes). One Python process parsing
     64 streams bounded the measurement itself: a stub engine emitting a token to each of 64 requests every 6 ms
     (bench/http_ceiling.py) was delivered at 0.39x its rate to one client process and 0.59x to four on the
-    2-core CPU machine (2026-12-01). On the H200's host (16 CPUs), 16 clients in one process sent a wave's requests
-    over 27 ms, 64 in four processes over 40 ms (2026-12-02): a client process's own turnaround spread each burst
+    2-core CPU machine. On the H200's host (16 CPUs), 16 clients in one process sent a wave's requests
+    over 27 ms, 64 in four processes over 40 ms: a client process's own turnaround spread each burst
     over more than the engine's admission hold, hence 8 clients a process (2 processes at c16, 8 at c64)."""
     n = len(waves[0])
     procs = -(-n // per_process)
@@ -334,7 +334,7 @@ def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_
     """c clients x requests_per_client streaming requests, free-running: tok/s, TTFT, ITL. One untimed warm-up
     wave of the same shape runs first and is reported beside the timed ones: free-running arrivals make prefill
     steps of token counts the held waves never ran, and their first Triton compiles / fla autotuning (seconds
-    each, once per process) would otherwise land inside the timed wall. (On the H200, 2026-12-01, c = 64 without
+    each, once per process) would otherwise land inside the timed wall. (On the H200, c = 64 without
     it: 205 engine steps in 21.3 s of wall, TTFT p99 18.6 s, while ITL p50 was the bench path's 5.9 ms.)"""
     def waves(first_seed: int, n: int) -> list[list[list[int]]]:
         return [random_prompt(concurrency, prompt_len, cfg_vocab, first_seed + r, device).tolist() for r in range(n)]

@@ -2,7 +2,7 @@
 
 cProfile cannot answer that on Python 3.12: it runs on sys.monitoring, profiles every thread of the process at
 once and nests their frames into one another, so a busy engine thread beside the engine link's threads came out
-with recursive call counts and cumulative times longer than the run (`served-profile.txt`, 2026-12-02). A sampler
+with recursive call counts and cumulative times longer than the run. A sampler
 thread reads `sys._current_frames()[ident]` every `interval_s` and counts, for each function on the stack, the
 time it was on the stack (inclusive) and on top of it (exclusive). Time spent inside a C call (a CUDA
 synchronize, a lock wait, a kernel launch) is charged to the Python function that made it. The sampler needs the

@@ -1,6 +1,6 @@
 """The HTTP server in a process of its own, linked to the engine's process by one socket.
 
-Why: in one process the engine thread and the HTTP server share one GIL. On the H200 (2026-12-02) a kl-48b-8l
+Why: in one process the engine thread and the HTTP server share one GIL. On the H200 a kl-48b-8l
 engine step of 64 running streams took 4.6 ms from launch to launch in process and twice that while uvicorn
 parsed, rendered and wrote the same streams' tokens: served decode fell to 0.43x the bench path at 64 streams.
 With the link, the engine's process runs the step loop, detokenization and stop strings; the API process runs

@@ -63,11 +63,11 @@ log = logging.getLogger(__name__)
 # The engine thread gives the GIL up while it waits for a step's results; the HTTP thread then renders and sends
 # the previous step's tokens and, at the default, kept the engine from launching the next step for up to 5 ms
 # after the GPU was done: a kl-48b-8l step of 64 streams went from launch to launch in 8.2 ms served against
-# 4.6 ms in process (H200, 2026-12-02). Engine.start lowers the interval to this (never raises it).
+# 4.6 ms in process (H200). Engine.start lowers the interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
 # Admission hold: requests that arrive together are admitted together. A prefill pass has a large fixed cost that is
-# host work (kl-48b-8l on the H200, 2026-12-02: ~33 ms from launch to launch for 128 to 3k prompt tokens, where the
+# host work (kl-48b-8l on the H200: ~33 ms from launch to launch for 128 to 3k prompt tokens, where the
 # GPU needs 3-10 ms), and a burst of arrivals spread over a few tens of milliseconds was admitted over 2-3 such
 # steps, each stalling every running stream. So the waiting queue is admitted once no request has arrived for
 # ADMIT_QUIET_S, or once its oldest request has waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill
@@ -75,7 +75,7 @@ GIL_SWITCH_S = 0.0005
 # waiting_served_ratio.) A server whose last ADMIT_HISTORY admissions each took one request sees requests come one
 # at a time: it admits at once (a hold there only adds its quiet time to every request's TTFT).
 # The served bench's bursts (64 or 16 clients whose streams end together) arrived over 27-40 ms with gaps of up to
-# 3.4-4.7 ms between requests (2026-12-02), hence 5 ms and 40 ms.
+# 3.4-4.7 ms between requests, hence 5 ms and 40 ms.
 ADMIT_QUIET_S = 0.005
 ADMIT_MAX_HOLD_S = 0.040
 ADMIT_HISTORY = 4

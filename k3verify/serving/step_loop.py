@@ -74,7 +74,7 @@ class StepLauncher:
         self.readback = PinnedReadback(self.device)
 
     def launch(self, plan: StepPlan, requests: Mapping[int, Request]) -> LaunchedStep | None:
-        """Issue the plan's work; None when it samples nothing (only intermediate prompt chunks)."""
+        """Launch the plan's work; None when it samples nothing (only intermediate prompt chunks)."""
         rows: list[Request] = []
         parts: list[torch.Tensor] = []
         if plan.prefill:

@@ -2,7 +2,7 @@
 
 A Triton kernel compiles once per specialisation of its integer arguments (== 1, divisible by 16, other) and
 fla's autotuners run once per key, so the first prefill of a new token count can stall every stream for seconds;
-on the H200 (2026-12-01) 64 free-running clients saw a first token after 18.6 s while the engine itself ran 205
+on the H200 64 free-running clients saw a first token after 18.6 s while the engine itself ran 205
 steps in 21 s. The warm-up captures every decode bucket (the captures' own warm-up steps run on scratch rows)
 and prefills a ladder of token counts, one sequence and a pack of several, on sequences it admits and releases:
 afterwards the caches hold no sequence, every slot and page is free again, and what the warm-up wrote is

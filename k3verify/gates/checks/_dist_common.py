@@ -114,7 +114,7 @@ def _inputs(ctx: CheckContext) -> tuple[list[list[int]], list[list[int]]]:
 def session(ctx: CheckContext) -> Session:
     """The run's gloo session for the asked layout (spawned once, shared by every dist.* check)."""
     if ctx.device.type != "cpu":
-        raise SkipCheck("the dist.* checks run a gloo world on CPU; multi-GPU NCCL runs are a separate issue")
+        raise SkipCheck("the dist.* checks run a gloo world on CPU; NCCL runs are not among them")
     layout = asked_layout(ctx)
     key = f"dist.session.tp{layout[0]}.ep{layout[1]}"
     if key not in ctx.cache:

@@ -70,7 +70,7 @@ def combine_trial(ctx: CheckContext, dtype: torch.dtype, tokens: tuple[int, ...]
     bar=1e-2, bar_reason="bf16 experts: both sides accumulate in fp32 and round each GEMM output to bf16, so a "
     "different accumulation order flips at most one rounding (2^-8 = 3.9e-3 relative) per element of the gate/up "
     "and of the down output: <= ~6e-3 RMS even if every element flipped (on CPU torch._grouped_mm equals the "
-    "loop: 0; 1.02e-7 on the H200, k3-syn-25, 2026-12-01); a wrong expert offset moves the output by ~1.3",
+    "loop: 0; 1.02e-7 on the H200, k3-syn-25); a wrong expert offset moves the output by ~1.3",
     control="every (token, slot) routed to the next expert id",
 )
 def check_moe_grouped(ctx: CheckContext) -> Trial:

@@ -148,7 +148,7 @@ def kda_record_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr
                       UNROLL: tl.constexpr = False):
     """Program (row b, head h, value block): the recurrence over N positions on a [BV, BK] block of the pool state
     (read only); records and o for its BV value columns. UNROLL: the positions unrolled at compile time (the
-    positions' loads free to issue before the earlier steps finish), else one loop body; the same code either way."""
+    positions' loads free to start before the earlier steps finish), else one loop body; the same code either way."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i, vv = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mi, mv = i < DK, vv < DV

@@ -1,7 +1,7 @@
 """ParallelServingModel: one rank of the served model under a tensor/expert-parallel layout.
 
 It is a ServingModel (the same forward, prefill, decode, caches and runner) whose layers are built at this
-rank's width (serving/parallel/layers.py, moe.py) and which issue their collectives themselves; every rank
+rank's width (serving/parallel/layers.py, moe.py) and which launch their collectives themselves; every rank
 runs the same batch and ends with the same [B, V] fp32 logits. The model is built on the meta device and
 materialized once at its own size, so no rank ever allocates the unsplit model; weights are then read
 slice by slice from the checkpoint (shards.load_rank). KDA states are cached for this rank's heads only;

@@ -3,7 +3,7 @@
 The runner is deterministic: the same admit / release / prefill / decode calls, in the same order, leave
 every rank with the same slots, pages and positions. So rank 0 broadcasts each state-changing call (name and
 arguments, a few hundred bytes) on a control group before running it, and the followers run the very same
-call on their own runner: every forward then issues the same collectives on every rank, and every rank ends
+call on their own runner: every forward then launches the same collectives on every rank, and every rank ends
 with the same logits (rank 0 samples). The control group is gloo with a long timeout, so an idle server
 does not time its followers out.
 """

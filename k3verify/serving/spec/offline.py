@@ -5,7 +5,7 @@ budget has room for k+1 more positions (sequences reserve k positions past their
 verified in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
 live sequences with room ride along in it with filler drafts (filler_drafts) instead of taking a decode step of
 their own: on the H200 a kl-48b-8l batch of 16 that ran a verify and a decode step in every round decoded at
-0.62x plain speed (2026-12-01), although a verify step there costs ~1.2 decode steps. Sequences without room
+0.62x plain speed, although a verify step there costs ~1.2 decode steps. Sequences without room
 take one plain decode step. Greedy acceptance, then a commit of each verified row's accepted prefix. Tokens past
 max_new_tokens are dropped.
 

@@ -53,14 +53,14 @@ class CostGate:
     next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
     launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time from right
     before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay). On the H200
-    (kl-48b-8l, batch 1, k=4; timing.py names the runs) the in-order step's wall time was 1.6 ms and events around
+    (kl-48b-8l, batch 1, k=4; docs/results/ has the runs) the in-order step's wall time was 1.6 ms and events around
     its whole launch 1.4 ms, against 1.2 ms a launch-ahead step; with either of the first two the gate verified a
     third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.4), with the last it declines after its
     probes (2.1 / 1.2 = 1.76).
 
     Why: per-request acceptance is not the whole cost. A verify pass puts k+1 tokens of every row through the MoE
     layers, which then touch many more experts than a decode step's one token per row: on the H200 (kl-48b-8l,
-    k=4, 2026-12-02) a verify step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
+    k=4) a verify step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
     at batch 16 speculation lost at 50% acceptance (0.56x) and only broke even at 57%.
 
     Rule, per batch size b: until `probes` verify steps of b rows were timed, verify (probes); then, until a plain
@@ -68,7 +68,7 @@ class CostGate:
     accepted drafts) over drafting rows and 1 over riders, reach verify_time[b] / decode_time[b]. A row's expected
     accepted drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one
     verify of k drafts that accepted half, so that one unlucky verify does not condemn a request. Step times are the
-    fastest seen (a first step can carry one-time costs: on the H200 on 2026-12-02 a batch-1 bench's first verify
+    fastest seen (a first step can carry one-time costs: on the H200 a batch-1 bench's first verify
     took 6.8 ms where the next ones took 2.2, and with one probe that decided its whole run), and a declined batch
     size probes again after reprobe_after declined steps, then after twice as many. Greedy output never depends on
     the gate: it only chooses how tokens are produced."""
