@@ -106,7 +106,7 @@ def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int
                  api_process: bool = True, **engine_kw: Any) -> Iterator[ServedStack]:
     """Engine (graph decode, overlap, chunked prefill) here + app + uvicorn on 127.0.0.1, in a process of its own
     linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit. `engine_kw`: more Engine
-    settings (scripts/served_profile.py sweeps the admission hold)."""
+    settings (lab/gpu/served_profile.py sweeps the admission hold)."""
     cfg = runner.model.cfg
     warm_up(runner, graphs, step_tokens, engine_kw.get("prefill_graphs"))  # as `serve` does before its port opens
     observer = EngineMetrics() if api_process else ServerMetrics()
@@ -230,7 +230,7 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
     as one process reports them, with the wall from the first request's start to the last token's arrival
     (perf_counter is the system's monotonic clock: comparable across processes). One Python process parsing
     64 streams bounded the measurement itself: a stub engine emitting a token to each of 64 requests every 6 ms
-    (bench/http_ceiling.py) was delivered at 0.39x its rate to one client process and 0.59x to four on the
+    (lab/http_ceiling.py) was delivered at 0.39x its rate to one client process and 0.59x to four on the
     2-core CPU machine. On the H200's host (16 CPUs), 16 clients in one process sent a wave's requests
     over 27 ms, 64 in four processes over 40 ms: a client process's own turnaround spread each burst
     over more than the engine's admission hold, hence 8 clients a process (2 processes at c16, 8 at c64)."""

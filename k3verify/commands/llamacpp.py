@@ -1,7 +1,7 @@
 """`k3verify llamacpp`: upstream llama.cpp as a peer to verify. `convert` makes a GGUF of a checkpoint with
 llama.cpp's own converter (the vocabulary written from the checkpoint's tiktoken files); `serve` runs its
 llama-server on 127.0.0.1 with pinned numerics until interrupted, printing the URL for `parity --endpoint`.
-The installation comes from --llamacpp DIR or K3V_LLAMACPP_DIR (scripts/build_llamacpp.sh makes one)."""
+The installation comes from --llamacpp DIR or K3V_LLAMACPP_DIR (tools/build_llamacpp.sh makes one)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="mutants run in parallel (default 1)")
     p.add_argument("--report-dir", type=Path, default=Path("reports/mutate"), metavar="DIR")
     p.add_argument("--preset", default=None, metavar="NAME", help="only (mutant, preset) pairs on this preset")
-    p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, metavar="DIR",
+                   help="a folder of catalog files (default: the catalog shipped in k3verify/mutations/)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="device the children run parity on; cuda adds the CUDA-only mutants")
     p.add_argument("--wide", action="store_true",

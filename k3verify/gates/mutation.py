@@ -1,6 +1,6 @@
 """Mutation runner: prove every gate bites by running the parity checks against deliberately broken code.
 
-A mutant is one modelled fault (see mutations/README.md). Each runs in a fresh process that imports a
+A mutant is one modelled fault (see k3verify/mutations/README.md). Each runs in a fresh process that imports a
 temporary copy of the package: "replace" mutants edit that copy's source (the `old` snippet must occur
 exactly once, so a refactor makes the mutant visibly stale), "patch" mutants swap one attribute in the
 child before anything else is imported. The child runs `parity --only <expected killers>`; a mutant is
@@ -29,7 +29,7 @@ from k3verify.cli import main
 from k3verify.gates.report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
-DEFAULT_CATALOG = PACKAGE_DIR.parent / "mutations"
+DEFAULT_CATALOG = PACKAGE_DIR / "mutations"  # shipped as part of the package
 MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.server", "k3verify.kernels", "k3verify.tokenizer",
                     "k3verify.checkpoint", "k3verify.config")
 RED = ("fail", "vacuous", "error")
@@ -46,21 +46,22 @@ class CatalogError(ValueError):
 
 @dataclass(frozen=True)
 class Mutant:
-    """One modelled fault. `target` is "module:qualname"; `killers` are check-id globs."""
+    """One modelled fault. `target` is "module:qualname"; `killers` are check-id globs. The catalog writes its
+    sequences as lists; they are stored as tuples (a Mutant is frozen and hashable)."""
 
     id: str
     fault: str
     target: str
-    killers: tuple[str, ...]
+    killers: Sequence[str]
     kind: str = "replace"
     old: str | None = None
     new: str | None = None
     patch: Callable[[Any], Any] | None = None
-    presets: tuple[str, ...] = ("k3-tiny",)
-    devices: tuple[str, ...] = ("cpu", "cuda")  # ("cuda",): the fault lives in a CUDA-only fast path
+    presets: Sequence[str] = ("k3-tiny",)
+    devices: Sequence[str] = ("cpu", "cuda")  # ("cuda",): the fault lives in a CUDA-only fast path
     quick: bool = False
     equivalent: str | None = None
-    also: tuple[tuple[str, str], ...] = ()  # further (old, new) edits in the same file, for multi-site faults
+    also: Sequence[tuple[str, str]] = ()  # further (old, new) edits in the same file, for multi-site faults
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "killers", tuple(self.killers))
@@ -117,7 +118,8 @@ class Outcome:
 def load_catalog(catalog_dir: Path = DEFAULT_CATALOG) -> list[Mutant]:
     """Every `MUTANTS` list of the *.py files in catalog_dir (files starting with "_" are helpers)."""
     if not catalog_dir.is_dir():
-        raise CatalogError(f"mutation catalog folder {str(catalog_dir)!r} does not exist")
+        raise CatalogError(f"mutation catalog folder {str(catalog_dir)!r} does not exist "
+                           "(point `k3verify mutate --catalog DIR` at a folder of catalog files)")
     mutants: dict[str, Mutant] = {}
     for path in sorted(catalog_dir.glob("*.py")):
         if path.name.startswith("_"):

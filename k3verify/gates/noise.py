@@ -15,7 +15,7 @@ one rounding of each output sit up to 2 unit roundoffs apart per element, and th
 A bar that ends up more than MAX_OVER_NOISE x its noise (only possible through the floor) carries the
 floor's reason in its derivation.
 
-Presets record their noise in noise.json (written by scripts/measure_noise.py, on CPU at seed 0, keyed
+Presets record their noise in noise.json (written by tools/measure_noise.py, on CPU at seed 0, keyed
 by the synthetic checkpoint's digest). Every other run (a user checkpoint, another device kind, another
 seed, a preset whose bytes changed) measures the noise at run time from the pair the check supplies.
 """
@@ -145,7 +145,7 @@ def resolve(check_id: str, pair_text: str, found: NoiseLookup | None,
     note = None
     if source == "recorded" and observed is not None and not _close(value, observed[0]):
         note = (f"this run measured noise {observed[0]:.3g}, recorded {value:.3g}: the recording looks stale "
-                "(regenerate with scripts/measure_noise.py)")
+                "(regenerate with tools/measure_noise.py)")
     record = {"value": value, "dtype": dtype, "source": source, "pair": pair_text, "factor": FACTOR,
               "floor": floor_for(dtype), "derivation": derivation,
               "observed": None if observed is None else observed[0],

@@ -167,7 +167,7 @@ def make_context_factory(target: Target, *, device: str | torch.device, seed: in
                          parallel: tuple[int, int] | None = None, measure_noise: bool = False) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
     generator per check; `parallel` is the (tp, ep) layout the dist.* checks run; each noise-barred check gets its
-    recorded noise (`measure_noise` ignores the recording: scripts/measure_noise.py regenerates it)."""
+    recorded noise (`measure_noise` ignores the recording: tools/measure_noise.py regenerates it)."""
     shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 

@@ -29,7 +29,7 @@ from k3verify.oracle import active
 RMS_NORM_EPS = "rms_norm_eps"  # an eps value written as the config's rms_norm_eps, resolved per config
 LLAMA_K3 = "llama.cpp src/models/kimi-k3.cpp"
 LLAMA_KL = "llama.cpp src/models/kimi-linear.cpp"
-# identifiable_on below is measured (scripts/measure_conventions.py) and pinned by tests/oracle/test_conventions.py
+# identifiable_on below is measured (tools/measure_conventions.py) and pinned by tests/oracle/test_conventions.py
 _K3 = ("k3-tiny", "k3-syn-25", "k3-skew-10", "k3-tp4")
 _ALL = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny", "k3-tp4")
 # LatentMoE's routed_expert_norm normalises the scaling away except through its eps: visible where the latent

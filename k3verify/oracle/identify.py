@@ -6,7 +6,7 @@ five tokens; both rows' logprobs at those tokens, each centred on its own mean (
 normaliser, is not a difference); rel-RMS = RMS(a - b) / RMS(a) over every position of every prompt. The yardstick
 is the same distance between the unchanged oracle in fp32 and in fp64 (for a precision entry: bf16 against fp32).
 An alternative is identifiable on a preset when it moves the fp32 logprobs by at least IDENTIFIABLE_FACTOR times
-the yardstick. `python scripts/measure_conventions.py` prints the table docs/conventions.md records.
+the yardstick. `python tools/measure_conventions.py` prints the table docs/conventions.md records.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 on a free loopback port with pinned numerics and stopped again.
 
 A llama.cpp installation here is a directory holding the source tree (`llama.cpp/`, with `convert_hf_to_gguf.py`
-and `gguf-py`) and a build of the server (`build/bin/llama-server`), as `scripts/build_llamacpp.sh` leaves it; the
+and `gguf-py`) and a build of the server (`build/bin/llama-server`), as `tools/build_llamacpp.sh` leaves it; the
 environment variable K3V_LLAMACPP_DIR names it. Numerics are pinned so a run can be repeated and compared: a fixed
 thread count, an f32 KV cache (llama.cpp's default is f16), no flash attention, one slot, a fixed seed.
 """
@@ -45,9 +45,9 @@ class LlamaCpp:
         tree, server = root / "llama.cpp", root / "build" / "bin" / "llama-server"
         if not (tree / "convert_hf_to_gguf.py").is_file():
             raise LlamaCppError(f"{root}: no llama.cpp source tree at {tree} (convert_hf_to_gguf.py missing); "
-                                "scripts/build_llamacpp.sh makes one")
+                                "tools/build_llamacpp.sh makes one")
         if not os.access(server, os.X_OK):
-            raise LlamaCppError(f"{root}: no llama-server build at {server}; scripts/build_llamacpp.sh builds it")
+            raise LlamaCppError(f"{root}: no llama-server build at {server}; tools/build_llamacpp.sh builds it")
         return cls(tree, server)
 
     @classmethod
@@ -55,11 +55,11 @@ class LlamaCpp:
         root = os.environ.get(ENV_DIR)
         if not root:
             raise LlamaCppError(f"{ENV_DIR} is not set: point it at a llama.cpp installation "
-                                "(scripts/build_llamacpp.sh DIR builds one)")
+                                "(tools/build_llamacpp.sh DIR builds one)")
         return cls.at(root)
 
     def version(self) -> str:
-        """The release the tree was packaged as (scripts/build_llamacpp.sh writes VERSION beside it)."""
+        """The release the tree was packaged as (tools/build_llamacpp.sh writes VERSION beside it)."""
         marker = self.tree.parent / "VERSION"
         return marker.read_text().strip() if marker.is_file() else "unknown"
 

@@ -21,7 +21,7 @@ class ContextLengthError(ValueError):
 
 
 class InjectedFault(RuntimeError):
-    """An engine fault raised on purpose (tests, scripts/chaos.py) to exercise the supervisor."""
+    """An engine fault raised on purpose (tests, tools/chaos.py) to exercise the supervisor."""
 
 
 class Tokenizer(Protocol):

@@ -254,5 +254,5 @@ class KimiTokenizer:
 
 @functools.cache
 def default_tokenizer() -> KimiTokenizer:
-    """The vocabulary this project builds (scripts/build_tokenizer.py) and ships in assets/."""
+    """The vocabulary this project builds (tools/build_tokenizer.py) and ships in assets/."""
     return KimiTokenizer.from_dir(ASSETS_DIR)

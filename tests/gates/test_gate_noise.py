@@ -128,7 +128,7 @@ def test_the_recording_matches_a_fresh_measurement_on_k3_tiny() -> None:
     """Re-measure a few checks: the recording is current for this preset's bytes and this code."""
     target = resolve_target("k3-tiny")
     entry = json.loads(nz.RECORDING.read_text())["presets"]["k3-tiny"]
-    assert entry["digest"] == target.digest, "k3-tiny's checkpoint changed: run scripts/measure_noise.py"
+    assert entry["digest"] == target.digest, "k3-tiny's checkpoint changed: run tools/measure_noise.py"
     factory = make_context_factory(target, device="cpu", seed=0, suite="full", measure_noise=True)
     checks = {c.id: c for c in load_all_checks()}
     for check_id in ("kda.module.fp32", "attn_res.module.fp32", "model.logits.fp32", "mla.decode.absorbed"):

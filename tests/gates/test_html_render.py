@@ -13,12 +13,11 @@ import pytest
 from k3verify.gates import Registry, load_all_checks, select_checks
 from k3verify.gates.report import write_reports
 from k3verify.gates.suite import RunResult
+from tools.screenshot_report import find_browser
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "screenshot_report.py"
-sys.path.insert(0, str(SCRIPT.parent))
-from screenshot_report import find_browser  # noqa: E402
+SCRIPT = ROOT / "tools" / "screenshot_report.py"
 
 
 def _screenshot(html: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path, Path]:

@@ -1,4 +1,4 @@
-"""llama.cpp as a peer: the session's installation (K3V_LLAMACPP_DIR, made by scripts/build_llamacpp.sh), or a skip
+"""llama.cpp as a peer: the session's installation (K3V_LLAMACPP_DIR, made by tools/build_llamacpp.sh), or a skip
 that says how to get one. With K3V_REQUIRE_LLAMACPP=1 (as .ci/run sets it) a missing installation fails instead:
 CI must never pass by skipping the peer."""
 
@@ -23,5 +23,5 @@ def llamacpp() -> LlamaCpp:
     except LlamaCppError as exc:
         if os.environ.get("K3V_REQUIRE_LLAMACPP") == "1":
             pytest.fail(f"K3V_REQUIRE_LLAMACPP=1 but llama.cpp is not available: {exc}")
-        pytest.skip(f"llama.cpp not available ({exc}); `bash scripts/build_llamacpp.sh .llamacpp` and "
+        pytest.skip(f"llama.cpp not available ({exc}); `bash tools/build_llamacpp.sh .llamacpp` and "
                     "K3V_LLAMACPP_DIR=.llamacpp run these tests")

@@ -16,7 +16,6 @@ import httpx
 import pytest
 import torch
 from gate_reports import write_report
-from test_server_chaos import load_chaos
 
 from k3verify.checkpoint.digest import checkpoint_digest, covered_files
 from k3verify.checkpoint.reader import CheckpointReader
@@ -25,6 +24,7 @@ from k3verify.cli import UsageError, build_parser
 from k3verify.commands.serve_engine import GatedTarget, load_served
 from k3verify.target import resolve_target, snapshot_target
 from k3verify.tokenizer import KIMI_CHAT_TEMPLATE
+from tools import chaos_kill
 
 INJECTED = "INJECTED-BY-SWAP"  # no trailing space: the template's `{%-` strips whitespace
 CHAT = {"messages": [{"role": "user", "content": "hello"}]}
@@ -123,7 +123,7 @@ def test_tokenizer_swapped_after_start_is_never_served(tmp_path: Path, moment: f
     engine, which reads the directory again, refuses."""
     ckpt = copy_tiny(tmp_path)
     write_report(tmp_path / "reports", digest=checkpoint_digest(ckpt))
-    kill = load_chaos("chaos_kill")
+    kill = chaos_kill
     server = kill.ServeProcess("--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "reports"),
                                port=_free_port())
     try:

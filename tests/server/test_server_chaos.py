@@ -1,14 +1,12 @@
-"""scripts/chaos.py against k3-tiny: its traffic phase (fuzz, poison requests, hang-ups and one injected engine
+"""tools/chaos.py against k3-tiny: its traffic phase (fuzz, poison requests, hang-ups and one injected engine
 fault; nothing lost, no 5xx outside the fault, one restart, healthy and clean after) and its kill phase (kill -9 of
 a supervised `serve`'s engine process and of its HTTP front end under 64 clients). The gate phase, which runs the
 real quick parity suite, is exercised by running the script itself."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,24 +14,13 @@ from gate_reports import write_report
 from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
 
 from k3verify.target import resolve_target
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load_chaos(name: str = "chaos"):  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(SCRIPTS))  # chaos.py imports its siblings load_test.py and chaos_kill.py
-    spec = importlib.util.spec_from_file_location(f"k3v_{name}", SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tools import chaos as chaos_mod
+from tools import chaos_kill
 
 
 def test_chaos_traffic_loses_nothing_and_restarts_once() -> None:
     """120 mixed requests from 12 clients with the fault injected halfway: every accepted request gets a final
     answer, 5xx only at the fault, exactly one restart, and the engine ends healthy with clean caches."""
-    chaos_mod = load_chaos()
     runner = RecordingRunner(make_tiny_runner(num_slots=8))
     with running_server(runner) as server:
         chaos = chaos_mod.Chaos()
@@ -54,7 +41,7 @@ def test_kill_9_of_the_engine_or_the_front_end_leaves_no_client_without_an_answe
     is restarted;
     kill -9 of the HTTP front end keeps the engine's process (same pid), the front end is back within 10 s, requests
     sent while it was down are answered, and the dead clients' requests are freed."""
-    kill = load_chaos("chaos_kill")
+    kill = chaos_kill
     write_report(tmp_path / "reports", digest=resolve_target(TINY).digest)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +64,7 @@ def test_kill_9_of_the_engine_or_the_front_end_leaves_no_client_without_an_answe
 def test_the_supervisor_gives_up_past_max_restarts_naming_what_died(tmp_path: Path) -> None:
     """--max-restarts 1: the front end killed once is restarted; killed again within --health-window the supervisor
     stops the engine too and exits 1, naming the process and how it ended."""
-    kill = load_chaos("chaos_kill")
+    kill = chaos_kill
     write_report(tmp_path / "reports", digest=resolve_target(TINY).digest)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

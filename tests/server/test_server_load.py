@@ -1,29 +1,16 @@
-"""A smaller run of scripts/load_test.py: concurrent streaming clients with malformed requests and hang-ups."""
+"""A smaller run of tools/load_test.py: concurrent streaming clients with malformed requests and hang-ups."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from server_harness import TINY, RecordingRunner, make_tiny_runner, running_server
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
-
-
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("k3v_load_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tools import load_test
 
 
 def run(clients: int, requests_per_client: int) -> None:
-    load_test = load_script()
     runner = RecordingRunner(make_tiny_runner(num_slots=16, num_pages=96))  # 1520 tokens: requests must queue
     with running_server(runner) as server:
         result = asyncio.run(load_test.run_load(server.url, model=TINY, clients=clients,

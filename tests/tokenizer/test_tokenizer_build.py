@@ -1,4 +1,4 @@
-"""scripts/build_tokenizer.py: re-running it reproduces the committed assets byte for byte."""
+"""tools/build_tokenizer.py: re-running it reproduces the committed assets byte for byte."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from k3verify.tokenizer.tokenizer import ASSETS_DIR, CONFIG_FILE, MODEL_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "scripts" / "build_tokenizer.py"
+SCRIPT = REPO_ROOT / "tools" / "build_tokenizer.py"
 
 
 def run_build(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess[str]:

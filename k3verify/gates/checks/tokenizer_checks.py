@@ -1,7 +1,7 @@
 """The shipped tokenizer and chat renderer (SPEC §7) against references written here, token id for token id.
 
 Every expected id was computed once from the committed vocabulary (k3verify/tokenizer/assets, built
-deterministically by scripts/build_tokenizer.py) and pinned as a literal in _tokenizer_pins.py: no reference
+deterministically by tools/build_tokenizer.py) and pinned as a literal in _tokenizer_pins.py: no reference
 calls the code under test. Special ids are the released offsets from N = 4096. Chat references are assembled
 from those literals by an independent rendering of the SPEC's turn format; the long-input reference pieces
 come from a pure-Python splitter; the streaming references are literal strings. Id sequences are compared as

@@ -6,7 +6,7 @@ value head dim differs from the key's, which rules FlashAttention-2 out) streams
 accumulation order, so it is held to the oracle by RMS gates, never bit-exactly.
 
 Which fused backend (`fused_backends`): torch picks cuDNN on the H200, and cuDNN builds an execution graph for
-every new shape, per thread: 50-85 ms of host time (scripts/sdpa_probe.py) where a cached call takes
+every new shape, per thread: 50-85 ms of host time (lab/gpu/sdpa_probe.py) where a cached call takes
 0.1 ms. A served prefill step brings a new (batch, length) almost every time, so that build was most of a 98 ms
 step at 32 prompts of 128 tokens. The memory-efficient kernel builds nothing (0.4 ms on a new shape) and is
 within 15% of cuDNN's GPU time up to a few million scores, but 4x slower at one 8k sequence (4.8 vs 1.3 ms): calls

