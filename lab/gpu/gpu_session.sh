@@ -78,7 +78,7 @@
 # THEN="case ..." runs more cases after any case, in the same call (one Triton cache restore and save).
 # Run back to back on a warm machine, the second call reuses Triton's on-disk compile/autotune cache; on a cold one,
 # carry .tcache/ (the previous call's $OUT/tcache.tgz.* copied there): a cold `moe` call took 168 s with it
-# (2026-12-02) where the same work had run out of 600 s without. .whl + .tcache + the tree must stay under 64 MiB.
+# where the same work had run out of 600 s without. .whl + .tcache + the tree must stay under 64 MiB.
 # Wheels: lab/gpu/fetch_gpu_wheels.sh here first, then carry .whl. Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/k3v-gpu}

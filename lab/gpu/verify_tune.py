@@ -34,7 +34,7 @@ WIDE = [vt.Launch(64, 8, 128), vt.Launch(64, 8), vt.Launch(128, 16, 128), vt.Lau
 UNROLLED = [vt.Launch(32, 4, 128, unroll=True), vt.Launch(32, 4, unroll=True), vt.Launch(16, 2, 128, unroll=True)]
 # Triton's software pipelining of the runtime loop's loads (its default is 3 stages)
 STAGED = [vt.Launch(32, 4, 128, stages=1), vt.Launch(32, 4, 128, stages=4)]
-# the wide launches lost at every row count on 2026-12-02 (docs/results/h200-2026-12-02e/verify-tune.txt): --wide
+# the wide launches lost at every row count on the H200 (docs/results/README.md indexes the run): --wide
 FUSED = [vt.FUSED_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *STAGED]
 RECORD = [vt.RECORD_LAUNCH, vt.Launch(32, 4), vt.Launch(16, 2, 128), *UNROLLED, *STAGED]
 
