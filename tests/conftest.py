@@ -23,9 +23,8 @@ def cuda_moe_combine() -> Iterator[None]:
     """Route the MoE combine to its CUDA implementation (bf16 grouped GEMMs, fp32 per-pair gather) on CPU, as
     dispatch picks it on the GPU."""
     from k3verify.kernels.moe import COMBINE
-    from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded
+    from k3verify.kernels.registry import CUDA, REGISTRY
 
-    _ensure_loaded()
     REGISTRY.force(COMBINE, CUDA)
     yield
     REGISTRY.force(COMBINE, None)

@@ -7,6 +7,10 @@ and the torch reference runs — never silently. A fast path that raises (a Trit
 not compile on this GPU's toolchain, say) is disabled for the process with a logged warning naming
 the exception, except during CUDA-graph capture, where the error propagates. Every call records
 which backend ran (`last_backend`, `counts`), which is what the routing tests assert on.
+
+This module imports no op: each op package registers its implementations when imported, and
+`k3verify/kernels/__init__.py` imports them all, so any import of this module (which runs the package's
+`__init__` first) finds every op registered.
 """
 
 from __future__ import annotations
@@ -148,18 +152,4 @@ REGISTRY = KernelRegistry()
 
 def dispatch(op: str, *args: Any, device: torch.device, **kwargs: Any) -> Any:
     """Run `op` on the backend the global registry picks for `device`."""
-    _ensure_loaded()
     return REGISTRY.call(op, *args, device=device, **kwargs)
-
-
-_LOADED = False
-
-
-def _ensure_loaded() -> None:
-    """Import the op packages once so they register (kept lazy to avoid import cycles)."""
-    global _LOADED
-    if _LOADED:
-        return
-    from k3verify.kernels import attn, conv, kda, moe, mxfp4, norm, router  # noqa: F401
-
-    _LOADED = True

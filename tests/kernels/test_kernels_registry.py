@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,6 +96,20 @@ def test_registry_refuses_unknowns() -> None:
     reg.register("op", TORCH, lambda: None)
     with pytest.raises(ValueError, match="no 'triton'"):
         reg.force("op", TRITON)
+
+
+def test_importing_the_registry_alone_registers_every_op() -> None:
+    """A fresh process that imports only the registry finds every op there: importing the op packages afterwards
+    adds none (the registry imports no op; k3verify/kernels/__init__.py registers them all)."""
+    code = ("from k3verify.kernels.registry import REGISTRY\n"
+            "first = REGISTRY.ops()\n"
+            "from k3verify.kernels import attn, conv, kda, moe, mxfp4, norm, router\n"
+            "print(len(first), sorted(set(REGISTRY.ops()) - set(first)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    count, missing = done.stdout.split(" ", 1)
+    assert missing.strip() == "[]", f"ops registered only after their package was imported: {missing}"
+    assert int(count) >= 7, f"expected at least one op per op package; found {count}"
 
 
 @pytest.mark.gpu

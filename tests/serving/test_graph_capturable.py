@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.gates import Kind, compare
 from k3verify.kernels.moe import COMBINE
-from k3verify.kernels.registry import CUDA, REGISTRY, _ensure_loaded
+from k3verify.kernels.registry import CUDA, REGISTRY
 from k3verify.presets import get_preset
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
@@ -36,7 +36,6 @@ def test_decode_step_has_no_host_sync(preset: str, dtype: torch.dtype, cuda_moe_
 
 def test_the_meta_detector_bites_on_the_reference_moe_loop() -> None:
     """Control: the reference combine sizes its loop on the host (bincount().tolist()): it cannot run."""
-    _ensure_loaded()
     with pytest.raises((NotImplementedError, RuntimeError)):
         _meta_step("k3-tiny")
 
@@ -52,7 +51,6 @@ def test_capturable_moe_matches_the_reference_loop(preset: str, dtype: torch.dty
     ids = torch.randint(0, 4000, (40,), generator=torch.Generator().manual_seed(3))
     batch = PackedBatch.build(ids, [17, 23])
     ref = model.prefill(batch, all_logits=True).all_logits
-    _ensure_loaded()
     REGISTRY.force(COMBINE, CUDA)
     try:
         cand = model.prefill(batch, all_logits=True).all_logits
