@@ -20,14 +20,28 @@ import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-if TYPE_CHECKING:  # the tokenizer module imports this one (templates are checked at load)
-    from k3verify.tokenizer.tokenizer import KimiTokenizer
+
+class ChatTokenizer(Protocol):
+    """What rendering needs of a tokenizer (KimiTokenizer is one). A protocol, not the class: the tokenizer
+    module checks templates at load through this one, so this module must not import it back."""
+
+    @property
+    def id_to_special(self) -> Mapping[int, str]: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -155,7 +169,7 @@ def _refuse_what_it_drops(source: str, messages: Sequence[Mapping[str, Any]], to
                                 "`tools`: they would be dropped")
 
 
-def render_chat_ids(tokenizer: KimiTokenizer, source: str, messages: Sequence[Mapping[str, Any]], *,
+def render_chat_ids(tokenizer: ChatTokenizer, source: str, messages: Sequence[Mapping[str, Any]], *,
                     tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
                     protect_user_text: bool = True) -> list[int]:
     """Prompt ids of `messages` under the Jinja template `source` (see the module doc). protect_user_text=False
@@ -190,7 +204,7 @@ def _unprotect(value: Any, protect: _Protector) -> Any:
     return value
 
 
-def _encode_rendered(tokenizer: KimiTokenizer, text: str, protect: _Protector) -> list[int]:
+def _encode_rendered(tokenizer: ChatTokenizer, text: str, protect: _Protector) -> list[int]:
     """Template text with specials recognised; user text (JSON-escaped where quoted) as plain text, adjacent user
     pieces (content parts) as one run, exactly as their concatenation would encode."""
     ids: list[int] = []
