@@ -14,13 +14,14 @@ from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial, compare
 from k3verify.gates.replay import replay_vs_eager
+from k3verify.oracle.hf_model import load_baseline
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.runner import ModelRunner
 
-__all__ = ["decode_parity", "generate_ours", "gold_logits", "graph_parity", "judge", "judge_vs_gold", "load_baseline",
-           "model_parity", "prefill_graph_parity", "teacher_forced"]
+__all__ = ["decode_parity", "generate_ours", "gold_logits", "graph_parity", "judge", "judge_vs_gold", "model_parity",
+           "prefill_graph_parity", "teacher_forced"]
 
 
 def judge(check_id: str, kind: Kind, trial: Trial, bar: float | None = None) -> dict[str, Any]:
@@ -129,23 +130,6 @@ def gold_logits(cfg: ModelConfig, hf_dict: dict[str, Any], tensors: Any, ids: to
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def load_baseline(cfg: ModelConfig, hf_dict: dict[str, Any], tensors: Any, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """transformers' KimiLinearForCausalLM (fla kernels on CUDA) holding exactly our weights."""
-    from k3verify.bench.hf_baseline import build_hf_model
-    from k3verify.oracle.hf_kimi_linear import dense_module_tensors, hf_state_dict
-
-    hf = build_hf_model(hf_dict, device, dtype)
-    sd = hf_state_dict(cfg, dense_module_tensors(cfg, tensors))
-    targets = dict(hf.named_parameters()) | dict(hf.named_buffers())
-    if set(targets) != set(sd):
-        raise RuntimeError(f"baseline/our name sets differ: {sorted(set(targets) ^ set(sd))[:8]}")
-    with torch.no_grad():
-        for name, dest in targets.items():
-            dest.copy_(sd.pop(name))
-    return hf
 
 
 def prefill_graph_parity(runner: ModelRunner, graphs: GraphPrefill, packs: list[list[list[int]]],

@@ -22,7 +22,6 @@ from k3verify.bench.parity import (
     decode_parity,
     gold_logits,
     graph_parity,
-    load_baseline,
     model_parity,
     prefill_graph_parity,
 )
@@ -30,6 +29,7 @@ from k3verify.bench.profile import profile_decode, profile_prefill
 from k3verify.bench.speeds import runner_prefill, time_decode, time_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
+from k3verify.oracle.hf_model import load_baseline
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.prefill_graphs import GraphPrefill

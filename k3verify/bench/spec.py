@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from k3verify.bench import spec_parity
-from k3verify.bench.parity import gold_logits, load_baseline, model_parity
+from k3verify.bench.parity import gold_logits, model_parity
 from k3verify.bench.run import progress
 from k3verify.bench.spec_ref import SpecReference, continuation_match, converge_reference, expected_acceptance
 from k3verify.bench.speeds import DeviceMarks, generate_ours
@@ -33,6 +33,7 @@ from k3verify.config import ModelConfig
 from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
 from k3verify.kernels.moe import grouped
 from k3verify.kernels.registry import REGISTRY
+from k3verify.oracle.hf_model import load_baseline
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner

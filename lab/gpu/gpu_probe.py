@@ -10,8 +10,8 @@ import time
 import torch
 
 from k3verify.bench.floor import measure_copy_bandwidth
-from k3verify.bench.hf_baseline import build_hf_model, fill_random
 from k3verify.bench.timing import cuda_time, random_prompt
+from k3verify.oracle.hf_model import build_hf_model, fill_random
 from k3verify.presets import preset_hf_config
 
 out = {}

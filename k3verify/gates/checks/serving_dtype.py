@@ -146,7 +146,7 @@ def _narrow(model: nn.Module, dtype: torch.dtype) -> None:
                 control="decode with the KDA states never written back (stale state)")
 @fx.single_thread
 def check_served_vs_transformers(ctx: CheckContext) -> Trial:
-    from k3verify.bench.parity import load_baseline
+    from k3verify.oracle.hf_model import load_baseline
 
     _usable(ctx)
     if ctx.cfg.is_k3:
