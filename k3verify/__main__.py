@@ -1,4 +1,4 @@
-"""`python -m k3verify ...` runs the CLI (one import of k3verify.cli, so UsageError is caught)."""
+"""`python -m k3verify ...` runs the CLI."""
 
 import sys
 

@@ -10,17 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import TypeAlias
+
+from k3verify.errors import UsageError
 
 COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp")
-
-
-# What each command's `register` receives (a string alias: the class is not subscriptable at run time).
-Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-
-
-class UsageError(Exception):
-    """A usage or setup problem: reported on stderr with exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,8 @@ from k3verify.tokenizer.tokenizer import CONFIG_FILE, MODEL_FILE
 
 DEFAULT_PRESET = "k3-tiny"
 DEFAULT_REPORT_DIR = Path("reports/latest")
+# The dtypes a served model runs in: what parity gates and what serve may serve (a report names one of them).
+SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class TargetError(ValueError):

@@ -157,8 +157,10 @@ def gate_round_trip(workdir: Path, chaos: Chaos) -> Any:
     """Gate a k3-tiny copy with the real quick parity suite, show a byte flipped mid-shard closes the gate and
     restoring it reopens it; returns the gated serve target."""
     from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-    from k3verify.cli import UsageError, build_parser, main
+    from k3verify.cli import build_parser, main
     from k3verify.commands import serve
+    from k3verify.commands.serve_options import ServeOptions
+    from k3verify.errors import UsageError
 
     ckpt, reports = workdir / "k3-tiny", workdir / "reports"
     shutil.copytree(ensure_preset_checkpoint("k3-tiny"), ckpt)
@@ -166,8 +168,8 @@ def gate_round_trip(workdir: Path, chaos: Chaos) -> Any:
     with contextlib.redirect_stdout(io.StringIO()):  # the parity table; its verdict is noted below
         rc = main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(reports)])
     chaos.notes.append(f"gate: parity --checkpoint (quick) exit {rc} in {time.monotonic() - start:.0f}s")
-    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--report-dir", str(reports),
-                                      "--max-batch", "8"])
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--report-dir",
+                                                             str(reports), "--max-batch", "8"]))
     shard = max(ckpt.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
     original = shard.read_bytes()
     middle = len(original) // 2

@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
+from k3verify.errors import UsageError
 from k3verify.target import ModelShape, TargetError, resolve_shape
 
 if TYPE_CHECKING:  # bench code imports CUDA-side modules lazily: `--table` runs without them

@@ -20,8 +20,9 @@ from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_i
 from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
 from k3verify.config import ConfigError, ModelConfig
+from k3verify.errors import UsageError
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
 from k3verify.serving.parallel.reconcile import reconcile_slices

@@ -13,7 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
+from k3verify.errors import UsageError
 from k3verify.peers.llamacpp import ENV_DIR, PINNED, LlamaCpp, LlamaCppError, llama_server
 
 

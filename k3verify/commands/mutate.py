@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import k3verify.gates.checks  # noqa: F401  (registration happens on import)
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
+from k3verify.errors import UsageError
 from k3verify.gates import REGISTRY
 from k3verify.gates.html import render_html
 from k3verify.gates.junit import render_junit

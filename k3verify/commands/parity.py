@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
 from k3verify.commands.parity_endpoint import (
     endpoint_session,
     explain_endpoint,
     register_endpoint_args,
     select_endpoint_checks,
 )
+from k3verify.errors import UsageError
 from k3verify.gates.binding import read_report_key
 from k3verify.gates.console import print_summary, progress_hooks
 from k3verify.gates.gate import Check, CheckContext
@@ -38,10 +39,9 @@ from k3verify.gates.suite import (
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
-from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
+from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # 2 is a usage or setup error (cli.py); 3 is taken by the mutation runner's child for "imported the wrong copy"
 EXIT_CODES = {"pass": 0, "fail": 1, "error": 1, "inconclusive": 4}
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from k3verify.cli import UsageError
 from k3verify.endpoint.client import EndpointError, Limits
 from k3verify.endpoint.local import SELF, serve_locally
 from k3verify.endpoint.probe import SetupError
 from k3verify.endpoint.session import EndpointSession, open_session
+from k3verify.errors import UsageError
 from k3verify.gates.checks._endpoint_common import TOP_K, greedy_answers
 from k3verify.gates.explain import explain
 from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status

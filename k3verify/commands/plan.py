@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from k3verify.cli import Subparsers, UsageError
+from k3verify.commands import Subparsers
 from k3verify.config import ConfigError, ModelConfig
+from k3verify.errors import UsageError
 from k3verify.plan.memory import EXPERT_MODES, PlanRequest, RankPlan, plan
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout

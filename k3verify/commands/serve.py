@@ -19,8 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from k3verify.cli import Subparsers, UsageError
-from k3verify.commands import parity, serve_parallel
+from k3verify.commands import Subparsers, parity, serve_parallel
 from k3verify.commands.serve_engine import (
     GatedTarget,
     build_served,
@@ -29,6 +28,8 @@ from k3verify.commands.serve_engine import (
     report_key,
     warm_up_if_cuda,
 )
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.gates.report_lookup import lookup_report
 from k3verify.server.api_process import FrontEndConfig, bind
 from k3verify.server.app import api_key_problem, create_app
@@ -39,14 +40,12 @@ from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS
-from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, Target, TargetError, resolve_target
+from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
 
 __all__ = ["GatedTarget", "build_engine", "register", "require_gate", "run_serve"]
 
 log = logging.getLogger(__name__)
-
-
 
 
 def register(subparsers: Subparsers) -> None:
@@ -68,7 +67,7 @@ def register(subparsers: Subparsers) -> None:
                    help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda")
-    p.add_argument("--dtype", choices=tuple(parity.SERVING_DTYPES), default="bfloat16",
+    p.add_argument("--dtype", choices=tuple(SERVING_DTYPES), default="bfloat16",
                    help="serving dtype (default bfloat16); the gate report must have covered it")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequence slots in the caches")
     p.add_argument("--num-pages", type=int, default=None, metavar="N", help="MLA cache pages (default: runner's)")
@@ -119,125 +118,125 @@ def _positive(name: str, value: int | None) -> None:
         raise UsageError(f"{name} must be >= 1; got {value}")
 
 
-def parity_command(args: argparse.Namespace) -> str:
-    if args.checkpoint is not None:
-        src = f"--checkpoint {args.checkpoint}"
+def parity_command(opts: ServeOptions) -> str:
+    if opts.checkpoint is not None:
+        src = f"--checkpoint {opts.checkpoint}"
     else:
-        src = f"--preset {args.preset or DEFAULT_PRESET}"
-    device = "" if args.device == "cpu" else f" --device {args.device}"
-    dtype = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
-    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(args)))
-    return f"k3verify parity {src}{device}{dtype}{' ' + layout if layout else ''} --report-dir {args.report_dir}"
+        src = f"--preset {opts.preset or DEFAULT_PRESET}"
+    device = "" if opts.device == "cpu" else f" --device {opts.device}"
+    dtype = "" if opts.dtype == "bfloat16" else f" --dtype {opts.dtype}"
+    layout = " ".join(serve_parallel.parity_flags(serve_parallel.layout_of(opts)))
+    return f"k3verify parity {src}{device}{dtype}{' ' + layout if layout else ''} --report-dir {opts.report_dir}"
 
 
-def run_gates(args: argparse.Namespace) -> int:
+def run_gates(opts: ServeOptions) -> int:
     """The quick parity suite, through the parity command's own parser and function."""
 
     parser = argparse.ArgumentParser(prog="k3verify")
     parity.register(parser.add_subparsers(dest="command"))
-    argv = ["parity", "--suite", "quick", "--device", args.device, "--dtype", args.dtype,
-            "--report-dir", str(args.report_dir)]
-    argv += ["--checkpoint", str(args.checkpoint)] if args.checkpoint is not None else \
-        ["--preset", args.preset or DEFAULT_PRESET]
-    argv += ["--report-key", str(args.report_key)] if args.report_key is not None else []
-    argv += serve_parallel.parity_flags(serve_parallel.layout_of(args))
+    argv = ["parity", "--suite", "quick", "--device", opts.device, "--dtype", opts.dtype,
+            "--report-dir", str(opts.report_dir)]
+    argv += ["--checkpoint", str(opts.checkpoint)] if opts.checkpoint is not None else \
+        ["--preset", opts.preset or DEFAULT_PRESET]
+    argv += ["--report-key", str(opts.report_key)] if opts.report_key is not None else []
+    argv += serve_parallel.parity_flags(serve_parallel.layout_of(opts))
     pargs = parser.parse_args(argv)
     return int(pargs.func(pargs))
 
 
-def target_for(args: argparse.Namespace) -> Target:
+def target_for(opts: ServeOptions) -> Target:
     try:
-        return resolve_target(args.preset, args.checkpoint)
+        return resolve_target(opts.preset, opts.checkpoint)
     except TargetError as exc:
         raise UsageError(f"cannot serve: {exc}") from exc
 
 
-def require_gate(args: argparse.Namespace) -> GatedTarget:
+def require_gate(opts: ServeOptions) -> GatedTarget:
     """Resolve the checkpoint and find its passing report (running the gates if asked); UsageError otherwise."""
     for name in ("max_batch", "num_pages", "page_size", "max_step_tokens"):
-        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
-    if args.api_key is not None and not args.api_key.strip():
+        _positive(f"--{name.replace('_', '-')}", getattr(opts, name))
+    if opts.api_key is not None and not opts.api_key.strip():
         raise UsageError("--api-key must not be empty (an empty key would accept an empty bearer token); "
                          "leave it out to serve without authentication on loopback")
-    problem = api_key_problem(args.api_key)
+    problem = api_key_problem(opts.api_key)
     if problem is not None:
         raise UsageError(f"--api-key {problem}")
-    hosts_for(args)
-    health_policy(args)
-    if args.admit_quiet_ms < 0 or args.admit_max_hold_ms < 0:
-        raise UsageError(f"--admit-quiet-ms and --admit-max-hold-ms must be >= 0; got {args.admit_quiet_ms}, "
-                         f"{args.admit_max_hold_ms}")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535; got {args.port}")
-    report_key(args)
-    target = target_for(args)
-    want = gate_want(args, target)
-    found = lookup_report(args.report_dir, want)
-    if found.passing is None and args.run_gates:
+    hosts_for(opts)
+    health_policy(opts)
+    if opts.admit_quiet_ms < 0 or opts.admit_max_hold_ms < 0:
+        raise UsageError(f"--admit-quiet-ms and --admit-max-hold-ms must be >= 0; got {opts.admit_quiet_ms}, "
+                         f"{opts.admit_max_hold_ms}")
+    if not 0 <= opts.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535; got {opts.port}")
+    report_key(opts)
+    target = target_for(opts)
+    want = gate_want(opts, target)
+    found = lookup_report(opts.report_dir, want)
+    if found.passing is None and opts.run_gates:
         print(f"k3verify serve: {found.reason}; running the quick gate suite ...", flush=True)
-        code = run_gates(args)
-        found = lookup_report(args.report_dir, want)
+        code = run_gates(opts)
+        found = lookup_report(opts.report_dir, want)
         if found.passing is None:
             raise UsageError(f"the gates did not pass (parity exit code {code}): {found.reason}. "
-                             f"Refusing to serve; see the report under {args.report_dir}")
+                             f"Refusing to serve; see the report under {opts.report_dir}")
     if found.passing is None:
-        raise UsageError(f"refusing to serve: no passing gate report under {args.report_dir} "
-                         f"({found.reason}). Run `{parity_command(args)}` first, or pass --run-gates")
-    layout = serve_parallel.layout_of(args)
+        raise UsageError(f"refusing to serve: no passing gate report under {opts.report_dir} "
+                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates")
+    layout = serve_parallel.layout_of(opts)
     why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
     if why is not None:
-        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(args)}` first")
+        raise UsageError(f"refusing to serve with {layout.describe()}: {why}. Run `{parity_command(opts)}` first")
     return GatedTarget(target, found.passing)
 
 
-def build_engine(args: argparse.Namespace, gated: GatedTarget) -> tuple[Engine, KimiTokenizer]:
+def build_engine(opts: ServeOptions, gated: GatedTarget) -> tuple[Engine, KimiTokenizer]:
     """(engine, tokenizer) for a gated target, built from one snapshot of its directory whose digest must be the
     gated one (commands/serve_engine.py)."""
-    built = build_served(args, gated)
+    built = build_served(opts, gated)
     return built.engine, built.tokenizer
 
 
-def hosts_for(args: argparse.Namespace) -> tuple[str, ...]:
+def hosts_for(opts: ServeOptions) -> tuple[str, ...]:
     try:
-        return allowed_hosts(args.host, args.allowed_host)
+        return allowed_hosts(opts.host, opts.allowed_host)
     except HostNameError as exc:
         raise UsageError(f"--allowed-host / --host: {exc}") from None
 
 
-def warn_about_wildcard_bind(args: argparse.Namespace, hosts: tuple[str, ...]) -> None:
-    if only_loopback(hosts) and args.host.strip() in ("0.0.0.0", "::", "[::]"):
+def warn_about_wildcard_bind(opts: ServeOptions, hosts: tuple[str, ...]) -> None:
+    if only_loopback(hosts) and opts.host.strip() in ("0.0.0.0", "::", "[::]"):
         log.warning("--host %s accepts connections from other machines, but the server answers only requests whose "
                     "Host header is a loopback name (421 otherwise): add the names and addresses clients use with "
-                    "--allowed-host NAME (repeatable)", args.host)
+                    "--allowed-host NAME (repeatable)", opts.host)
 
 
-def serve_in_process(args: argparse.Namespace, engine: Engine, tokenizer: KimiTokenizer, model_name: str) -> None:
+def serve_in_process(opts: ServeOptions, engine: Engine, tokenizer: KimiTokenizer, model_name: str) -> None:
     """Engine and uvicorn in this process (--api-in-process): one GIL for both, no supervisor."""
     import uvicorn
 
     metrics = ServerMetrics()
     engine.observer = metrics
-    app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=args.api_key, metrics=metrics,
-                     allowed_hosts=hosts_for(args))
-    print(f"k3verify serve: http://{args.host}:{args.port}/v1 (model {model_name!r}); {describe_server_impl()}, "
+    app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=opts.api_key, metrics=metrics,
+                     allowed_hosts=hosts_for(opts))
+    print(f"k3verify serve: http://{opts.host}:{opts.port}/v1 (model {model_name!r}); {describe_server_impl()}, "
           "in the engine's process", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=opts.host, port=opts.port, log_level="info")
 
 
-def serve_supervised(args: argparse.Namespace, gated: GatedTarget) -> int:
+def serve_supervised(opts: ServeOptions, gated: GatedTarget) -> int:
     """The engine's process and the HTTP front end's under a supervisor (this process) that restarts either."""
-    hosts = hosts_for(args)
+    hosts = hosts_for(opts)
     try:
-        sock = bind(args.host, args.port)
+        sock = bind(opts.host, opts.port)
     except OSError as exc:
-        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot serve on {opts.host}:{opts.port}: {exc.strerror or exc}") from None
     workdir = tempfile.mkdtemp(prefix="k3v-serve-")  # 0700: only this user reaches the engine's socket
     address, authkey = os.path.join(workdir, "engine.sock"), os.urandom(32)
-    engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", args, gated, address, authkey))
-    front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=args.api_key, allowed_hosts=hosts)
+    engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", opts, gated, address, authkey))
+    front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=opts.api_key, allowed_hosts=hosts)
     front = Child("HTTP front end", "k3verify.server.api_process", "supervised_main", ("start", front_config),
                   pass_fds=(sock.fileno(),))
-    supervisor = Supervisor(engine, front, args.max_restarts, args.health_window)
+    supervisor = Supervisor(engine, front, opts.max_restarts, opts.health_window)
     try:
         try:
             supervisor.start()
@@ -258,18 +257,17 @@ def serve_supervised(args: argparse.Namespace, gated: GatedTarget) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    gated = require_gate(args)
+    opts = ServeOptions.from_args(args)
+    gated = require_gate(opts)
     target = gated.target
     print(f"k3verify serve: gate report {gated.report} vouches for {target.name} ({target.digest})", flush=True)
-    warn_about_wildcard_bind(args, hosts_for(args))
-    if not args.api_in_process:
-        return serve_supervised(args, gated)
-    engine, tokenizer = build_engine(args, gated)
-    warm_up_if_cuda(args, engine)
+    warn_about_wildcard_bind(opts, hosts_for(opts))
+    if not opts.api_in_process:
+        return serve_supervised(opts, gated)
+    built = build_served(opts, gated)
+    warm_up_if_cuda(opts, built)
     try:
-        serve_in_process(args, engine, tokenizer, target.name)
+        serve_in_process(opts, built.engine, built.tokenizer, target.name)
     finally:
-        engine.stop()
-        if getattr(args, "serving_world", None) is not None:
-            args.serving_world.close()
-    return 0 if engine.health() in (None, "engine stopped") else 1
+        built.close()
+    return 0 if built.engine.health() in (None, "engine stopped") else 1

@@ -10,7 +10,6 @@ the report up again for the bytes it read, or refuses.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -25,8 +24,9 @@ import torch
 
 import k3verify
 from k3verify.checkpoint.loader import WeightLoadError
-from k3verify.cli import UsageError
-from k3verify.commands import parity, serve_parallel
+from k3verify.commands import serve_parallel
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.gates.binding import read_report_key, source_digest
 from k3verify.gates.report_lookup import GateWant, lookup_report
 from k3verify.server.engine_link import EngineHello, EngineHost, engine_state
@@ -34,12 +34,13 @@ from k3verify.server.metrics import EngineMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
+from k3verify.serving.parallel.world import ServingWorld
 from k3verify.serving.prefill_graphs import prefill_graphs_for
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import CostGate, SpecPolicy
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
 from k3verify.serving.warmup import warm_up
-from k3verify.target import ServedCheckpoint, Target, TargetError, TokenizerBytes, snapshot_target
+from k3verify.target import SERVING_DTYPES, ServedCheckpoint, Target, TargetError, TokenizerBytes, snapshot_target
 from k3verify.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
@@ -55,42 +56,50 @@ class GatedTarget:
 
 @dataclass
 class BuiltEngine:
-    """An engine built from one snapshot: the engine, its tokenizer, and that tokenizer's bytes (for a front end)."""
+    """An engine built from one snapshot: the engine, its tokenizer, that tokenizer's bytes (for a front end), and
+    under a parallel layout the serving world whose rank 0 runs it (closed after the engine stops)."""
 
     engine: Engine
     tokenizer: KimiTokenizer
     tokenizer_bytes: TokenizerBytes
     target: Target
+    world: ServingWorld | None = None
+
+    def close(self) -> None:
+        """Stop the engine, then the other ranks of its world."""
+        self.engine.stop()
+        if self.world is not None:
+            self.world.close()
 
 
-def health_policy(args: argparse.Namespace) -> HealthPolicy:
+def health_policy(opts: ServeOptions) -> HealthPolicy:
     try:
-        return HealthPolicy(max_nonfinite=args.nonfinite_threshold, max_restarts=args.max_restarts,
-                            window_s=args.health_window)
+        return HealthPolicy(max_nonfinite=opts.nonfinite_threshold, max_restarts=opts.max_restarts,
+                            window_s=opts.health_window)
     except ValueError as exc:
         raise UsageError(f"--nonfinite-threshold / --max-restarts / --health-window: {exc}") from exc
 
 
-def report_key(args: argparse.Namespace) -> bytes | None:
-    if args.report_key is None:
+def report_key(opts: ServeOptions) -> bytes | None:
+    if opts.report_key is None:
         return None
     try:
-        return read_report_key(args.report_key)
+        return read_report_key(opts.report_key)
     except ValueError as exc:
         raise UsageError(f"--report-key: {exc}") from exc
 
 
-def gate_want(args: argparse.Namespace, target: Target) -> GateWant:
+def gate_want(opts: ServeOptions, target: Target) -> GateWant:
     """What a report must name to vouch for serving `target` with these flags."""
     try:
-        device_kind = torch.device(args.device).type
+        device_kind = torch.device(opts.device).type
     except RuntimeError as exc:
-        raise UsageError(f"--device {args.device!r}: {exc}") from exc
-    return GateWant(target.digest, k3verify.__version__, device_kind, args.dtype, source_digest(), target.preset,
-                    report_key(args))
+        raise UsageError(f"--device {opts.device!r}: {exc}") from exc
+    return GateWant(target.digest, k3verify.__version__, device_kind, opts.dtype, source_digest(), target.preset,
+                    report_key(opts))
 
 
-def load_served(args: argparse.Namespace, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:
+def load_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:
     """The gated checkpoint read once into memory; UsageError unless those bytes have the digest the gate vouched
     for (with `recheck`, the report dir is searched again for a report that still passes for them)."""
     try:
@@ -103,74 +112,76 @@ def load_served(args: argparse.Namespace, gated: GatedTarget, *, recheck: bool =
                          f"bytes read to serve have digest {digest}, the gate report {gated.report} vouches for "
                          f"{gated.target.digest}")
     if recheck:
-        found = lookup_report(args.report_dir, gate_want(args, served.target))
+        found = lookup_report(opts.report_dir, gate_want(opts, served.target))
         if found.passing is None:
             raise UsageError(f"refusing to serve {gated.target.checkpoint_dir}: no passing gate report for the bytes "
                              f"read now ({found.reason})")
     return served
 
 
-def build_served(args: argparse.Namespace, gated: GatedTarget, *, recheck: bool = False) -> BuiltEngine:
+def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = False) -> BuiltEngine:
     """The engine of a gated target, built from one snapshot of its directory (weights, config, tokenizer)."""
-    served = load_served(args, gated, recheck=recheck)
+    served = load_served(opts, gated, recheck=recheck)
     target = served.target
     try:
         tokenizer_bytes = served.tokenizer_bytes()
         tokenizer = served.tokenizer()
     except TargetError as exc:
         raise UsageError(str(exc)) from exc
-    cache_kw = {k: v for k, v in (("num_pages", args.num_pages), ("page_size", args.page_size)) if v is not None}
-    layout = serve_parallel.layout_of(args)
-    if layout.world > 1 and args.speculative is not None:
+    sizes = (("num_pages", opts.num_pages), ("page_size", opts.page_size))
+    cache_kw: dict[str, Any] = {k: v for k, v in sizes if v is not None}
+    layout = serve_parallel.layout_of(opts)
+    if layout.world > 1 and opts.speculative is not None:
         raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
                          "ranks yet; serve a parallel layout without speculative decoding")
-    if args.prefill_graphs and (torch.device(args.device).type != "cuda" or layout.world > 1):
-        raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {args.device}, {layout.describe()}): "
+    if opts.prefill_graphs and (torch.device(opts.device).type != "cuda" or layout.world > 1):
+        raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {opts.device}, {layout.describe()}): "
                          "CUDA graphs over collectives are not captured yet")
-    graphs = prefill_graphs = None
+    graphs = prefill_graphs = world = None
     try:
         if layout.world > 1:  # rank 0 runs the engine here; each rank checks its own snapshot's digest
-            args.serving_world = serve_parallel.start_world(target, args, layout)
-            runner: ModelRunner = args.serving_world.runner  # decodes eagerly: no graphs over collectives yet
+            world = serve_parallel.start_world(target, opts, layout)
+            runner: ModelRunner = world.runner  # decodes eagerly: no graphs over collectives yet
         else:
-            runner = build_runner(target.cfg, served.weights(), dtype=parity.SERVING_DTYPES[args.dtype],
-                                  device=torch.device(args.device), num_slots=args.max_batch, **cache_kw)
+            runner = build_runner(target.cfg, served.weights(), dtype=SERVING_DTYPES[opts.dtype],
+                                  device=torch.device(opts.device), num_slots=opts.max_batch, **cache_kw)
             graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
-            if args.prefill_graphs:
-                prefill_graphs = prefill_graphs_for(runner.model, args.max_step_tokens, runner.state_pool.num_slots)
+            if opts.prefill_graphs:
+                prefill_graphs = prefill_graphs_for(runner.model, opts.max_step_tokens, runner.state_pool.num_slots)
     except WeightLoadError as exc:
         raise UsageError(f"cannot serve {target.checkpoint_dir}: {exc}") from exc
     served.snapshot.drop_shards()  # the model holds its own copy now
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
-                    max_step_tokens=args.max_step_tokens, graphs=graphs, debug=args.debug,
-                    health_policy=health_policy(args), admit_quiet_s=args.admit_quiet_ms / 1e3,
-                    admit_max_hold_s=args.admit_max_hold_ms / 1e3,
-                    speculator=_speculator(args, runner), prefill_graphs=prefill_graphs)
-    return BuiltEngine(engine, tokenizer, tokenizer_bytes, target)
+                    max_step_tokens=opts.max_step_tokens, graphs=graphs, debug=opts.debug,
+                    health_policy=health_policy(opts), admit_quiet_s=opts.admit_quiet_ms / 1e3,
+                    admit_max_hold_s=opts.admit_max_hold_ms / 1e3,
+                    speculator=_speculator(opts, runner), prefill_graphs=prefill_graphs)
+    return BuiltEngine(engine, tokenizer, tokenizer_bytes, target, world)
 
 
-def _speculator(args: argparse.Namespace, runner: ModelRunner) -> SpeculativeStep | None:
-    if args.speculative is None:
-        if args.kda_fused_verify:
+def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | None:
+    if opts.speculative is None:
+        if opts.kda_fused_verify:
             raise UsageError("--kda-fused-verify only applies with --speculative")
         return None
     try:
-        policy = SpecPolicy(min_mean_accepted=args.spec_min_accept)
-        step = build_speculative_step(runner, args.speculative, args.num_draft, args.max_batch,
-                                      fused=args.kda_fused_verify, policy=policy,
-                                      gate=None if args.no_spec_cost_gate else CostGate())
+        policy = SpecPolicy(min_mean_accepted=opts.spec_min_accept)
+        step = build_speculative_step(runner, opts.speculative, opts.num_draft, opts.max_batch,
+                                      fused=opts.kda_fused_verify, policy=policy,
+                                      gate=None if opts.no_spec_cost_gate else CostGate())
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    path = "fused (one launch per layer where the kernel accepts the geometry)" if args.kda_fused_verify else "unfused"
-    print(f"k3verify serve: speculative decoding with the {args.speculative} drafter, k={args.num_draft}, "
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if opts.kda_fused_verify else "unfused"
+    print(f"k3verify serve: speculative decoding with the {opts.speculative} drafter, k={opts.num_draft}, "
           f"KDA verify {path}", flush=True)
     return step
 
 
-def warm_up_if_cuda(args: argparse.Namespace, engine: Engine) -> None:
+def warm_up_if_cuda(opts: ServeOptions, built: BuiltEngine) -> None:
     # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
-    if engine.runner.device.type == "cuda" and not args.no_warmup and getattr(args, "serving_world", None) is None:
-        report = warm_up(engine.runner, engine.launcher.graphs, args.max_step_tokens, engine.launcher.prefill_graphs)
+    engine = built.engine
+    if engine.runner.device.type == "cuda" and not opts.no_warmup and built.world is None:
+        report = warm_up(engine.runner, engine.launcher.graphs, opts.max_step_tokens, engine.launcher.prefill_graphs)
         print(f"k3verify serve: {report.describe()}", flush=True)
 
 
@@ -191,15 +202,15 @@ def _serve_links(listener: Listener, engine: Engine, metrics: EngineMetrics, hel
 
 def engine_main(fd: int) -> int:
     """The engine's process under `serve`'s supervisor: FD is its control connection, whose first message is
-    ("start", args, gated, address, authkey); it answers ("ready", pid), ("refused", why) (exit 2: the checkpoint
+    ("start", opts, gated, address, authkey); it answers ("ready", pid), ("refused", why) (exit 2: the checkpoint
     or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told to stop or
     the supervisor is gone."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [engine %(process)d] %(name)s: %(message)s")
     control = Connection(fd)
-    _, args, gated, address, authkey = control.recv()
+    _, opts, gated, address, authkey = control.recv()
     try:
-        built = build_served(args, gated, recheck=True)
-        warm_up_if_cuda(args, built.engine)
+        built = build_served(opts, gated, recheck=True)
+        warm_up_if_cuda(opts, built)
     except UsageError as exc:
         control.send(("refused", str(exc)))
         return 2
@@ -223,8 +234,5 @@ def engine_main(fd: int) -> int:
         pass
     finally:
         listener.close()
-        engine.stop()
-        world: Any = getattr(args, "serving_world", None)
-        if world is not None:
-            world.close()
+        built.close()
     return 0

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from k3verify.cli import UsageError
-from k3verify.commands.parity import SERVING_DTYPES
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.serving.parallel.world import ServingWorld, WorldSpec
-from k3verify.target import Target
+from k3verify.target import SERVING_DTYPES, Target
 
 DIST_CHECKS = ("dist.tp.logits", "dist.ep.logits", "dist.layout.logits", "dist.greedy", "dist.ep.empty_rank",
                "dist.weights.slices")
@@ -26,9 +26,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel degree (ranks on this host)")
 
 
-def layout_of(args: argparse.Namespace) -> ParallelLayout:
+def layout_of(opts: ServeOptions) -> ParallelLayout:
     try:
-        return ParallelLayout(args.tp, args.ep)
+        return ParallelLayout(opts.tp, opts.ep)
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
 
@@ -51,13 +51,13 @@ def dist_gate_reason(report: Path, layout: ParallelLayout) -> str | None:
     return None
 
 
-def start_world(target: Target, args: argparse.Namespace, layout: ParallelLayout) -> ServingWorld:
-    pages = args.num_pages or DEFAULT_PAGES
-    page_size = args.page_size or DEFAULT_PAGE_SIZE
-    caches = {"num_pages": pages, "page_size": page_size, "num_slots": args.max_batch,
+def start_world(target: Target, opts: ServeOptions, layout: ParallelLayout) -> ServingWorld:
+    pages = opts.num_pages or DEFAULT_PAGES
+    page_size = opts.page_size or DEFAULT_PAGE_SIZE
+    caches = {"num_pages": pages, "page_size": page_size, "num_slots": opts.max_batch,
               "max_context": min((pages - 1) * page_size, target.cfg.max_position_embeddings)}
-    spec = WorldSpec(str(target.checkpoint_dir), layout.tp, layout.ep, torch.device(args.device).type, caches,
-                     dtype=SERVING_DTYPES[args.dtype], names=target.names, digest=target.digest)
+    spec = WorldSpec(str(target.checkpoint_dir), layout.tp, layout.ep, torch.device(opts.device).type, caches,
+                     dtype=SERVING_DTYPES[opts.dtype], names=target.names, digest=target.digest)
     try:
         return ServingWorld(target.cfg, spec)
     except (LayoutError, ValueError) as exc:

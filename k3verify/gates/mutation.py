@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import k3verify
-from k3verify.cli import main
 from k3verify.gates.report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
@@ -204,8 +203,9 @@ def apply_patch(mutant: Mutant) -> None:
     setattr(owner, name, mutant.patch(getattr(owner, name)))
 
 
-def child_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of a mutant process: `--root R [--catalog C --mutant ID] -- <cli args>`."""
+def child_main(cli_main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """Entry point of a mutant process: `--root R [--catalog C --mutant ID] -- <cli args>`, run by `cli_main`
+    (the CLI's main, which the child's launch line imports: the harness does not import the CLI that drives it)."""
     args = list(sys.argv[1:] if argv is None else argv)
     split = args.index("--")
     opts = dict(zip(args[:split:2], args[1:split:2], strict=True))
@@ -218,7 +218,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
         by_id = {m.id: m for m in load_catalog(Path(opts["--catalog"]))}
         apply_patch(by_id[opts["--mutant"]])
 
-    return main(args[split + 1:])
+    return cli_main(args[split + 1:])
 
 
 @dataclass
@@ -258,7 +258,8 @@ def run_child(mutant: Mutant | None, preset: str, check_ids: Sequence[str], *, c
                    PYTHONDONTWRITEBYTECODE="1", K3V_CACHE_DIR=str(cache_dir), **extra_env)
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        code = "from k3verify.gates.mutation import child_main; raise SystemExit(child_main())"
+        code = ("from k3verify.cli import main; from k3verify.gates.mutation import child_main; "
+                "raise SystemExit(child_main(main))")
         try:
             # cwd=root: `-c` puts the cwd first on sys.path, ahead of the editable install's finder.
             done = subprocess.run([sys.executable, "-c", code, *opts, "--", *cli], cwd=root, env=env,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import k3verify
-from k3verify.cli import UsageError
+from k3verify.errors import UsageError
 from k3verify.gates.binding import dtypes_of_run, source_digest, verdict_from_counts
 from k3verify.gates.evaluate import evaluate_trial
 from k3verify.gates.evidence import missing_evidence

@@ -12,8 +12,9 @@ import torch
 
 from k3verify import target as target_mod
 from k3verify.bench import run as bench_run
-from k3verify.cli import UsageError, main
+from k3verify.cli import main
 from k3verify.commands import bench as bench_cmd
+from k3verify.errors import UsageError
 from k3verify.presets import get_preset, preset_hf_config
 from k3verify.target import TargetError, resolve_shape, resolve_target
 

@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from k3verify.checkpoint.loader import WeightLoadError, load_into
 from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-from k3verify.cli import UsageError, build_parser, main
+from k3verify.cli import build_parser, main
 from k3verify.commands import serve
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.serving.model import ServingModel
 from k3verify.target import resolve_target
 
@@ -48,7 +50,7 @@ def test_loader_names_a_nonfinite_tensor(tmp_path: Path, value: float) -> None:
 def test_serve_refuses_a_nan_weight_naming_it(tmp_path: Path) -> None:
     """`serve` of a checkpoint holding a NaN weight: a usage error naming the tensor, not a NaN-serving engine."""
     ckpt = nan_copy(tmp_path)
-    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--max-batch", "2"])
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--max-batch", "2"]))
     gated = serve.GatedTarget(serve.target_for(args), tmp_path / "report.json")
     with pytest.raises(UsageError, match=f"cannot serve {ckpt}: checkpoint tensor {VICTIM} .* holds 1 NaN"):
         serve.build_engine(args, gated)

@@ -10,6 +10,7 @@ import torch
 
 from k3verify.cli import build_parser, main
 from k3verify.commands import serve
+from k3verify.commands.serve_options import ServeOptions
 from k3verify.gates.report import load_report
 
 
@@ -36,7 +37,8 @@ def test_module_level_use_of_a_dtype_is_not_coverage(tmp_path: Path) -> None:
 
 
 def test_serve_builds_the_model_in_the_requested_dtype(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["serve", "--preset", "k3-tiny", "--dtype", "float32", "--max-batch", "2"])
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--preset", "k3-tiny", "--dtype", "float32",
+                                                            "--max-batch", "2"]))
     engine, _ = serve.build_engine(args, serve.GatedTarget(serve.target_for(args), tmp_path / "report.json"))
     assert engine.runner.model.dtype == torch.float32
     assert serve.parity_command(args).endswith(f"--dtype float32 --report-dir {args.report_dir}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import k3verify
-from k3verify.cli import UsageError
+from k3verify.errors import UsageError
 from k3verify.gates import CheckContext, Kind, Registry, Status, Trial, load_all_checks, select_checks
 from k3verify.gates.suite import RunResult, derive_seed, import_error_results, verdict
 

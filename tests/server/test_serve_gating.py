@@ -20,8 +20,10 @@ import pytest
 from gate_reports import ago, write_report
 
 import k3verify
-from k3verify.cli import UsageError, build_parser, main
+from k3verify.cli import build_parser, main
 from k3verify.commands import serve
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.gates.binding import source_digest
 from k3verify.gates.report_lookup import GateWant, find_passing_report, lookup_report
 
@@ -33,8 +35,8 @@ def want(digest: str, device: str = "cpu", **kw: Any) -> GateWant:
     return GateWant(digest, k3verify.__version__, device, "bfloat16", source_digest(), "k3-tiny", **kw)
 
 
-def serve_args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["serve", *argv])
+def serve_args(*argv: str) -> ServeOptions:
+    return ServeOptions.from_args(build_parser().parse_args(["serve", *argv]))
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 from gate_reports import ago, edit_report, quick_checks, report_data, write_report
 from test_serve_gating import refusal, serve_args, want
 
-from k3verify.cli import UsageError
 from k3verify.commands import serve
+from k3verify.errors import UsageError
 from k3verify.gates.binding import dtypes_of_run, recompute_summary, sign_report, source_digest
 from k3verify.gates.report_lookup import lookup_report
 

@@ -20,8 +20,10 @@ from gate_reports import write_report
 from k3verify.checkpoint.digest import checkpoint_digest, covered_files
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.checkpoint.synthetic import ensure_preset_checkpoint
-from k3verify.cli import UsageError, build_parser
+from k3verify.cli import build_parser
 from k3verify.commands.serve_engine import GatedTarget, load_served
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.target import resolve_target, snapshot_target
 from k3verify.tokenizer import KIMI_CHAT_TEMPLATE
 from tools import chaos_kill
@@ -82,7 +84,7 @@ def test_a_file_swapped_between_gate_and_snapshot_is_refused(tmp_path: Path, nam
     ckpt = copy_tiny(tmp_path)
     gated = GatedTarget(resolve_target(checkpoint=ckpt), tmp_path / "report.json")
     swap(ckpt / name)
-    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt)])
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--checkpoint", str(ckpt)]))
     want = (f"changed after the gate checked it: the bytes read to serve have digest sha256:[0-9a-f]{{64}}, the gate "
             f"report .* vouches for {gated.target.digest}")
     with pytest.raises(UsageError, match=want):

@@ -11,8 +11,10 @@ import pytest
 from server_harness import TINY, RunningServer, running_server
 from test_server_errors import GOOD, assert_envelope
 
-from k3verify.cli import UsageError, build_parser
+from k3verify.cli import build_parser
 from k3verify.commands import serve
+from k3verify.commands.serve_options import ServeOptions
+from k3verify.errors import UsageError
 from k3verify.server.hosts import HostNameError, allowed_hosts, check_allowed_name, host_name
 
 
@@ -67,13 +69,14 @@ def test_serve_refuses_a_bad_allowed_host_and_warns_on_a_wildcard_bind(caplog: p
     """`serve --allowed-host http://x` is a usage error; --host 0.0.0.0 with only loopback names allowed logs a
     warning naming --allowed-host, and none once a name is given."""
     with pytest.raises(UsageError, match="--allowed-host / --host: 'http://x' is not a host name"):
-        serve.require_gate(build_parser().parse_args(["serve", "--allowed-host", "http://x"]))
-    args = build_parser().parse_args(["serve", "--host", "0.0.0.0"])
+        serve.require_gate(ServeOptions.from_args(build_parser().parse_args(["serve", "--allowed-host", "http://x"])))
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--host", "0.0.0.0"]))
     with caplog.at_level(logging.WARNING, logger="k3verify.commands.serve"):
         serve.warn_about_wildcard_bind(args, serve.hosts_for(args))
     assert "--host 0.0.0.0" in caplog.text and "--allowed-host NAME" in caplog.text
     caplog.clear()
-    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--allowed-host", "api.example.com"])
+    args = ServeOptions.from_args(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--allowed-host",
+                                                                "api.example.com"]))
     with caplog.at_level(logging.WARNING, logger="k3verify.commands.serve"):
         serve.warn_about_wildcard_bind(args, serve.hosts_for(args))
     assert caplog.text == ""

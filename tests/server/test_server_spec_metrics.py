@@ -3,14 +3,15 @@ tokens, per-request auto-off and cost-gate declines; an engine without a specula
 
 from __future__ import annotations
 
-import argparse
 import re
 from typing import Any
 
 import httpx
 from server_harness import make_tiny_runner, running_server
 
+from k3verify.cli import build_parser
 from k3verify.commands.serve_engine import _speculator
+from k3verify.commands.serve_options import ServeOptions
 from k3verify.server.metrics import SPECULATION_COUNTERS
 from k3verify.serving.runner import generate_greedy
 from k3verify.serving.spec.drafter import ControlledDrafter
@@ -26,10 +27,10 @@ def _counters(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(k3v_spec_\w+_total) (\S+)$", text, re.M)}
 
 
-def _serve_flags() -> argparse.Namespace:
+def _serve_flags() -> ServeOptions:
     """What `serve --speculative ngram` parses into, with its defaults (cost gate and auto-off on)."""
-    return argparse.Namespace(speculative="ngram", num_draft=K, spec_min_accept=0.25, kda_fused_verify=False,
-                              no_spec_cost_gate=False, max_batch=8)
+    return ServeOptions.from_args(build_parser().parse_args(["serve", "--speculative", "ngram", "--num-draft", str(K),
+                                                             "--max-batch", "8"]))
 
 
 def _served_counters(runner: Any, speculator: SpeculativeStep | None) -> dict[str, float]:

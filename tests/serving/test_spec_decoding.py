@@ -287,17 +287,18 @@ def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingMode
 
 def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
     """serve: --kda-fused-verify needs --speculative; --num-draft must be positive; default is no speculator."""
-    import argparse
+    import dataclasses
 
-    from k3verify.cli import UsageError
+    from k3verify.cli import build_parser
     from k3verify.commands.serve_engine import _speculator
+    from k3verify.commands.serve_options import ServeOptions
+    from k3verify.errors import UsageError
 
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
+    base = ServeOptions.from_args(build_parser().parse_args(["serve", "--max-batch", "3"]))
 
-    def args(**kw: object) -> argparse.Namespace:
-        base = {"speculative": None, "num_draft": 4, "spec_min_accept": 0.25, "kda_fused_verify": False,
-                "max_batch": 3, "no_spec_cost_gate": False}
-        return argparse.Namespace(**(base | kw))
+    def args(**kw: Any) -> ServeOptions:
+        return dataclasses.replace(base, **kw)
 
     assert _speculator(args(), runner) is None
     with pytest.raises(UsageError, match="--kda-fused-verify"):
