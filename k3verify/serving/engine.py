@@ -11,15 +11,13 @@ request fails that request only. Non-finite logits fail their request with the r
 caches are reallocated, waiting requests stay queued, and the restart is counted; past
 `HealthPolicy.max_restarts` restarts in the window it gives up and the loop stays dead.
 
-Each turn of the loop schedules step n+1 (decode rows + prompt chunks under max_step_tokens), launches
-it (serving/step_loop.py: sampling on the device, CUDA graphs when given) and only then collects step
-n's token ids: the host's bookkeeping overlaps the GPU's step instead of following it. With a
-speculator, steps run in order (the drafter proposes from the tokens the host holds).
+The engine is three layers of one object on one thread: this module (the public API called from any thread,
+and the supervisor), serving/engine_loop.py (commands, admission, launching and collecting steps) and
+serving/request_book.py (the live requests and every event that reaches their sinks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -32,7 +30,14 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from k3verify.serving.admission import RequestLimits
+from k3verify.serving.admission import (
+    ADMIT_HISTORY,
+    ADMIT_MAX_HOLD_S,
+    ADMIT_QUIET_S,
+    AdmissionHold,
+    RequestLimits,
+)
+from k3verify.serving.engine_loop import EngineLoop
 from k3verify.serving.events import (
     ContextLengthError,
     EngineDeadError,
@@ -48,10 +53,9 @@ from k3verify.serving.prefill_graphs import GraphPrefill
 from k3verify.serving.request import Request
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
-from k3verify.serving.scheduler import Scheduler, StepPlan
+from k3verify.serving.scheduler import Scheduler
 from k3verify.serving.scoring import score_prompt
-from k3verify.serving.spec.timing import StepTimer
-from k3verify.serving.step_loop import LaunchedStep, RowResult, StepLauncher
+from k3verify.serving.step_loop import LaunchedStep, StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
 if TYPE_CHECKING:
@@ -66,24 +70,14 @@ log = logging.getLogger(__name__)
 # 4.6 ms in process (H200). Engine.start lowers the interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
-# Admission hold: requests that arrive together are admitted together. A prefill pass has a large fixed cost that is
-# host work (kl-48b-8l on the H200: ~33 ms from launch to launch for 128 to 3k prompt tokens, where the
-# GPU needs 3-10 ms), and a burst of arrivals spread over a few tens of milliseconds was admitted over 2-3 such
-# steps, each stalling every running stream. So the waiting queue is admitted once no request has arrived for
-# ADMIT_QUIET_S, or once its oldest request has waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill
-# every free slot; running rows keep decoding meanwhile. (TGI batches prefills for the same reason with its
-# waiting_served_ratio.) A server whose last ADMIT_HISTORY admissions each took one request sees requests come one
-# at a time: it admits at once (a hold there only adds its quiet time to every request's TTFT).
-# The served bench's bursts (64 or 16 clients whose streams end together) arrived over 27-40 ms with gaps of up to
-# 3.4-4.7 ms between requests, hence 5 ms and 40 ms.
-ADMIT_QUIET_S = 0.005
-ADMIT_MAX_HOLD_S = 0.040
-ADMIT_HISTORY = 4
 
-__all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineEvent", "InjectedFault"]
+__all__ = ["ADMIT_HISTORY", "ADMIT_MAX_HOLD_S", "ADMIT_QUIET_S", "ContextLengthError", "Engine", "EngineDeadError",
+           "EngineEvent", "InjectedFault"]
 
 
-class Engine:
+class Engine(EngineLoop):
+    """Continuous batching on one engine thread; submit, abort and call from any thread."""
+
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
                  max_step_tokens: int = 2048, max_running: int | None = None, graphs: GraphDecoder | None = None,
                  debug: bool = False, observer: Observer | None = None, stall_timeout_s: float = 120.0,
@@ -111,10 +105,7 @@ class Engine:
         self.observer = observer
         self.stall_timeout_s = stall_timeout_s
         self.idle_wait_s = idle_wait_s
-        if admit_quiet_s < 0 or admit_max_hold_s < 0:
-            raise ValueError(f"admission hold times must be >= 0; got {admit_quiet_s}, {admit_max_hold_s}")
-        self.admit_quiet_s, self.admit_max_hold_s = admit_quiet_s, admit_max_hold_s
-        self.admitted_sizes: deque[int] = deque(maxlen=ADMIT_HISTORY)  # requests per recent admitting step
+        self.admission = AdmissionHold(admit_quiet_s, admit_max_hold_s)
         self.num_held = 0  # times the loop waited for more arrivals before admitting (nothing else to run)
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
         self.num_waiting = 0
@@ -225,6 +216,12 @@ class Engine:
     def check_integrity(self, timeout: float = 60.0) -> None:
         self.call(self.runner.check_integrity, timeout)
 
+    def record_steps(self, on: bool) -> None:
+        """Start (fresh logs) or stop recording each step's launch time and shape in `step_log` and each request's
+        arrival in `arrival_log`."""
+        self.step_log = deque(maxlen=1_000_000) if on else None
+        self.arrival_log = deque(maxlen=1_000_000) if on else None
+
     def _run(self) -> None:
         """The supervisor: run the loop; when a step raises, restart it with fresh caches (or give up)."""
         while True:
@@ -240,37 +237,6 @@ class Engine:
                 return
             self._fail_all("engine stopped")
             return
-
-    def _loop(self) -> None:
-        serving = True
-        while serving and self._handle_commands(block=self._is_idle()):
-            self._heartbeat = time.monotonic()
-            hold = self._admission_hold()
-            if hold > 0 and not self.scheduler.running and self._in_flight is None:
-                self.num_held += 1
-                serving = self._handle_commands(block=True, timeout=hold)  # more arrivals, or the hold ends
-                continue
-            if not self._is_idle():
-                self._step(admit=hold <= 0)
-                if self.debug:
-                    self.runner.check_integrity()
-            self._publish_load()
-
-    def _admission_hold(self) -> float:
-        """Seconds the waiting queue's admission should still wait for more arrivals (0: admit now); see
-        ADMIT_QUIET_S."""
-        waiting = self.scheduler.waiting
-        if not waiting or self.admit_quiet_s <= 0:
-            return 0.0
-        if len(self.admitted_sizes) == ADMIT_HISTORY and max(self.admitted_sizes) == 1:
-            return 0.0  # requests come one at a time
-        room = self.runner.num_free_slots
-        if self.max_running is not None:
-            room = min(room, self.max_running - self.scheduler.num_running)
-        if len(waiting) >= room:
-            return 0.0
-        newest, oldest = (self._requests[s.seq_id].arrival for s in (waiting[-1], waiting[0]))
-        return max(0.0, min(newest + self.admit_quiet_s, oldest + self.admit_max_hold_s) - time.monotonic())
 
     def _restart(self, reason: str) -> bool:
         """Fail the admitted requests, reallocate the caches, keep the waiting queue. False: give up."""
@@ -297,195 +263,6 @@ class Engine:
         self._heartbeat = time.monotonic()
         log.warning("engine restarted (%d so far): %s", self.health_tracker.restarts, reason)
         return True
-
-    def _handle_commands(self, block: bool, timeout: float | None = None) -> bool:
-        try:
-            cmd = self._commands.get(timeout=timeout or self.idle_wait_s) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd[0] == "stop":
-                return False
-            if cmd[0] == "add":
-                self._requests[cmd[1].seq_id] = cmd[1]
-                self.scheduler.add(cmd[1])
-            elif cmd[0] == "abort":
-                self._requests.pop(cmd[1], None)
-                self.scheduler.finish(cmd[1])
-            elif cmd[0] == "call":
-                try:
-                    cmd[2].set_result(cmd[1]())
-                except Exception as exc:
-                    cmd[2].set_exception(exc)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _is_idle(self) -> bool:
-        return self.scheduler.is_idle() and self._in_flight is None
-
-    def _step(self, admit: bool = True) -> None:
-        """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
-        if self.speculator is not None and not self._plain_ahead():
-            self._step_in_order(admit)
-            return
-        plan = self._plan(admit)
-        previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
-        if previous is not None:
-            self._process(previous)
-        elif not plan:
-            self._refuse_unadmittable_head()
-        self.num_steps += 1
-
-    def _step_in_order(self, admit: bool) -> None:
-        """With speculative decoding each step is collected before the next is planned: the drafter proposes
-        from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
-        assert self.speculator is not None
-        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token on the host
-            previous, self._in_flight = self._in_flight, None
-            self._process(previous)
-        plan = self._plan(admit)
-        whole = len(plan.decode)
-        if plan.decode:
-            rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
-            for seq in plan.decode:
-                if seq not in rest and seq.seq_id in self._requests:  # verified and still running
-                    seq.num_launched = len(seq.output_ids)
-                    self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
-            plan.decode = rest
-        timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
-        # what a plain step of this batch costs the launch-ahead loop (the gate's alternative to a verify), without
-        # this in-order step's readback and delivery (spec/timing.py)
-        timer = StepTimer(self.runner.device) if timed else None
-        with timer.starting_at_replay(self.launcher.graphs) if timer is not None else contextlib.nullcontext():
-            launched = self.launcher.launch(plan, self._requests) if plan else None
-        if timer is not None:
-            timer.launched()
-        if launched is not None:
-            self._process(launched)
-            if timer is not None:
-                self.speculator.record_plain_step(whole, timer.seconds())
-        elif not plan:
-            self._refuse_unadmittable_head()
-        self.num_steps += 1
-
-    def _plain_ahead(self) -> bool:
-        """With a speculator: whether this step decodes plainly, launching ahead as an engine without one does,
-        because the cost gate declines verifies at the coming decode batch size (no drafts are asked for). The
-        gate's reprobe (and any change of batch size) brings the in-order speculative step back."""
-        assert self.speculator is not None
-        batch = sum(s.can_decode for s in self.scheduler.running.values())
-        return batch > 0 and self.speculator.plain_ahead(batch)
-
-    def record_steps(self, on: bool) -> None:
-        """Start (fresh logs) or stop recording each step's launch time and shape in `step_log` and each request's
-        arrival in `arrival_log`."""
-        self.step_log = deque(maxlen=1_000_000) if on else None
-        self.arrival_log = deque(maxlen=1_000_000) if on else None
-
-    def _plan(self, admit: bool = True) -> StepPlan:
-        waiting = len(self.scheduler.waiting)
-        plan = self.scheduler.schedule(admit)
-        if len(self.scheduler.waiting) < waiting:
-            self.admitted_sizes.append(waiting - len(self.scheduler.waiting))
-        if self.step_log is not None and plan:
-            self.step_log.append((time.monotonic(), len(plan.decode), plan.num_tokens - len(plan.decode)))
-        if self._fault is not None:  # after admission, as a runner fault would strike
-            fault, self._fault = self._fault, None
-            raise fault
-        return plan
-
-    def _refuse_unadmittable_head(self) -> None:
-        """Nothing ran, nothing runs: the head of the queue can never be admitted (it would wait forever)."""
-        if self.scheduler.num_running == 0 and self.scheduler.waiting:
-            head = self.scheduler.waiting[0]
-            self._finish(self._requests[head.seq_id], EngineEvent(
-                error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
-                prompt_tokens=len(head.prompt_ids)))
-
-    def _process(self, step: LaunchedStep) -> None:
-        now = time.monotonic()
-        for row in self.launcher.collect(step):
-            req = self._requests.get(row.seq_id)
-            if req is None:
-                continue  # finished (stop token, error) or aborted after this step was launched
-            if row.nonfinite:
-                self._fail_nonfinite(req)
-            elif row.error is not None:
-                self._fail_request(req, row.error, "sampling_failed")
-            else:
-                self._deliver(req, row, now)
-
-    def _fail_nonfinite(self, req: Request) -> None:
-        self.health_tracker.record_nonfinite()
-        if self.observer is not None:
-            self.observer.count_nonfinite()
-        self._fail_request(req, f"model produced non-finite logits (NaN/inf) at step {len(req.output_ids)}",
-                           "nonfinite_logits")
-
-    def _deliver(self, req: Request, row: RowResult, now: float) -> None:
-        """Detokenization, stops and the sink for one request; a failure there fails it alone."""
-        try:
-            self._advance(req, row.token, row.logprob, now)
-        except Exception as exc:
-            log.exception("request %d failed while delivering token %d", req.seq_id, row.token)
-            self._fail_request(req, f"internal error while serving this request: {type(exc).__name__}: {exc}",
-                               "request_failed")
-
-    def _fail_request(self, req: Request, error: str, code: str) -> None:
-        if req.seq_id in self._requests:
-            self._finish(req, EngineEvent(error=error, code=code, prompt_tokens=len(req.prompt_ids)))
-
-    def _advance(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
-        if self.observer is not None:
-            if req.last_token_at is None:
-                self.observer.observe_ttft(now - req.arrival)
-            else:
-                self.observer.observe_inter_token(now - req.last_token_at)
-        req.last_token_at = now
-        delta, finish = req.append(token)
-        event = EngineEvent(text=delta, token_ids=[token], logprobs=[lp] if lp else [], finish_reason=finish,
-                            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
-        if finish is not None:
-            self._finish(req, event)
-        else:
-            self._emit(req, event)
-
-    # ---- what serving/spec/step.py (SpeculativeStep) calls back into ----
-    def spec_request(self, seq_id: int) -> Request:
-        return self._requests[seq_id]
-
-    def spec_emit(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> bool:
-        self._advance(req, token, lp, now)
-        return req.seq_id not in self._requests
-
-    def spec_fail(self, req: Request, message: str) -> None:
-        """Fail a request whose verify pass produced non-finite logits (counted like any other)."""
-        self.health_tracker.record_nonfinite()
-        if self.observer is not None:
-            self.observer.count_nonfinite()
-        self._fail_request(req, message, "nonfinite_logits")
-
-    def _finish(self, req: Request, event: EngineEvent) -> None:
-        self._requests.pop(req.seq_id, None)
-        self.scheduler.finish(req.seq_id)
-        event.completion_tokens = len(req.output_ids)
-        self._emit(req, event)
-
-    def _emit(self, req: Request, event: EngineEvent) -> None:
-        try:
-            req.sink(event)
-        except Exception:
-            log.exception("sink of request %d failed; dropping the request", req.seq_id)
-            if req.seq_id in self._requests:
-                self._requests.pop(req.seq_id)
-                self.scheduler.finish(req.seq_id)
-
-    def _publish_load(self) -> None:
-        self.num_waiting, self.num_running = self.scheduler.num_waiting, self.scheduler.num_running
-        if self.observer is not None:
-            self.observer.set_load(self.num_waiting, self.num_running)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""The engine's admission hold (engine.ADMIT_QUIET_S): requests arriving together are prefilled in one step;
+"""The engine's admission hold (admission.ADMIT_QUIET_S): requests arriving together are prefilled in one step;
 a stream of arrivals is still admitted within the longest hold; a burst that fills every free slot goes at once.
 Each check has its control (the hold off, or one more free slot)."""
 
@@ -89,11 +89,11 @@ def test_requests_that_come_one_at_a_time_are_not_held() -> None:
                 assert engine.num_held > held, f"request {i}: the history is too short to skip the hold"
             else:
                 assert engine.num_held == held, f"request {i}: held though requests come one at a time"
-        assert list(engine.admitted_sizes) == [1] * ADMIT_HISTORY
+        assert list(engine.admission.admitted_sizes) == [1] * ADMIT_HISTORY
         # a burst: its first request goes at once (the history says one at a time) and the other two, arriving
         # during that 50 ms step, are admitted together
         assert all(d.wait(30) for d in _submit_spaced(engine, 3, 0.002))
-        assert list(engine.admitted_sizes)[-2:] == [1, 2], list(engine.admitted_sizes)
+        assert list(engine.admission.admitted_sizes)[-2:] == [1, 2], list(engine.admission.admitted_sizes)
         held = engine.num_held
         assert _submit_spaced(engine, 1, 0.0)[0].wait(30)
         assert engine.num_held > held, "control: after a burst, a lone request is held for company"

@@ -1,0 +1,185 @@
+"""The engine's step loop: commands, the admission hold, launching step n+1 before collecting step n.
+
+Each turn schedules step n+1 (decode rows + prompt chunks under max_step_tokens), launches it (serving/step_loop.py:
+sampling on the device, CUDA graphs when given) and only then collects step n's token ids: the host's bookkeeping
+overlaps the GPU's step instead of following it. With a speculator, steps run in order (the drafter proposes from
+the tokens the host holds) unless the cost policy declines speculation at this batch size. Runs on the engine
+thread; serving/engine.py composes it with the public API and the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from k3verify.serving.admission import AdmissionHold
+from k3verify.serving.events import EngineEvent
+from k3verify.serving.request_book import RequestBook
+from k3verify.serving.runner import ModelRunner
+from k3verify.serving.scheduler import StepPlan
+from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.step_loop import LaunchedStep, StepLauncher
+
+if TYPE_CHECKING:
+    from k3verify.serving.spec.step import SpeculativeStep
+
+
+class EngineLoop(RequestBook):
+    """The engine thread's loop over steps (Engine.__init__ sets the state declared here)."""
+
+    runner: ModelRunner
+    launcher: StepLauncher
+    speculator: SpeculativeStep | None
+    admission: AdmissionHold
+    max_running: int | None
+    debug: bool
+    idle_wait_s: float
+    num_held: int
+    num_steps: int
+    step_log: deque[tuple[float, int, int]] | None
+    _commands: queue.SimpleQueue[tuple[Any, ...]]
+    _in_flight: LaunchedStep | None
+    _fault: BaseException | None
+    _heartbeat: float
+
+    def _loop(self) -> None:
+        serving = True
+        while serving and self._handle_commands(block=self._is_idle()):
+            self._heartbeat = time.monotonic()
+            hold = self._admission_hold()
+            if hold > 0 and not self.scheduler.running and self._in_flight is None:
+                self.num_held += 1
+                serving = self._handle_commands(block=True, timeout=hold)  # more arrivals, or the hold ends
+                continue
+            if not self._is_idle():
+                self._step(admit=hold <= 0)
+                if self.debug:
+                    self.runner.check_integrity()
+            self._publish_load()
+
+    def _admission_hold(self) -> float:
+        """Seconds the waiting queue's admission should still wait for more arrivals (0: admit now)."""
+        waiting = self.scheduler.waiting
+        if not waiting:
+            return 0.0
+        room = self.runner.num_free_slots
+        if self.max_running is not None:
+            room = min(room, self.max_running - self.scheduler.num_running)
+        oldest, newest = (self._requests[s.seq_id].arrival for s in (waiting[0], waiting[-1]))
+        return self.admission.seconds(len(waiting), room, oldest, newest)
+
+    def _handle_commands(self, block: bool, timeout: float | None = None) -> bool:
+        try:
+            cmd = self._commands.get(timeout=timeout or self.idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                self._requests[cmd[1].seq_id] = cmd[1]
+                self.scheduler.add(cmd[1])
+            elif cmd[0] == "abort":
+                self._requests.pop(cmd[1], None)
+                self.scheduler.finish(cmd[1])
+            elif cmd[0] == "call":
+                try:
+                    cmd[2].set_result(cmd[1]())
+                except Exception as exc:
+                    cmd[2].set_exception(exc)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _is_idle(self) -> bool:
+        return self.scheduler.is_idle() and self._in_flight is None
+
+    def _step(self, admit: bool = True) -> None:
+        """Launch step n+1, then collect step n (whose rows may belong to requests finished since)."""
+        if self.speculator is not None and not self._plain_ahead():
+            self._step_in_order(admit)
+            return
+        plan = self._plan(admit)
+        previous, self._in_flight = self._in_flight, self.launcher.launch(plan, self._requests) if plan else None
+        if previous is not None:
+            self._process(previous)
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _step_in_order(self, admit: bool) -> None:
+        """With speculative decoding each step is collected before the next is planned: the drafter proposes
+        from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
+        assert self.speculator is not None
+        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token on the host
+            previous, self._in_flight = self._in_flight, None
+            self._process(previous)
+        plan = self._plan(admit)
+        whole = len(plan.decode)
+        if plan.decode:
+            rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
+            for seq in plan.decode:
+                if seq not in rest and seq.seq_id in self._requests:  # verified and still running
+                    seq.num_launched = len(seq.output_ids)
+                    self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
+            plan.decode = rest
+        timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
+        # what a plain step of this batch costs the launch-ahead loop (the gate's alternative to a verify), without
+        # this in-order step's readback and delivery (spec/timing.py)
+        timer = StepTimer(self.runner.device) if timed else None
+        with timer.starting_at_replay(self.launcher.graphs) if timer is not None else contextlib.nullcontext():
+            launched = self.launcher.launch(plan, self._requests) if plan else None
+        if timer is not None:
+            timer.launched()
+        if launched is not None:
+            self._process(launched)
+            if timer is not None:
+                self.speculator.record_plain_step(whole, timer.seconds())
+        elif not plan:
+            self._refuse_unadmittable_head()
+        self.num_steps += 1
+
+    def _plain_ahead(self) -> bool:
+        """With a speculator: whether this step decodes plainly, launching ahead as an engine without one does,
+        because the cost gate declines verifies at the coming decode batch size (no drafts are asked for). The
+        gate's reprobe (and any change of batch size) brings the in-order speculative step back."""
+        assert self.speculator is not None
+        batch = sum(s.can_decode for s in self.scheduler.running.values())
+        return batch > 0 and self.speculator.plain_ahead(batch)
+
+    def _plan(self, admit: bool = True) -> StepPlan:
+        waiting = len(self.scheduler.waiting)
+        plan = self.scheduler.schedule(admit)
+        if len(self.scheduler.waiting) < waiting:
+            self.admission.record_admitted(waiting - len(self.scheduler.waiting))
+        if self.step_log is not None and plan:
+            self.step_log.append((time.monotonic(), len(plan.decode), plan.num_tokens - len(plan.decode)))
+        if self._fault is not None:  # after admission, as a runner fault would strike
+            fault, self._fault = self._fault, None
+            raise fault
+        return plan
+
+    def _refuse_unadmittable_head(self) -> None:
+        """Nothing ran, nothing runs: the head of the queue can never be admitted (it would wait forever)."""
+        if self.scheduler.num_running == 0 and self.scheduler.waiting:
+            head = self.scheduler.waiting[0]
+            self._finish(self._requests[head.seq_id], EngineEvent(
+                error=f"request of {head.num_reserved_tokens} tokens cannot be admitted into an empty cache",
+                prompt_tokens=len(head.prompt_ids)))
+
+    def _process(self, step: LaunchedStep) -> None:
+        now = time.monotonic()
+        for row in self.launcher.collect(step):
+            req = self._requests.get(row.seq_id)
+            if req is None:
+                continue  # finished (stop token, error) or aborted after this step was launched
+            if row.nonfinite:
+                self._fail_nonfinite(req)
+            elif row.error is not None:
+                self._fail_request(req, row.error, "sampling_failed")
+            else:
+                self._deliver(req, row, now)
