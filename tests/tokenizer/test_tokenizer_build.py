@@ -14,7 +14,9 @@ SCRIPT = REPO_ROOT / "tools" / "build_tokenizer.py"
 
 
 def run_build(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    # the script imports the package: this checkout's, whichever copy is installed
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
