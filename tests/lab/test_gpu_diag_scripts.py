@@ -41,7 +41,7 @@ def test_served_profile_smoke() -> None:
                "--top", "5")
     assert "served at concurrency 2" in out and "steps: {" in out, out[-2000:]
     assert "engine thread, sampled" in out and "on the stack (inclusive)" in out, out[-2000:]
-    assert "k3verify/serving/engine.py" in out, "the samples hold the engine thread's frames"
+    assert "k3verify/serving/engine_loop.py" in out, "the samples hold the engine thread's step loop frames"
 
 
 def test_served_profile_long_calls_smoke() -> None:
