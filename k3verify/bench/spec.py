@@ -3,13 +3,13 @@
 Random-weight checkpoints make n-gram acceptance meaningless, so the `controlled` drafter proposes a known
 greedy continuation with each draft token replaced by a different token with probability 1 - p: nominal
 acceptance p = 0 / 0.5 / 0.8 per draft. The continuation is the speculative path's own (spec_ref.py: in bf16 a
-verify pass and a plain decode step can pick different argmaxes, after which the plain continuation is wrong
+score pass and a plain decode step can pick different argmaxes, after which the plain continuation is wrong
 at every later draft), found untimed by iterating to a fixed point; each row records the iterations, whether
 it converged, and the tokens equal to that reference and to plain decode. Measured acceptance is accepted /
-proposed drafts (k per verify); with a converged reference it is expected to be sum_{i=1..k} p^i / k
+proposed drafts (k per score); with a converged reference it is expected to be sum_{i=1..k} p^i / k
 (`accept_expected`: 59% at nominal 80%, k=4), since greedy acceptance stops at the first corrupted draft.
 Rows: plain greedy decode and speculative greedy decode (CUDA graphs for both) per batch and acceptance, tok/s
-over the whole generate call, and the verify cost of one KDA layer, unfused (three launches) vs fused (one),
+over the whole generate call, and the score cost of one KDA layer, unfused (three launches) vs fused (one),
 at 1..8 rows. Speeds are reported only when every parity result of the run passed (spec_parity.py, plus
 bench.run's prefill parity).
 """
@@ -30,7 +30,7 @@ from k3verify.bench.spec_ref import SpecReference, continuation_match, converge_
 from k3verify.bench.speeds import DeviceMarks, generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
-from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
+from k3verify.kernels.kda.score import SCORE_FUSED, kda_score
 from k3verify.kernels.moe import grouped
 from k3verify.kernels.registry import REGISTRY
 from k3verify.oracle.hf_model import load_baseline
@@ -38,10 +38,10 @@ from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
-from k3verify.serving.spec.graphs import VerifyGraphs
+from k3verify.serving.spec.graphs import ScoreGraphs
 from k3verify.serving.spec.offline import SpecRun, generate_speculative
-from k3verify.serving.spec.policy import CostGate, SpecPolicy
-from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
+from k3verify.serving.spec.scorer import SpecScorer
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SpecPlan:
     new_tokens: int = 64
     prompt_len: int = 128
     seed: int = 0
-    fused: bool = False  # --kda-fused-verify for the speed rows
+    fused: bool = False  # --kda-fused-score for the speed rows
     baseline: bool = True  # model-level parity against transformers+fla's fp32 gold
     parity_bar: float = 5e-3
     parity_len: int = 256
@@ -64,7 +64,7 @@ class SpecPlan:
     min_mean_accepted: float = 0.25
     use_graphs: bool = True
     ref_iterations: int | None = None  # cap of the controlled drafter's reference iteration; None: new_tokens
-    cost_gate: bool = True  # policy.CostGate in the speed rows, one per batch size across its runs (as serve keeps one)
+    cost_policy: bool = True  # policy.CostPolicy in the speed rows, one per batch size across its runs (as in serve)
 
 
 @dataclass
@@ -93,11 +93,11 @@ def _timed(fn: Any, spans: list[float]) -> tuple[Any, float, float]:
     return out[-1], t.median_s, statistics.median(spans)
 
 
-def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | None, dgraphs: GraphDecoder | None,
+def speed_rows(plan: SpecPlan, scorer: SpecScorer, vgraphs: ScoreGraphs | None, dgraphs: GraphDecoder | None,
                B: int) -> list[dict[str, Any]]:
     """Plain greedy decode, then speculative greedy decode per acceptance, on the same prompts. The controlled
     drafter follows the speculative path's own continuation, iterated to a fixed point untimed (spec_ref.py)."""
-    runner, cfg = verifier.runner, verifier.runner.model.cfg
+    runner, cfg = scorer.runner, scorer.runner.model.cfg
     prompt_ids = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 300 + B, runner.model.device)
     prompts = prompt_ids.tolist()
     plain_spans: list[float] = []
@@ -106,14 +106,14 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
     plain_refs = {i: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
     tokens = B * plan.new_tokens
     rows = []
-    gate = CostGate() if plan.cost_gate else None
+    cost_policy = CostPolicy() if plan.cost_policy else None
     for accept in plan.accept if plan.drafter == "controlled" else (float("nan"),):
         def generate(drafter: Drafter, spans: list[float] | None = None) -> SpecRun:
             marks = DeviceMarks(runner.device)
-            run = generate_speculative(verifier, drafter, prompts, plan.new_tokens,
+            run = generate_speculative(scorer, drafter, prompts, plan.new_tokens,
                                        policy=SpecPolicy(min_mean_accepted=plan.min_mean_accepted),
-                                       verify_graphs=vgraphs, decode_graphs=dgraphs, after_prefill=marks.mark,
-                                       gate=gate)
+                                       score_graphs=vgraphs, decode_graphs=dgraphs, after_prefill=marks.mark,
+                                       cost_policy=cost_policy)
             marks.mark()
             if spans is not None:
                 spans.append(marks.seconds(0, 1))
@@ -138,9 +138,9 @@ def speed_rows(plan: SpecPlan, verifier: SpecVerifier, vgraphs: VerifyGraphs | N
                # host-bound prefill of ~20-30 ms that neither side's decoding changes
                "decode_speedup": plain_decode_s / spec_decode_s, "plain_decode_ms": 1e3 * plain_decode_s,
                "spec_decode_ms": 1e3 * spec_decode_s,
-               "verify_steps": run.verify_steps, "decode_steps": run.decode_steps,
+               "verify_steps": run.score_steps, "decode_steps": run.decode_steps,
                "turned_off": sum(s.off for s in run.stats), "rider_rows": run.rider_rows,
-               "cost_gate": None if gate is None else gate.describe() | {"gated_off": run.gated_off},
+               "cost_gate": None if cost_policy is None else cost_policy.describe() | {"gated_off": run.cost_off},
                "tokens_equal_to_plain": continuation_match(run.tokens, prompts, plain_refs),
                "moe_paths": dict(grouped.PATHS - paths)}  # the timed run's bf16 MoE combine calls per kernel path
         rows.append(row if ref is None else row | _reference_columns(ref, run, prompts, accept, plan.num_draft))
@@ -160,7 +160,7 @@ def _reference_columns(ref: SpecReference, run: SpecRun, prompts: list[list[int]
 
 def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int, seed: int,
                calls: int = 20) -> dict[str, Any]:
-    """Microseconds per KDA-layer verify (one layer's dims, bf16), unfused vs fused, each as `calls` back-to-back
+    """Microseconds per KDA-layer score (one layer's dims, bf16), unfused vs fused, each as `calls` back-to-back
     calls in one CUDA graph (launch gaps of a real step, no host): median of 5 replays / calls."""
     from k3verify.gates.checks._spec_common import op_case
 
@@ -172,7 +172,7 @@ def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int
     row: dict[str, Any] = {"rows": rows, "positions": n}
     for name, fused in (("unfused", False), ("fused", True)):
         def step(fused: bool = fused) -> object:
-            return kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g,
+            return kda_score(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g,
                               case.beta, case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec,
                               fused=fused)
         step()  # compile, allocate the fused kernel's tickets
@@ -186,7 +186,7 @@ def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int
         t = cuda_time(fn, warmup=2, repeats=5)
         row[f"{name}_us"] = t.median_s / (calls if device.type == "cuda" else 1) * 1e6
         if fused:
-            row["fused_path"] = REGISTRY.last_backend.get(VERIFY_FUSED, "none")
+            row["fused_path"] = REGISTRY.last_backend.get(SCORE_FUSED, "none")
     row["fused_speedup"] = row["unfused_us"] / row["fused_us"]
     return row
 
@@ -218,30 +218,30 @@ def run_spec_bench(plan: SpecPlan, cfg: ModelConfig, hf_dict: dict[str, Any], de
     graphs_on = plan.use_graphs and device.type == "cuda"
     buckets = tuple(sorted(set(plan.batches)))
     dgraphs = GraphDecoder(model, ctx, buckets=buckets, use_graphs=True) if graphs_on else None
-    verifier = SpecVerifier(runner, plan.num_draft, max_b, fused=plan.fused)
-    vgraphs = verifier.make_graphs(ctx, buckets) if graphs_on else None
-    _parity(plan, result, verifier, vgraphs, ids, gold, theirs, device)
-    return _speeds(plan, result, verifier, vgraphs, dgraphs, device)
+    scorer = SpecScorer(runner, plan.num_draft, max_b, fused=plan.fused)
+    vgraphs = scorer.make_graphs(ctx, buckets) if graphs_on else None
+    _parity(plan, result, scorer, vgraphs, ids, gold, theirs, device)
+    return _speeds(plan, result, scorer, vgraphs, dgraphs, device)
 
 
-def _parity(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgraphs: VerifyGraphs | None,
+def _parity(plan: SpecPlan, result: SpecBenchResult, scorer: SpecScorer, vgraphs: ScoreGraphs | None,
             ids: torch.Tensor, gold: torch.Tensor | None, theirs: torch.Tensor | None, device: torch.device) -> None:
     progress("parity")
-    cfg = verifier.runner.model.cfg
+    cfg = scorer.runner.model.cfg
     if gold is not None and theirs is not None:
-        result.parity.append(model_parity(verifier.runner, theirs, ids, gold, plan.parity_bar))
+        result.parity.append(model_parity(scorer.runner, theirs, ids, gold, plan.parity_bar))
         # the parity pack runs eagerly: a graph bucket of one row sized to the decode context would not hold it
-        result.parity.append(spec_parity.verify_logits_parity(verifier, None, ids, gold, theirs, plan.parity_chunks,
+        result.parity.append(spec_parity.score_logits_parity(scorer, None, ids, gold, theirs, plan.parity_chunks,
                                                                plan.parity_bar))
     if device.type == "cuda" and cfg.has_kda:
         result.parity.append(spec_parity.fused_kernel_parity(cfg, device, plan.kernel_rows, plan.seed))
     if vgraphs is not None:
         for B in vgraphs.buckets:
             prompts = random_prompt(B, plan.prompt_len, cfg.vocab_size, plan.seed + 200 + B, device)
-            result.parity.append(spec_parity.verify_graph_parity(verifier, vgraphs, prompts))
+            result.parity.append(spec_parity.score_graph_parity(scorer, vgraphs, prompts))
 
 
-def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgraphs: VerifyGraphs | None,
+def _speeds(plan: SpecPlan, result: SpecBenchResult, scorer: SpecScorer, vgraphs: ScoreGraphs | None,
             dgraphs: GraphDecoder | None, device: torch.device) -> SpecBenchResult:
     model_level = any(r["id"] == "bench.spec_verify_logits_vs_fp32_gold" for r in result.parity)
     if not model_level:
@@ -250,18 +250,18 @@ def _speeds(plan: SpecPlan, result: SpecBenchResult, verifier: SpecVerifier, vgr
     elif all(r["status"] == "pass" for r in result.parity):
         for B in plan.batches:
             progress(f"speculative decode batch {B}")
-            result.speed.extend(speed_rows(plan, verifier, vgraphs, dgraphs, B))
+            result.speed.extend(speed_rows(plan, scorer, vgraphs, dgraphs, B))
         result.notes += [f"batch {r['batch']} nominal {r['accept_nominal']:.0%}: {r['note']}"
                          for r in result.speed if "note" in r]
         for rows in plan.layer_rows:
-            progress(f"KDA layer verify cost, {rows} rows")
-            result.layer_cost.append(layer_cost(verifier.runner.model.cfg, device, rows, plan.num_draft, plan.seed))
+            progress(f"KDA layer score cost, {rows} rows")
+            result.layer_cost.append(layer_cost(scorer.runner.model.cfg, device, rows, plan.num_draft, plan.seed))
         result.speeds_reported = True
     else:
         result.notes.append("parity is not green in this run: speeds withheld")
-    fused = [f"{op}: {reason}" for op, reason in REGISTRY.fallbacks if op == VERIFY_FUSED]
+    fused = [f"{op}: {reason}" for op, reason in REGISTRY.fallbacks if op == SCORE_FUSED]
     if plan.fused:
-        ran = REGISTRY.last_backend.get(VERIFY_FUSED, "none")
+        ran = REGISTRY.last_backend.get(SCORE_FUSED, "none")
         result.kda_verify_path = "fused" if ran == "triton" and not fused else f"unfused (fused refused: {fused})"
     result.kernel_fallbacks = sorted({f"{op}: {reason}" for op, reason in REGISTRY.fallbacks})
     progress("done")
@@ -273,20 +273,20 @@ def markdown_table(data: dict[str, Any]) -> str:
     accept_expected / ref_* / tokens_equal_to_reference) print with "-" and "plain (not iterated)"."""
     hw = data["device_name"]
     if not data.get("speeds_reported"):
-        return (f"No speeds for {data['preset']} on {hw} (KDA verify path: {data['kda_verify_path']}): "
+        return (f"No speeds for {data['preset']} on {hw} (KDA score path: {data['kda_verify_path']}): "
                 + "; ".join(data.get("notes", ["parity not green"])))
     rows = ["| hardware | workload | plain decode | speculative | speedup | decode phase: plain / speculative, "
             "speedup | acceptance measured / expected | drafter reference | tokens equal to reference / plain | "
-            "verify / decode steps, auto-off |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "score / decode steps, auto-off |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [_speed_line(hw, data, r) for r in data["speed"]]
-    rows += ["", "| KDA layer verify, rows x positions | unfused (3 launches) | fused (1 launch) | fused speedup |",
+    rows += ["", "| KDA layer score, rows x positions | unfused (3 launches) | fused (1 launch) | fused speedup |",
              "|---|---|---|---|"]
     for r in data["layer_cost"]:
         rows.append(f"| {r['rows']} x {r['positions']} | {r['unfused_us']:.1f} us | {r['fused_us']:.1f} us "
                     f"({r['fused_path']}) | {r['fused_speedup']:.2f}x |")
     passed = ", ".join(f"{p['id']} {p['status']}" for p in data["parity"])
     notes = "".join(f"\nNote: {n}" for n in data.get("notes", []))
-    return "\n".join(rows) + f"\n\nKDA verify path of the speed rows: {data['kda_verify_path']}. Parity in the " \
+    return "\n".join(rows) + f"\n\nKDA score path of the speed rows: {data['kda_verify_path']}. Parity in the " \
         f"same run: {passed}.{notes}"
 
 
@@ -307,13 +307,13 @@ def _speed_line(hw: str, data: dict[str, Any], r: dict[str, Any]) -> str:
             f"{pct('tokens_equal_to_reference', '.2f')} / {pct('tokens_equal_to_plain', '.2f')} | "
             f"{r['verify_steps']} / {r['decode_steps']}, {r['turned_off']} off"
             f"{', ' + str(r['rider_rows']) + ' rider rows' if r.get('rider_rows') else ''}"
-            f"{_gate_text(r.get('cost_gate'), r['batch'])} |")
+            f"{_cost_policy_text(r.get('cost_gate'), r['batch'])} |")
 
 
-def _gate_text(gate: dict[str, Any] | None, batch: int) -> str:
-    """', gate off after verify x.x / decode y.y ms' when the cost gate stopped verification in that run."""
-    if not gate:
+def _cost_policy_text(cost_policy: dict[str, Any] | None, batch: int) -> str:
+    """', cost policy off after score x.x / decode y.y ms' when the cost policy stopped scoring in that run."""
+    if not cost_policy:
         return ""
-    v, d = gate["verify_ms"].get(str(batch)), gate["decode_ms"].get(str(batch))
-    times = f" (verify {v:.1f} / decode {d:.1f} ms)" if v is not None and d is not None else ""
-    return f", cost gate {'off' if gate['gated_off'] else 'on'}{times}"
+    v, d = cost_policy["verify_ms"].get(str(batch)), cost_policy["decode_ms"].get(str(batch))
+    times = f" (score {v:.1f} / decode {d:.1f} ms)" if v is not None and d is not None else ""
+    return f", cost policy {'off' if cost_policy['gated_off'] else 'on'}{times}"

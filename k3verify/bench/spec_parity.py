@@ -1,6 +1,6 @@
-"""The speculative bench's parity, run before any speed: teacher-forced verify logits against the fp32 gold,
-the fused KDA verify against the unfused one bit for bit (rows 1/4/8, eager and graph replay), and the captured
-verify step against the same step eager. Each is a bench trial judged like the parity checks (bench.parity.judge)."""
+"""The speculative bench's parity, run before any speed: teacher-forced score logits against the fp32 gold,
+the fused KDA score against the unfused one bit for bit (rows 1/4/8, eager and graph replay), and the captured
+score step against the same step eager. Each is a bench trial judged like the parity checks (bench.parity.judge)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import torch
 from k3verify.bench.parity import judge, judge_vs_gold
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial
-from k3verify.serving.spec.graphs import VerifyGraphs
-from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.serving.spec.graphs import ScoreGraphs
+from k3verify.serving.spec.scorer import SpecScorer
 
 
-def verify_logits_parity(verifier: SpecVerifier, graphs: VerifyGraphs | None, ids: torch.Tensor, gold: torch.Tensor,
+def score_logits_parity(scorer: SpecScorer, graphs: ScoreGraphs | None, ids: torch.Tensor, gold: torch.Tensor,
                          theirs: torch.Tensor, chunks: int, bar: float) -> dict[str, Any]:
-    """Prefill ids[:P], then `chunks` verify packs of k+1 teacher-forced ids, each committed whole; the prefill's
-    last logits and every verify position's against the fp32 gold at those positions. Bar: max(bar, 1.5 x the
+    """Prefill ids[:P], then `chunks` score packs of k+1 teacher-forced ids, each committed whole; the prefill's
+    last logits and every score position's against the fp32 gold at those positions. Bar: max(bar, 1.5 x the
     bf16 baseline's own distance there), as the decode parity. Control: each pack commits only its first token
     while the next pack still starts k+1 tokens later (the accepted-prefix bookkeeping broken)."""
-    runner, n = verifier.runner, verifier.num_positions
+    runner, n = scorer.runner, scorer.num_positions
     P = ids.numel() - chunks * n
 
     def run(commit_all: bool) -> torch.Tensor:
@@ -31,8 +31,8 @@ def verify_logits_parity(verifier: SpecVerifier, graphs: VerifyGraphs | None, id
         try:
             rows = [runner.prefill([(sid, ids[:P].tolist())])]
             for c in range(chunks):
-                rows.append(verifier.verify([(sid, ids[P + c * n:P + (c + 1) * n].tolist())], graphs)[0].clone())
-                verifier.commit([verifier.num_draft if commit_all else 0])
+                rows.append(scorer.score([(sid, ids[P + c * n:P + (c + 1) * n].tolist())], graphs)[0].clone())
+                scorer.commit([scorer.num_draft if commit_all else 0])
             return torch.cat(rows)
         finally:
             runner.release(sid)
@@ -40,8 +40,8 @@ def verify_logits_parity(verifier: SpecVerifier, graphs: VerifyGraphs | None, id
     cand, ctrl = run(True), run(False)
     end = P + chunks * n
     return judge_vs_gold("bench.spec_verify_logits_vs_fp32_gold", gold[P - 1:end], theirs[P - 1:end], cand, ctrl,
-                         bar, f"prefill {P}, then {chunks} verify packs of {n} teacher-forced tokens (fused KDA "
-                         f"verify: {verifier.fused})")
+                         bar, f"prefill {P}, then {chunks} score packs of {n} teacher-forced tokens (fused KDA "
+                         f"score: {scorer.fused})")
 
 
 def fused_kernel_parity(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], seed: int) -> dict[str, Any]:
@@ -56,17 +56,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def verify_graph_parity(verifier: SpecVerifier, graphs: VerifyGraphs, prompts: torch.Tensor) -> dict[str, Any]:
-    """One verify pack through the captured graph vs the same static step eagerly, from the same caches: logits
+def score_graph_parity(scorer: SpecScorer, graphs: ScoreGraphs, prompts: torch.Tensor) -> dict[str, Any]:
+    """One score pack through the captured graph vs the same static step eagerly, from the same caches: logits
     and records bit for bit. Control: the graph replayed while its static inputs still hold another pack (the
     refill skipped).
 
     Both runs get one set of inputs (slots, page tables, cached counts) read once after the prefill, and the
     caches restored from one snapshot; nothing is committed, so the runner's host-side counts never move. (A
-    verify + commit between the runs advanced those counts: the replay then verified one position later than
+    score + commit between the runs advanced those counts: the replay then scored one position later than
     the eager step, which matched the KDA records up to the first MLA layer and nothing after it.)"""
-    runner, n, arena = verifier.runner, verifier.num_positions, verifier.arena
-    eager = verifier.make_graphs(graphs.max_context, graphs.buckets, use_graphs=False)
+    runner, n, arena = scorer.runner, scorer.num_positions, scorer.arena
+    eager = scorer.make_graphs(graphs.max_context, graphs.buckets, use_graphs=False)
     B = prompts.shape[0]
     base = max(runner.active_ids, default=-1) + 1
     ids = list(range(base, base + B))
@@ -82,10 +82,10 @@ def verify_graph_parity(verifier: SpecVerifier, graphs: VerifyGraphs, prompts: t
             pool[k].copy_(v)
         kv.data.copy_(snap[1])
 
-    def run(steps: VerifyGraphs, shift: int) -> dict[str, torch.Tensor]:
+    def run(steps: ScoreGraphs, shift: int) -> dict[str, torch.Tensor]:
         restore()
         flat = [(7 * sid + 3 * j + shift) % 1000 + 1 for sid in ids for j in range(n)]
-        logits, _, _ = steps.verify(flat, slots, tables, starts)
+        logits, _, _ = steps.score(flat, slots, tables, starts)
         return outputs(logits)
 
     try:

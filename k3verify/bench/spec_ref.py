@@ -1,6 +1,6 @@
 """The controlled drafter's reference: the speculative path's own greedy continuation, found before timing.
 
-In bf16 on random weights the top-2 logit gaps are tiny, so a verify pass (k+1 positions per row, other GEMM
+In bf16 on random weights the top-2 logit gaps are tiny, so a score pass (k+1 positions per row, other GEMM
 shapes) and a plain decode step (1 position) can pick different argmaxes. After the first such flip the
 speculative trajectory leaves the plain one, and a drafter that proposes the plain continuation is wrong at
 every later position whatever its nominal acceptance (kl-48b-8l on the H200: 6% measured at
@@ -9,15 +9,15 @@ nominal 50%, 10% at 80%, and 36-43% of the speculative tokens equal to plain dec
 `converge_reference` finds the fixed point instead: ref_0 = the plain continuation; run the speculative
 generation with ref_i (untimed); if its tokens equal ref_i's continuation for every sequence, ref_i is the
 reference; else ref_{i+1} = prompt + the run's tokens. Each iteration moves every sequence's first divergence
-strictly later when the run is deterministic and causal (the tokens before the divergence and the verify
+strictly later when the run is deterministic and causal (the tokens before the divergence and the score
 windows that produced them are the same, so the argmax at the divergence is reproduced and is now drafted),
 so new_tokens iterations suffice; a run that breaks that (other rows of a batch changing a row's MoE GEMM
 shapes, say) can fail to converge, which the result says.
 
 Acceptance: "nominal" p is the per-draft probability that the drafter proposes the reference token (each
 draft is independently replaced by a different token with probability 1 - p). "Measured" is SpecRun.acceptance:
-accepted drafts / proposed drafts (k per verify row). Greedy acceptance stops at the first rejected draft, so
-with a converged reference the accepted prefix per verify averages sum_{i=1..k} p^i and the measured rate is
+accepted drafts / proposed drafts (k per score row). Greedy acceptance stops at the first rejected draft, so
+with a converged reference the accepted prefix per score averages sum_{i=1..k} p^i and the measured rate is
 expected to be that / k (`expected_acceptance`): 59% at nominal 80% with k = 4, 23% at nominal 50%.
 """
 
@@ -35,7 +35,7 @@ class SpecReference:
 
 
 def expected_acceptance(p: float, num_draft: int) -> float:
-    """Accepted / proposed drafts of greedy verification when each draft is right with probability p,
+    """Accepted / proposed drafts of greedy scoring when each draft is right with probability p,
     independently: the accepted prefix averages sum_{i=1..k} p^i of the k drafts."""
     if not 0.0 <= p <= 1.0 or num_draft < 1:
         raise ValueError(f"need p in [0, 1] and num_draft >= 1; got {p}, {num_draft}")

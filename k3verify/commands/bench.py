@@ -54,12 +54,13 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--speculative", choices=("controlled", "ngram"), default=None,
                    help="bench speculative decoding instead (controlled: the speculative path's own greedy "
                         "continuation, found untimed, with a known fraction of drafts corrupted; ngram: prompt lookup)")
-    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (--speculative)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per score pass (--speculative)")
     p.add_argument("--spec-accept", default="0,0.5,0.8",
                    help="controlled drafter: nominal acceptance levels p, per draft (measured accepted / proposed "
                         "is expected to be sum_{i<=k} p^i / k)")
-    p.add_argument("--kda-fused-verify", action="store_true", help="speed rows use the one-launch KDA verify")
-    p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer verify cost")
+    p.add_argument("--kda-fused-score", "--kda-fused-verify", action="store_true",
+                   help="speed rows use the one-launch KDA score pass")
+    p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer score pass cost")
     p.set_defaults(func=run)
 
 
@@ -192,7 +193,7 @@ def _run_spec(args: argparse.Namespace, shape: ModelShape, batches: list[int]) -
         raise UsageError(f"--num-draft must be >= 1; got {args.num_draft}")
     plan = SpecPlan(shape.name, tuple(batches), args.num_draft, args.speculative,
                     tuple(_floats(args.spec_accept, "--spec-accept")), args.new_tokens, args.prompt_len, args.seed,
-                    fused=args.kda_fused_verify, baseline=not args.no_baseline, parity_bar=args.parity_bar,
+                    fused=args.kda_fused_score, baseline=not args.no_baseline, parity_bar=args.parity_bar,
                     layer_rows=tuple(_ints(args.spec_layer_rows, "--spec-layer-rows")), use_graphs=not args.no_graphs)
     result = run_spec_bench(plan, shape.cfg, shape.hf_dict, torch.device("cuda"))
     result.notes.extend(_weights_note(shape, args.seed))

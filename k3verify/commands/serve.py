@@ -98,14 +98,15 @@ def register(subparsers: Subparsers) -> None:
                    help=f"the window of the two counts above (default {HealthPolicy.window_s:g})")
     p.add_argument("--speculative", choices=SPEC_DRAFTERS, default=None,
                    help="speculative decoding with this drafter (default: off)")
-    p.add_argument("--num-draft", type=int, default=4, metavar="K", help="draft tokens per verify (with --speculative)")
+    p.add_argument("--num-draft", type=int, default=4, metavar="K",
+                   help="draft tokens per score pass (with --speculative)")
     p.add_argument("--spec-min-accept", type=float, default=0.25, metavar="X",
-                   help="a request stops speculating once its accepted drafts per verify fall below X (after 3)")
-    p.add_argument("--no-spec-cost-gate", action="store_true",
-                   help="verify whenever there are drafts (default: only when a verify step, timed here, is expected "
+                   help="a request stops speculating once its accepted drafts per score pass fall below X (after 3)")
+    p.add_argument("--no-spec-cost-policy", "--no-spec-cost-gate", action="store_true",
+                   help="score whenever there are drafts (default: only when a score pass, timed here, is expected "
                         "to emit more tokens per second than a plain decode step of the same batch)")
-    p.add_argument("--kda-fused-verify", action="store_true",
-                   help="verify each KDA layer in one Triton launch (CUDA; default off: three launches)")
+    p.add_argument("--kda-fused-score", "--kda-fused-verify", action="store_true",
+                   help="score each KDA layer in one Triton launch (CUDA; default off: three launches)")
     p.add_argument("--api-in-process", action="store_true",
                    help="run the HTTP server in the engine's process (default: a process of its own, so that "
                         "request parsing and streaming do not take the engine thread's GIL)")

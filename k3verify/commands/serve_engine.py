@@ -37,7 +37,7 @@ from k3verify.serving.health import HealthPolicy
 from k3verify.serving.parallel.world import ServingWorld
 from k3verify.serving.prefill_graphs import prefill_graphs_for
 from k3verify.serving.runner import ModelRunner, build_runner
-from k3verify.serving.spec.policy import CostGate, SpecPolicy
+from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
 from k3verify.serving.warmup import warm_up
 from k3verify.target import SERVING_DTYPES, ServedCheckpoint, Target, TargetError, TokenizerBytes, snapshot_target
@@ -132,7 +132,7 @@ def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = Fals
     cache_kw: dict[str, Any] = {k: v for k, v in sizes if v is not None}
     layout = serve_parallel.layout_of(opts)
     if layout.world > 1 and opts.speculative is not None:
-        raise UsageError(f"--speculative with {layout.describe()}: the verify step is not replayed on the other "
+        raise UsageError(f"--speculative with {layout.describe()}: the score step is not replayed on the other "
                          "ranks yet; serve a parallel layout without speculative decoding")
     if opts.prefill_graphs and (torch.device(opts.device).type != "cuda" or layout.world > 1):
         raise UsageError(f"--prefill-graphs needs one CUDA device (got --device {opts.device}, {layout.describe()}): "
@@ -161,19 +161,19 @@ def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = Fals
 
 def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | None:
     if opts.speculative is None:
-        if opts.kda_fused_verify:
-            raise UsageError("--kda-fused-verify only applies with --speculative")
+        if opts.kda_fused_score:
+            raise UsageError("--kda-fused-score (--kda-fused-verify) only applies with --speculative")
         return None
     try:
         policy = SpecPolicy(min_mean_accepted=opts.spec_min_accept)
         step = build_speculative_step(runner, opts.speculative, opts.num_draft, opts.max_batch,
-                                      fused=opts.kda_fused_verify, policy=policy,
-                                      gate=None if opts.no_spec_cost_gate else CostGate())
+                                      fused=opts.kda_fused_score, policy=policy,
+                                      cost_policy=None if opts.no_spec_cost_policy else CostPolicy())
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    path = "fused (one launch per layer where the kernel accepts the geometry)" if opts.kda_fused_verify else "unfused"
+    path = "fused (one launch per layer where the kernel accepts the geometry)" if opts.kda_fused_score else "unfused"
     print(f"k3verify serve: speculative decoding with the {opts.speculative} drafter, k={opts.num_draft}, "
-          f"KDA verify {path}", flush=True)
+          f"KDA score {path}", flush=True)
     return step
 
 

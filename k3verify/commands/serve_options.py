@@ -39,8 +39,8 @@ class ServeOptions:
     speculative: str | None
     num_draft: int
     spec_min_accept: float
-    no_spec_cost_gate: bool
-    kda_fused_verify: bool
+    no_spec_cost_policy: bool
+    kda_fused_score: bool
     api_in_process: bool
     tp: int
     ep: int

@@ -1,5 +1,5 @@
 """CUDA-graph replay against the same step run eagerly, on live caches (serving.graph.* checks, bench), and
-the rerun recorder: a stand-in graph for the verify steps on any device (spec.verify.graph_vs_eager on CPU)."""
+the rerun recorder: a stand-in graph for the score steps on any device (spec.verify.graph_vs_eager on CPU)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ MUTANTS = [
     Mutant(
         id="kda.gate.softplus_for_safe_gate", quick=True,
         fault="K3's safe gate L*sigmoid(exp(A)*g) is replaced by the plain -exp(A)*softplus(g) gate",
-        target=f"{REC}:kda_gate",
+        target=f"{REC}:kda_forget_gate",
         old="return lower_bound * torch.sigmoid(A * raw)",
         new="return -A * F.softplus(raw)",
         killers=["kda.*"],
@@ -63,7 +63,7 @@ MUTANTS = [
     Mutant(
         id="kda.gate.a_log_ignored",
         fault="the plain gate drops the per-head decay rate exp(A_log): g = -softplus(f)",
-        target=f"{REC}:kda_gate",
+        target=f"{REC}:kda_forget_gate",
         old="return -A * F.softplus(raw)",
         new="return -F.softplus(raw)",
         killers=["kda.*"], presets=("kl-tiny",),
@@ -71,7 +71,7 @@ MUTANTS = [
     Mutant(
         id="kda.gate.dt_bias_dropped",
         fault="the forget-gate bias dt_bias is never added",
-        target=f"{REC}:kda_gate",
+        target=f"{REC}:kda_forget_gate",
         old="raw = torch.add(f_raw, dt_bias.float())",
         new="raw = f_raw.float()",
         killers=["kda.*"],
@@ -137,7 +137,7 @@ MUTANTS = [
     Mutant(
         id="kda.gate.activation_between_f_a_f_b",
         fault="a SiLU is inserted between f_a_proj and f_b_proj (the forget-gate low-rank pair has no activation)",
-        target=f"{KDA}:KimiDeltaAttention.gate_input",
+        target=f"{KDA}:KimiDeltaAttention.forget_gate_input",
         old="return self.f_b_proj(f_a)",
         new="return self.f_b_proj(torch.nn.functional.silu(f_a))",
         killers=["kda.*"], presets=("k3-tiny", "kl-tiny"),

@@ -1,7 +1,7 @@
-"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_triton.py, the fused Triton norms in
-kernels/norm/triton_kernels.py, our Triton conv decode and prefill in kernels/conv/, the fused Triton router
-selection in kernels/router/triton_kernels.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py, the
-MoE decode kernels in kernels/moe/decode_kernel.py, the KDA prefill / verify gate in kernels/kda/gate_kernel.py).
+"""Faults in the CUDA fast paths (fla's Triton KDA behind kernels/kda/fla_launch.py, the fused Triton norms in
+kernels/norm/norm_kernel.py, our Triton conv decode and prefill in kernels/conv/, the fused Triton router
+selection in kernels/router/select_kernel.py, the MXFP4 grouped GEMM in kernels/mxfp4/grouped_kernel.py, the
+MoE decode kernels in kernels/moe/decode_kernel.py, the KDA forget gate in kernels/kda/forget_gate_kernel.py).
 They only run with
 `k3verify mutate --device cuda`: on CPU the registry routes
 to the torch reference and they cannot matter."""
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from k3verify.gates.mutation import Mutant
 
-FLA = "k3verify.kernels.kda.fla_triton"
-NORM = "k3verify.kernels.norm.triton_kernels"
+FLA = "k3verify.kernels.kda.fla_launch"
+NORM = "k3verify.kernels.norm.norm_kernel"
 CONV = "k3verify.kernels.conv.decode_kernel"
 CONV_PREFILL = "k3verify.kernels.conv.prefill_kernel"
-ROUTER = "k3verify.kernels.router.triton_kernels"
+ROUTER = "k3verify.kernels.router.select_kernel"
 MXFP4 = "k3verify.kernels.mxfp4.grouped_kernel"
 MOE_DECODE = "k3verify.kernels.moe.decode_kernel"
 MOE_TAIL = "k3verify.kernels.moe.tail_kernel"
-KDA_GATE = "k3verify.kernels.kda.gate_kernel"
+KDA_GATE = "k3verify.kernels.kda.forget_gate_kernel"
 MXFP4_KILLERS = ["kernel.mxfp4.*", "moe.module.packed"]
 
 MUTANTS = [
@@ -255,8 +255,8 @@ MUTANTS = [
     ),
     Mutant(
         id="kernel.kda.gate_beta_bias_dropped", devices=("cuda",),
-        fault="the one-launch prefill / verify gate never adds dt_bias to f_b_proj's output",
-        target=f"{KDA_GATE}:kda_gate_beta_kernel",
+        fault="the one-launch prefill / score gate never adds dt_bias to f_b_proj's output",
+        target=f"{KDA_GATE}:kda_forget_gate_beta_kernel",
         old="raw = tl.load(f_ptr + t * s_f + d, mask=m, other=0.0).to(tl.float32) + tl.load(dt_ptr + d, mask=m, "
             "other=0.0)",
         new="raw = tl.load(f_ptr + t * s_f + d, mask=m, other=0.0).to(tl.float32)",
@@ -265,7 +265,7 @@ MUTANTS = [
     Mutant(
         id="kernel.kda.gate_beta_head_of_channel", devices=("cuda",),
         fault="the one-launch gate scales each channel by the decay rate of head (channel mod heads), not its own",
-        target=f"{KDA_GATE}:kda_gate_beta_kernel",
+        target=f"{KDA_GATE}:kda_forget_gate_beta_kernel",
         old="A = tl.load(a_ptr + d // DK, mask=m, other=0.0)",
         new="A = tl.load(a_ptr + d % H, mask=m, other=0.0)",
         killers=["kernel.kda.*", "serving.*"],

@@ -1,15 +1,15 @@
-"""Speculative decoding faults: the KDA verify records, the commit of the accepted prefix, acceptance, the captured
-verify step."""
+"""Speculative decoding faults: the KDA score records, the commit of the accepted prefix, acceptance, the captured
+score step."""
 
 from __future__ import annotations
 
 from k3verify.gates.mutation import Mutant
 
-REF = "k3verify.kernels.kda.verify_ref"
+REF = "k3verify.kernels.kda.score_ref"
 ARENA = "k3verify.serving.spec.arena"
 ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
-KERNELS = "k3verify.kernels.kda.verify_kernels"
+KERNELS = "k3verify.kernels.kda.score_kernel"
 GRAPHS = "k3verify.serving.spec.graphs"
 OFFLINE = "k3verify.serving.spec.offline"
 PRESETS = ("k3-tiny", "kl-tiny")
@@ -25,7 +25,7 @@ MUTANTS = [
     ),
     Mutant(
         id="spec.rider.fillers_emitted",
-        fault="a row riding along in a verify pass emits its filler drafts as if the model had accepted them",
+        fault="a row riding along in a score pass emits its filler drafts as if the model had accepted them",
         target=f"{OFFLINE}:_round",
         old="            run.tokens[i].extend(a.tokens)\n",
         new="            run.tokens[i].extend(a.tokens if r < drafted else a.tokens + rows[r][1])\n",
@@ -50,7 +50,7 @@ MUTANTS = [
     ),
     Mutant(
         id="spec.commit.mla_not_rolled_back",
-        fault="latents the verify wrote at rejected positions stay in the MLA cache",
+        fault="latents the score wrote at rejected positions stay in the MLA cache",
         target=f"{ARENA}:commit_accepted",
         old="flat[:, latent_rows] = torch.where(rejected[None, :, None], arena.latents[:, : B * n], written)",
         new="flat[:, latent_rows] = written",
@@ -66,8 +66,8 @@ MUTANTS = [
     ),
     Mutant(
         id="spec.engine.launch_ahead_not_drained",
-        fault="the engine goes from launch-ahead plain steps (the cost gate declining) to an in-order speculative "
-              "step without reading the step in flight first: the drafter and the verify see a stale last token",
+        fault="the engine goes from launch-ahead plain steps (the cost policy declining) to an in-order speculative "
+              "step without reading the step in flight first: the drafter and the score see a stale last token",
         target="k3verify.serving.engine_loop:EngineLoop._step_in_order",
         old="        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token",
         new="        if False:  # after launch-ahead steps: the drafter needs every token",
@@ -83,7 +83,7 @@ MUTANTS = [
     ),
     Mutant(
         id="spec.mla.verify_context_cut",
-        fault="MLA's cached-context rows stop at the first verify token: later draft positions do not see the "
+        fault="MLA's cached-context rows stop at the first score token: later draft positions do not see the "
               "earlier ones",
         target=f"{MLA}:decode_rows",
         old="L = int(max(b.start_list)) + max(b.seq_lens)",
@@ -92,18 +92,18 @@ MUTANTS = [
     ),
     Mutant(
         id="spec.graph.refill_after_replay",
-        fault="the captured verify step is replayed before the live rows are copied into its static inputs: each "
-              "replay verifies the previous pack (the first one the capture's scratch rows)",
-        target=f"{GRAPHS}:VerifyGraphs.verify",
+        fault="the captured score step is replayed before the live rows are copied into its static inputs: each "
+              "replay scores the previous pack (the first one the capture's scratch rows)",
+        target=f"{GRAPHS}:ScoreGraphs.score",
         old="        inputs.fill(ids, slots, tables, starts, n, self.staging)\n        graph.replay()\n",
         new="        graph.replay()\n        inputs.fill(ids, slots, tables, starts, n, self.staging)\n",
         killers=("spec.verify.graph_vs_eager",), presets=PRESETS,
     ),
     Mutant(
         id="spec.fused.writes_pool_state", devices=("cuda",),
-        fault="the fused verify kernel writes its running state back into the pool slot, as a decode kernel does: "
+        fault="the fused score kernel writes its running state back into the pool slot, as a decode kernel does: "
               "the state after every draft, rejected ones included, lands in the cache before acceptance is known",
-        target=f"{KERNELS}:kda_verify_fused_kernel",
+        target=f"{KERNELS}:kda_score_fused_kernel",
         old="    # every thread's o stores, then one acq_rel ticket",
         new="    tl.store(state_ptr + ((slot * H + h) * DK + i[None, :]) * DV + vv[:, None], S, mask=m2)\n"
             "    # every thread's o stores, then one acq_rel ticket",

@@ -67,7 +67,7 @@ def situ_glu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: 
     return linear(situ(linear(x, gate_w), linear(x, up_w), beta, linear_beta), down_w)
 
 
-def kda_gate_plain(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+def kda_forget_gate_plain(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Kimi-Linear forget gate in log space: g [T, h, dk] raw f_b(f_a(x)); a_log [h]; dt_bias [h·dk].
 
     Returns −exp(A_log[h]) · softplus(g + dt_bias) in fp32, shape [T, h, dk]."""
@@ -76,8 +76,10 @@ def kda_gate_plain(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) 
     return -torch.exp(hi(a_log).view(heads, 1)) * F.softplus(x)
 
 
-def kda_gate_safe(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """K3 "safe gate": L · sigmoid(exp(A_log[h]) · (g + dt_bias)) in fp32, in [L, 0); shapes as kda_gate_plain."""
+def kda_forget_gate_safe(g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                         lower_bound: float) -> torch.Tensor:
+    """K3 "safe gate": L · sigmoid(exp(A_log[h]) · (g + dt_bias)) in fp32, in [L, 0); shapes as
+    kda_forget_gate_plain."""
     heads, dk = g.shape[-2:]
     x = hi(g) + hi(dt_bias).view(heads, dk)
     return lower_bound * torch.sigmoid(torch.exp(hi(a_log).view(heads, 1)) * x)

@@ -184,9 +184,9 @@ class KDA(nn.Module):
         a_log = self.A_log.reshape(-1)[:h]
         gate_form = active.current("kda.gate", "plain" if self.lower_bound is None else "safe")
         if gate_form == "plain":
-            g = Fn.kda_gate_plain(raw, a_log, self.dt_bias)
+            g = Fn.kda_forget_gate_plain(raw, a_log, self.dt_bias)
         elif gate_form == "safe" and self.lower_bound is not None:
-            g = Fn.kda_gate_safe(raw, a_log, self.dt_bias, self.lower_bound)
+            g = Fn.kda_forget_gate_safe(raw, a_log, self.dt_bias, self.lower_bound)
         else:
             raise ValueError(f"kda.gate {gate_form!r} needs 'plain', or 'safe' with a gate_lower_bound in the config "
                              f"(this one has {self.lower_bound})")

@@ -1,7 +1,7 @@
 """Prometheus metrics, on registries of their own (several servers can share a process).
 
 EngineMetrics is what the engine observes (load, TTFT, inter-token latency, restarts, non-finite failures, and with
-`serve --speculative` the speculator's drafted / accepted tokens, verify passes, auto-off and cost-gate declines), kept
+`serve --speculative` the speculator's drafted / accepted tokens, score passes, auto-off and cost-policy declines), kept
 where the engine runs; ServerMetrics is what the HTTP side counts (requests, tokens), and renders both: the
 engine's from its own EngineMetrics in one process, or as text fetched from the engine's process when the HTTP
 server runs in a process of its own (server/engine_link.py).
@@ -22,16 +22,16 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # counter name (exposed with _total) -> (SpecCounters field, help)
 SPECULATION_COUNTERS = {
-    "k3v_spec_verify_steps": ("verify_steps", "Speculative verify passes run"),
-    "k3v_spec_drafted_tokens": ("drafted", "Draft tokens verified (those a request could still use)"),
-    "k3v_spec_accepted_tokens": ("accepted", "Draft tokens the verify passes accepted"),
-    "k3v_spec_emitted_tokens": ("emitted", "Tokens emitted by verify passes (accepted drafts and the bonus token)"),
-    "k3v_spec_verified_rows": ("verified_rows", "Rows with drafts in verify passes"),
-    "k3v_spec_rider_rows": ("rider_rows", "Greedy rows without drafts that rode along in a verify pass"),
+    "k3v_spec_verify_steps": ("score_steps", "Speculative score passes run"),
+    "k3v_spec_drafted_tokens": ("drafted", "Draft tokens scored (those a request could still use)"),
+    "k3v_spec_accepted_tokens": ("accepted", "Draft tokens the score passes accepted"),
+    "k3v_spec_emitted_tokens": ("emitted", "Tokens emitted by score passes (accepted drafts and the bonus token)"),
+    "k3v_spec_verified_rows": ("scored_rows", "Rows with drafts in score passes"),
+    "k3v_spec_rider_rows": ("rider_rows", "Greedy rows without drafts that rode along in a score pass"),
     "k3v_spec_requests_turned_off": ("turned_off", "Requests whose speculation the per-request auto-off stopped"),
-    "k3v_spec_gate_declined_steps": ("gated_steps", "Steps with drafts that the cost gate sent to plain decode"),
+    "k3v_spec_gate_declined_steps": ("declined_steps", "Steps with drafts that the cost policy sent to plain decode"),
     "k3v_spec_plain_ahead_steps": ("plain_ahead_steps",
-                                   "Steps decoded plainly with launch-ahead while the cost gate declined"),
+                                   "Steps decoded plainly with launch-ahead while the cost policy declined"),
 }
 
 

@@ -13,7 +13,7 @@ from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.state_cache import KDAStatePool
 
 if TYPE_CHECKING:
-    from k3verify.serving.spec.arena import VerifyPass
+    from k3verify.serving.spec.arena import ScorePass
 
 
 @dataclass
@@ -25,7 +25,7 @@ class ForwardContext:
     mla_absorb: bool = True  # decode attends in the latent space (q . W_kb against c)
     kv_rows: torch.Tensor | None = None  # [T] latent-cache rows of the pack's tokens (set by the model)
     stats: dict[str, int] = field(default_factory=dict)  # engagement counters for checks
-    verify: VerifyPass | None = None  # a speculative verify pass: KDA records per position, MLA absorbed per token
+    score: ScorePass | None = None  # a speculative score pass: KDA records per position, MLA absorbed per token
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:

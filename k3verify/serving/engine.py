@@ -128,8 +128,8 @@ class Engine(EngineLoop):
 
     def _new_scheduler(self) -> Scheduler:
         """Speculating, each sequence reserves k positions past its need (scheduler.spec_reservation) so that it
-        can be verified, or ride along, up to its last token."""
-        extra = self.speculator.verifier.num_draft if self.speculator is not None else 0
+        can be scored, or ride along, up to its last token."""
+        extra = self.speculator.scorer.num_draft if self.speculator is not None else 0
         return Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running,
                          reserve_extra=extra, max_reserve=self.max_context)
 

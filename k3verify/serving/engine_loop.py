@@ -113,7 +113,7 @@ class EngineLoop(RequestBook):
 
     def _step_in_order(self, admit: bool) -> None:
         """With speculative decoding each step is collected before the next is planned: the drafter proposes
-        from the tokens the host holds, and a verify pass emits several tokens of a sequence at once."""
+        from the tokens the host holds, and a score pass emits several tokens of a sequence at once."""
         assert self.speculator is not None
         if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token on the host
             previous, self._in_flight = self._in_flight, None
@@ -121,15 +121,15 @@ class EngineLoop(RequestBook):
         plan = self._plan(admit)
         whole = len(plan.decode)
         if plan.decode:
-            rest = self.speculator.run(self, plan.decode)  # verifies what it can; the rest decodes plainly
+            rest = self.speculator.run(self, plan.decode)  # scores what it can; the rest decodes plainly
             for seq in plan.decode:
-                if seq not in rest and seq.seq_id in self._requests:  # verified and still running
+                if seq not in rest and seq.seq_id in self._requests:  # scored and still running
                     seq.num_launched = len(seq.output_ids)
                     self.runner.set_next_tokens([seq.seq_id], [seq.last_token])
             plan.decode = rest
         timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
-        # what a plain step of this batch costs the launch-ahead loop (the gate's alternative to a verify), without
-        # this in-order step's readback and delivery (spec/timing.py)
+        # what a plain step of this batch costs the launch-ahead loop (the cost policy's alternative to a score pass),
+        # without this in-order step's readback and delivery (spec/timing.py)
         timer = StepTimer(self.runner.device) if timed else None
         with timer.starting_at_replay(self.launcher.graphs) if timer is not None else contextlib.nullcontext():
             launched = self.launcher.launch(plan, self._requests) if plan else None
@@ -145,8 +145,8 @@ class EngineLoop(RequestBook):
 
     def _plain_ahead(self) -> bool:
         """With a speculator: whether this step decodes plainly, launching ahead as an engine without one does,
-        because the cost gate declines verifies at the coming decode batch size (no drafts are asked for). The
-        gate's reprobe (and any change of batch size) brings the in-order speculative step back."""
+        because the cost policy declines scores at the coming decode batch size (no drafts are asked for). The
+        cost policy's reprobe (and any change of batch size) brings the in-order speculative step back."""
         assert self.speculator is not None
         batch = sum(s.can_decode for s in self.scheduler.running.values())
         return batch > 0 and self.speculator.plain_ahead(batch)

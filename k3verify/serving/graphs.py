@@ -176,7 +176,7 @@ class GraphDecoder:
         self.eager_buckets: dict[int, str] = {}  # bucket -> why its capture failed (decoded eagerly, warned once)
         self.check_signature = True  # the control of the shrink test turns this off to show what it prevents
         # called right before a step's graph replay (or eager decode), its inputs filled: spec/timing.StepTimer
-        # starts the cost gate's plain-step time there
+        # starts the cost policy's plain-step time there
         self.before_replay: Callable[[], None] | None = None
 
     def bucket_for(self, n: int) -> int:

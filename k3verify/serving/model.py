@@ -23,7 +23,7 @@ from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
-from k3verify.serving.spec.arena import VerifyPass
+from k3verify.serving.spec.arena import ScorePass
 from k3verify.serving.state_cache import KDAStatePool
 
 ATTN_RES_STORAGE = ("prealloc", "concat")
@@ -31,7 +31,7 @@ ATTN_RES_STORAGE = ("prealloc", "concat")
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, V] fp32, each sequence's last token ([T, V] for a verify pass)
+    logits: torch.Tensor  # [B, V] fp32, each sequence's last token ([T, V] for a score pass)
     all_logits: torch.Tensor | None = None  # [T, V] fp32 when asked for
     captures: dict[str, torch.Tensor] | None = None  # layers.{i}.attn_out / ffn_out, final_hidden: [T, H]
     stats: dict[str, int] | None = None  # engagement counters (segmented KDA, absorbed decode, ...)
@@ -103,19 +103,19 @@ class ServingModel(nn.Module):
         return self._forward(self._context(batch, None), False, False).logits
 
     @torch.no_grad()
-    def verify(self, batch: PackedBatch, verify: VerifyPass) -> torch.Tensor:
-        """A speculative verify pack (B continuing sequences x n tokens: the last accepted token and k drafts)
-        -> [B * n, V] fp32 logits of every token. KDA layers record every position into verify.arena and leave
+    def score(self, batch: PackedBatch, score: ScorePass) -> torch.Tensor:
+        """A speculative score pack (B continuing sequences x n tokens: the last accepted token and k drafts)
+        -> [B * n, V] fp32 logits of every token. KDA layers record every position into score.arena and leave
         the pool untouched; MLA layers write every token's latent (serving.spec.arena.commit_accepted settles
         both once the accepted prefix is known)."""
         if self.kv_cache is None or self.state_pool is None:
-            raise RuntimeError("verify needs caches: call allocate_caches first")
+            raise RuntimeError("score needs caches: call allocate_caches first")
         if batch.slots is None or batch.page_table is None or batch.is_decode:
-            raise ValueError("a verify pack needs slots and page tables and is not a decode pack")
-        if any(n != verify.num_positions for n in batch.seq_lens):
-            raise ValueError(f"every sequence of a verify pack has {verify.num_positions} tokens; got {batch.seq_lens}")
+            raise ValueError("a score pack needs slots and page tables and is not a decode pack")
+        if any(n != score.num_positions for n in batch.seq_lens):
+            raise ValueError(f"every sequence of a score pack has {score.num_positions} tokens; got {batch.seq_lens}")
         ctx = self._context(batch, None)
-        ctx.verify = verify
+        ctx.score = score
         return self._forward(ctx, False, False).logits
 
     def _context(self, batch: PackedBatch, segment_len: int | None) -> ForwardContext:
@@ -149,8 +149,8 @@ class ServingModel(nn.Module):
             h = self.finish(x, None, pending)
         if captures is not None:
             captures["final_hidden"] = h
-        # a verify pass needs every token's logits; anything else only each sequence's last
-        logits = self.lm_head(h if ctx.verify is not None else h.index_select(0, b.last_token_index))
+        # a score pass needs every token's logits; anything else only each sequence's last
+        logits = self.lm_head(h if ctx.score is not None else h.index_select(0, b.last_token_index))
         return ForwardOutput(logits, self.lm_head(h) if all_logits else None, captures, ctx.stats)
 
     def finish(self, x: torch.Tensor, blocks: Blocks | None, pending: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,7 +74,7 @@ class RequestBook:
         return req.seq_id not in self._requests
 
     def spec_fail(self, req: Request, message: str) -> None:
-        """Fail a request whose verify pass produced non-finite logits (counted like any other)."""
+        """Fail a request whose score pass produced non-finite logits (counted like any other)."""
         self.health_tracker.record_nonfinite()
         if self.observer is not None:
             self.observer.count_nonfinite()

@@ -85,7 +85,7 @@ class ModelRunner:
         return self._get(seq_id).budget
 
     def mark_cached(self, seq_id: int, num_tokens: int) -> None:
-        """Count tokens that a pass outside prefill/decode committed to the caches (a speculative verify)."""
+        """Count tokens that a pass outside prefill/decode committed to the caches (a speculative score)."""
         seq = self._get(seq_id)
         if num_tokens < 1 or seq.cached + num_tokens > seq.budget:
             raise CacheError(f"sequence {seq_id}: committing {num_tokens} token(s) to {seq.cached} cached exceeds its "
@@ -196,7 +196,7 @@ class ModelRunner:
 
     def set_next_tokens(self, seq_ids: list[int], tokens: torch.Tensor | list[int]) -> None:
         """Store the token each sequence feeds on its next decode_next ([n] int64 on the model's device, or
-        host ids: a verify pass's last emitted token, a follower rank's copy)."""
+        host ids: a score pass's last emitted token, a follower rank's copy)."""
         if isinstance(tokens, list):
             tokens = self.staging.to_device(tokens)
         if tokens.shape != (len(seq_ids),):

@@ -1,6 +1,6 @@
 """Token sampling on the model's device: greedy, temperature, top-k, top-p, counter-based seeds, logprobs.
 
-`sample_tokens` is the contract the engine (and speculative verification) call. A sampled row draws
+`sample_tokens` is the contract the engine (and speculative scoring) call. A sampled row draws
 its noise from a counter-based generator: integer hashing of (request seed, token position, vocab id)
 in torch ops, so a seeded request draws the same numbers whatever shares its batch, on CPU and CUDA
 alike, and nothing is read back to the host. The draw is a Gumbel-max on log-probabilities shifted so

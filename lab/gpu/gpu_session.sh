@@ -27,14 +27,14 @@
 #                                        on k3-syn-25 + their gpu-marked tests, then `k3verify bench --mxfp4`
 #                                        on k3-slice-4l (packed vs dequantized; its table last). ~3 min cold, most
 #                                        of it the first bf16 prefill's Triton compiles + fla autotuning
-#   bash lab/gpu/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (verify logits vs the fp32
-#                                        gold, fused vs unfused KDA verify bit for bit at rows 1/4/8 eager + graph,
-#                                        verify graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
+#   bash lab/gpu/gpu_session.sh spec     speculative decoding on kl-48b-8l: its parity (score logits vs the fp32
+#                                        gold, fused vs unfused KDA score bit for bit at rows 1/4/8 eager + graph,
+#                                        score graph vs eager), then plain vs speculative tok/s at batch 1 and 16,
 #                                        k=4, acceptance 0/50/80% (the controlled drafter's reference first
 #                                        iterated untimed to the speculative path's own continuation; each row
-#                                        says whether it converged), and the per-KDA-layer verify cost; then the
+#                                        says whether it converged), and the per-KDA-layer score cost; then the
 #                                        CUDA-only spec.* checks on k3-syn-25 and the gpu test of the fused KDA
-#                                        verify; a table of every row, $OUT/spec-summary.json (~180 s cold)
+#                                        score; a table of every row, $OUT/spec-summary.json (~180 s cold)
 #   bash lab/gpu/gpu_session.sh realsize checkpoint make kl-48b-8l (27.7 GB on disk) -> digest -> parity
 #                                        --checkpoint --device cuda -> serve answering one request (budgets
 #                                        MAKE_S=100 DIGEST_S=40 PARITY_S=340 SERVE_S=150 (serve warms up first); measured on a cold
@@ -53,7 +53,7 @@
 #                                        HTTP against the oracle on the same GPU: kl-tiny bf16 and fp32, k3-syn-25
 #                                        fp32; a table of every endpoint check at the end, reports under $OUT
 #   bash lab/gpu/gpu_session.sh tail     the grouped MoE combine's Triton tail: gpu test, CUDA checks kernel.moe.* moe.module.*
-#   bash lab/gpu/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the verify's device
+#   bash lab/gpu/gpu_session.sh spec-round  a batch-1 speculative round's host time by piece beside the score's device
 #                                        time (lab/gpu/spec_round_diag.py), unfused and fused
 #   bash lab/gpu/gpu_session.sh diag     three host/kernel diagnostics in one call: a 1k prefill's host time
 #                                        (prefill_diag.py), the MoE decode kernels at 64 tokens with skewed routing
@@ -63,14 +63,14 @@
 #                                        (lab/gpu/kda_decode_tune.py), then the batch-1 speculative round by piece
 #   bash lab/gpu/gpu_session.sh long-context  32k/128k prefill, peak vs plan, decode at context, parity at 32k
 #   bash lab/gpu/gpu_session.sh spec-b1  the spec bench's speed rows alone (SPEC_BATCH, default 1; parity as in `spec`),
-#                                        fused KDA verify -> $OUT/spec-b$SPEC_BATCH.json and its table
+#                                        fused KDA score -> $OUT/spec-b$SPEC_BATCH.json and its table
 #   bash lab/gpu/gpu_session.sh prefill-graph  the served prefill eager vs replayed from a CUDA graph per pack (PACKS),
 #                                        replay == static step, then the prefill-graph GPU tests and gate checks
 #                                        (PG_MUTANT=1: and the CUDA mutant; PREFILL_GRAPHS=1 bench: the bench with them on)
 #   bash lab/gpu/gpu_session.sh served-profile  the served engine's step breakdown and where the engine thread's time
 #                                        goes under 64 and 16 streaming clients (lab/gpu/served_profile.py; PROBE)
 #   bash lab/gpu/gpu_session.sh gemm         the eager decode step's GEMMs by shape vs the bytes they read (BATCH)
-#   bash lab/gpu/gpu_session.sh verify-tune  launch configurations of the Triton KDA verify kernels, timed, bits held
+#   bash lab/gpu/gpu_session.sh score-tune  launch configurations of the Triton KDA score kernels, timed, bits held
 #   bash lab/gpu/gpu_session.sh sdpa         fused SDPA's host time per backend at MLA prefill shapes
 #   bash lab/gpu/gpu_session.sh decode-fusions  the batch-1 decode fusions' CUDA checks (in-kernel KDA gate, residual add
 #                                        in the norm) and their CUDA mutants (THEN=bench to measure the step)
@@ -227,8 +227,8 @@ tail)
         --report-dir "$OUT/parity-moe" 2>&1 | quiet | tail -12
     ;;
 spec-round)
-    # Where a batch-1 speculative round's time goes (lab/gpu/spec_round_diag.py): host time of drafting, verify
-    # launch, readback, acceptance and commit beside the verify's device time, unfused and fused KDA verify
+    # Where a batch-1 speculative round's time goes (lab/gpu/spec_round_diag.py): host time of drafting, score
+    # launch, readback, acceptance and commit beside the score's device time, unfused and fused KDA score
     for fused in "" "--fused"; do
         step "speculative round at batch 1 (kl-48b-8l) ${fused:-unfused}"
         timeout "${DIAG_S:-120}" python3 -m lab.gpu.spec_round_diag $fused 2>&1 | quiet | tail -9
@@ -266,9 +266,9 @@ long-context)
     ;;
 spec-b1)
     b=${SPEC_BATCH:-1}
-    step "spec bench kl-48b-8l, batch $b, acceptance 0/50/80%, fused KDA verify"
+    step "spec bench kl-48b-8l, batch $b, acceptance 0/50/80%, fused KDA score"
     timeout "${SPEC_S:-300}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
-        --batch "$b" --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec-b${b//,/-}.json" \
+        --batch "$b" --spec-accept 0,0.5,0.8 --kda-fused-score --json "$OUT/spec-b${b//,/-}.json" \
         2>"$OUT/spec-b${b//,/-}.log" >/dev/null
     echo "spec bench exit $?"
     [ -f "$OUT/spec-b${b//,/-}.json" ] && python3 -m k3verify bench --table "$OUT/spec-b${b//,/-}.json"
@@ -288,11 +288,11 @@ gemm)
         timeout "${DIAG_S:-120}" python3 -m lab.gpu.gemm_profile --batch "$b" 2>&1 | quiet | tail -"${TAIL:-24}"
     done
     ;;
-verify-tune)
-    # Launch configurations of the Triton KDA verify kernels (value block, warps, register cap), each held to the
-    # shipped launch bit for bit, microseconds per call at 1-16 rows (lab/gpu/verify_tune.py)
-    step "KDA verify launches (kl-48b-8l, one layer)"
-    timeout "${DIAG_S:-240}" python3 -m lab.gpu.verify_tune --rows "${ROWS:-1,2,4,8,16}" 2>&1 | quiet | tail -"${TAIL:-75}"
+score-tune)
+    # Launch configurations of the Triton KDA score kernels (value block, warps, register cap), each held to the
+    # shipped launch bit for bit, microseconds per call at 1-16 rows (lab/gpu/score_tune.py)
+    step "KDA score launches (kl-48b-8l, one layer)"
+    timeout "${DIAG_S:-240}" python3 -m lab.gpu.score_tune --rows "${ROWS:-1,2,4,8,16}" 2>&1 | quiet | tail -"${TAIL:-75}"
     ;;
 mutate-moe)
     step "CUDA mutants of the MoE decode kernels and the conv prefill (${MUTANTS_S:-150} s)"
@@ -380,16 +380,16 @@ spec)
     # ~0.6 s at 16; a handful when it converges fast). Then the CUDA-only spec.* checks on k3-syn-25 get what is
     # left of SPEC_TOTAL_S (480), at least 45 s (they took 17 s that day), with the gpu test beside them
     start=$(date +%s)
-    step "spec bench kl-48b-8l (fused KDA verify for the speed rows; ${SPEC_S:-420} s)"
+    step "spec bench kl-48b-8l (fused KDA score for the speed rows; ${SPEC_S:-420} s)"
     timeout "${SPEC_S:-420}" python3 -m k3verify bench --preset kl-48b-8l --speculative controlled --num-draft 4 \
-        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-verify --json "$OUT/spec.json" 2>"$OUT/spec.log" >/dev/null
+        --batch 1,16 --spec-accept 0,0.5,0.8 --kda-fused-score --json "$OUT/spec.json" 2>"$OUT/spec.log" >/dev/null
     echo "spec bench exit $? after $(( $(date +%s) - start )) s"
     grep -E "^\[bench|^  parity" "$OUT/spec.log" | quiet | tail -30
     left=$(( ${SPEC_TOTAL_S:-480} - ($(date +%s) - start) ))
     [ "$left" -lt 45 ] && left=45
-    step "spec.* CUDA checks on k3-syn-25 (${left} s) + the gpu test of the fused KDA verify"
+    step "spec.* CUDA checks on k3-syn-25 (${left} s) + the gpu test of the fused KDA score"
     timeout "${SPEC_TEST_S:-40}" python3 -m pytest -q -rA --tb=short -m gpu -p no:cacheprovider \
-        tests/kernels/test_kernels_kda_verify.py >"$OUT/spec-pytest.log" 2>&1 &
+        tests/kernels/test_kernels_kda_score.py >"$OUT/spec-pytest.log" 2>&1 &
     timeout "$left" python3 -m k3verify parity --device cuda --preset k3-syn-25 --only spec.fused.vs_unfused \
         --only spec.kernel.triton_vs_torch --only spec.verify.graph_vs_eager --report-dir "$OUT/parity-spec" \
         >"$OUT/parity-spec.log" 2>&1
@@ -485,7 +485,7 @@ round)
     for part in invariance engine nosync; do step "$part"; quiet <"$OUT/round-$part.log" | tail -25; done
     ;;
 *)
-    echo "usage: bash lab/gpu/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|gemm|verify-tune|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
+    echo "usage: bash lab/gpu/gpu_session.sh parity|noise|bench|bench-k3|prefill|moe|tail|engine|spec-round|served-profile|sdpa|gemm|score-tune|mutate-cuda|mutate-moe|mxfp4|spec|realsize|endpoint|plan|invariance|round|types" >&2
     exit 2
     ;;
 esac

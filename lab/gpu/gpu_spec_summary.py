@@ -25,7 +25,7 @@ def bench_rows(out: Path) -> list[dict[str, Any]]:
     rows = [{"row": p["id"], "status": p["status"], "metric": p["metric"], "control": _num(p["control_metric"])}
             for p in data["parity"]]
     rows.append({"row": "bench speeds", "status": "reported" if data["speeds_reported"] else "withheld",
-                 "metric": None, "control": f"KDA verify path: {data['kda_verify_path']}"})
+                 "metric": None, "control": f"KDA score path: {data['kda_verify_path']}"})
     refs = [r for r in data["speed"] if "ref_converged" in r]
     if refs:  # a row whose reference did not converge does not measure its nominal acceptance
         ok = sum(bool(r["ref_converged"]) for r in refs)

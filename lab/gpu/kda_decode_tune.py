@@ -3,7 +3,7 @@
 At batch 64 the bench's six KDA layers spend 0.585 ms a step in this kernel against ~0.37 ms of state traffic
 (each row reads and writes its [heads, dk, dv] fp32 state once; 2026-12-04). fla launches it with a fixed value
 block of 32 and 4 warps. This script launches the same kernel (the slot-indexed, in-place form the serving model
-uses, through kernels/kda/fla_triton._recurrent) with other value blocks, warp counts and pipeline stages, on one
+uses, through kernels/kda/fla_launch._recurrent) with other value blocks, warp counts and pipeline stages, on one
 KDA layer of `--preset` at each batch, checks the output and the written state against fla's launch configuration
 (bits, or the largest difference when they differ), and prints the median microseconds per call (`--calls`
 back-to-back calls in one CUDA graph) with the
@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from k3verify.bench.timing import cuda_time
-from k3verify.kernels.kda import fla_triton
+from k3verify.kernels.kda import fla_launch
 from k3verify.presets import get_preset
 
 CONFIGS = [(32, 4, 2), (32, 2, 2), (32, 2, 1), (32, 2, 3), (32, 1, 2), (64, 2, 2), (64, 4, 2), (16, 1, 2),
@@ -30,10 +30,10 @@ CONFIGS = [(32, 4, 2), (32, 2, 2), (32, 2, 1), (32, 2, 3), (32, 1, 2), (64, 2, 2
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, scale: float,
            bv: int, warps: int, stages: int) -> torch.Tensor:
-    """The serving decode's direct launch (kernels/kda/fla_triton._recurrent, as kda_decode_slots_gated_fla calls
+    """The serving decode's direct launch (kernels/kda/fla_launch._recurrent, as kda_decode_slots_gated_fla calls
     it: the forget gate and beta's sigmoid inside the kernel, state read and written in place by slot) with
     another launch configuration -> o."""
-    return fla_triton._recurrent(fla_triton.DECODE_SLOTS_GATED, q, k, v, g, beta, state, slots, scale,
+    return fla_launch._recurrent(fla_launch.DECODE_SLOTS_GATED, q, k, v, g, beta, state, slots, scale,
                                  gate_in_kernel=True, beta_sigmoid_in_kernel=True, a_log=a_log, dt_bias=dt_bias,
                                  launch=(bv, warps, stages))
 

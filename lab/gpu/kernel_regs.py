@@ -1,4 +1,4 @@
-"""Registers, spills and programs per SM of the Triton KDA verify kernels, compiled offline for sm_90 (no GPU).
+"""Registers, spills and programs per SM of the Triton KDA score kernels, compiled offline for sm_90 (no GPU).
 
 Triton compiles for a target without a device (`triton.compile` with a GPUTarget), and its wheel carries ptxas and
 cuobjdump, so register use can be read on the CPU machine. It depends on the Triton version: on 2026-12-02 the
@@ -9,8 +9,8 @@ the fixed-tree sums cut 3.9's count and raised 3.6's. Read it with the device's 
     python -m lab.gpu.kernel_regs --launch 32:4:- --launch 32:4:128
 
 A launch is VALUE_BLOCK:WARPS:MAXNREG ('-': no cap). Programs per SM count registers (allocated in units of 8 per
-thread), warps (64 per SM) and shared memory; they are what decides how many waves a verify of rows x heads x value
-blocks runs in (lab/gpu/verify_tune.py times them on the GPU).
+thread), warps (64 per SM) and shared memory; they are what decides how many waves a score of rows x heads x value
+blocks runs in (lab/gpu/score_tune.py times them on the GPU).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3verify.kernels.kda import verify_kernels as vk
-from k3verify.kernels.kda import verify_triton as vt
+from k3verify.kernels.kda import score_kernel as vk
+from k3verify.kernels.kda import score_launch as vt
 
 REGS_PER_SM, WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 FUSED_SIG = {
@@ -45,7 +45,7 @@ def compile_kernel(kind: str, launch: vt.Launch, head_dim: int, positions: int, 
     """The fused or the record kernel compiled for sm_90 with `launch`'s options (the launchers' own)."""
     log2 = head_dim.bit_length() - 1
     if kind == "fused":
-        fn, sig = vk.kda_verify_fused_kernel, dict(FUSED_SIG)
+        fn, sig = vk.kda_score_fused_kernel, dict(FUSED_SIG)
         const: dict[str, Any] = dict(N=positions, W=width, BK=head_dim, BV=launch.value_block,
                                      NVB=head_dim // launch.value_block, BVF=head_dim, LOG2K=log2, LOG2V=log2,
                                      BF16=True, UNROLL=launch.unroll)

@@ -1,26 +1,26 @@
 """Where does a speculative round's time go at batch 1? (diagnostic, CUDA)
 
 The speculative bench's batch-1 rows moved 1.33x-1.71x between lent H200s with the same GPU work per round (18
-verify steps against 17), while host-only phases of the same bench took 1.3-1.7x longer on the slower machines
+score steps against 17), while host-only phases of the same bench took 1.3-1.7x longer on the slower machines
 (2026-12-02). Every round ends in a host sync (the accepted tokens decide the next drafts), so its host work runs
 with the GPU idle. This script runs the offline loop's pieces for `--rounds` rounds of one sequence and times each
-on the host (perf_counter), with the verify's device time (CUDA events) beside them:
+on the host (perf_counter), with the score's device time (CUDA events) beside them:
 
   propose   the controlled drafter (its reference: this model's own plain greedy continuation)
-  verify    staging + the verify graph's replay (launch only: host time)
+  score    staging + the score graph's replay (launch only: host time)
   commit    greedy acceptance on the device and the accepted prefix's commit behind it (launches)
-  readback  the argmax ids and counts, .tolist(): waits for the verify and commit (the GPU's time, not host work)
+  readback  the argmax ids and counts, .tolist(): waits for the score and commit (the GPU's time, not host work)
   accept    the host's greedy rule, held to the device's counts, and the runner's bookkeeping
 
-and prints the medians per round: host work between two verifies is the GPU's idle time at batch 1. On CUDA it also
-splits the verify: `to replay` (host time from the verify call to the graph's launch: checks, signature, input
+and prints the medians per round: host work between two scores is the GPU's idle time at batch 1. On CUDA it also
+splits the score: `to replay` (host time from the score call to the graph's launch: checks, signature, input
 fill), the replay call itself, the graph's device time (an event right before the launch to one right after), and
 the gap (host time from one round's readback to the next round's launch, the accept of one round plus the propose and
 `to replay` of the next: the GPU idles through all of it). Inside `to replay`, the capture signature's check and the
 inputs' fill are timed on their own.
 
---profile then runs the offline loop itself (offline.generate_speculative with verify and decode graphs, as the bench
-runs it) on the converged reference: its decode phase's wall time per verify round beside the verify's device time,
+--profile then runs the offline loop itself (offline.generate_speculative with score and decode graphs, as the bench
+runs it) on the converged reference: its decode phase's wall time per score round beside the score's device time,
 and a cProfile of the same run (top functions by own host time), to say which host work the round pays for.
 """
 
@@ -45,9 +45,9 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import ControlledDrafter
-from k3verify.serving.spec.graphs import VerifyGraphs, VerifyInputs
+from k3verify.serving.spec.graphs import ScoreGraphs, ScoreInputs
 from k3verify.serving.spec.offline import generate_speculative, pad_drafts
-from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.serving.spec.scorer import SpecScorer
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--accept", type=float, default=0.8, help="the controlled drafter's nominal acceptance")
-    ap.add_argument("--fused", action="store_true", help="the one-launch KDA verify")
+    ap.add_argument("--fused", action="store_true", help="the one-launch KDA score")
     ap.add_argument("--converge", type=int, default=6, help="untimed runs to make the reference the path's own")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
@@ -70,8 +70,8 @@ def main() -> None:
     k, new = a.num_draft, a.rounds * (a.num_draft + 1) + 8
     ctx = a.prompt_len + new + 2 * k + 64
     runner = ModelRunner(model, num_pages=2 * (-(-ctx // 64)) + 8, page_size=64, num_slots=2, max_context=ctx)
-    verifier = SpecVerifier(runner, k, 1, fused=a.fused)
-    graphs = verifier.make_graphs(ctx, (1,)) if dev.type == "cuda" else None
+    scorer = SpecScorer(runner, k, 1, fused=a.fused)
+    graphs = scorer.make_graphs(ctx, (1,)) if dev.type == "cuda" else None
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
     host: dict[str, list[float]] = defaultdict(list)
     replays: list[tuple[float, float, object]] = []  # (host time before, after the launch, event before it)
@@ -86,7 +86,7 @@ def main() -> None:
             replays.append((t, time.perf_counter(), event))
 
         torch.cuda.CUDAGraph.replay = marked_replay  # type: ignore[method-assign, assignment]
-    inner: dict[str, float] = {}  # host ms of the verify's own pieces in the current round
+    inner: dict[str, float] = {}  # host ms of the score's own pieces in the current round
 
     def timed_piece(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -96,8 +96,8 @@ def main() -> None:
             return out
         return wrapper
 
-    VerifyGraphs._signature = timed_piece("  signature", VerifyGraphs._signature)  # type: ignore[method-assign]
-    VerifyInputs.fill = timed_piece("  fill", VerifyInputs.fill)  # type: ignore[method-assign]
+    ScoreGraphs._signature = timed_piece("  signature", ScoreGraphs._signature)  # type: ignore[method-assign]
+    ScoreInputs.fill = timed_piece("  fill", ScoreInputs.fill)  # type: ignore[method-assign]
     gpu_ms: list[float] = []
     rounds_ms: list[float] = []
     accepted: list[int] = []
@@ -114,15 +114,15 @@ def main() -> None:
             t1 = time.perf_counter()
             marks = DeviceMarks(dev)
             marks.mark()
-            logits = verifier.verify([(sid, [tokens[-1], *drafts])], graphs)
+            logits = scorer.score([(sid, [tokens[-1], *drafts])], graphs)
             marks.mark()
             t2 = time.perf_counter()
-            out = verifier.commit_greedy(logits, [drafts])
+            out = scorer.commit_greedy(logits, [drafts])
             t3 = time.perf_counter()
             row = out.tolist()[0]
             t4 = time.perf_counter()
             result = accept_read_back([row], [drafts])[0]
-            verifier.committed([row[-1]])
+            scorer.committed([row[-1]])
             t5 = time.perf_counter()
             tokens += result.tokens
             if timed:
@@ -137,7 +137,7 @@ def main() -> None:
                     host["gap"].append(1e3 * (before - t0 + t5 - t4))  # propose .. launch, + accept
                     marks.points[0] = event  # the graph's own device time: from its launch
                     host["graph (device)"].append(1e3 * marks.seconds(0, 1))
-                for name, ms in inner.items():  # inside `to replay` (on CPU: inside verify)
+                for name, ms in inner.items():  # inside `to replay` (on CPU: inside score)
                     host[name].append(ms)
                 rounds_ms.append(1e3 * (t5 - t0))
                 accepted.append(result.num_accepted)
@@ -145,7 +145,7 @@ def main() -> None:
         return tokens
 
     # The drafter's reference becomes the speculative path's own continuation before the timed run, as in the
-    # bench (bench/spec_ref.converge_reference): in bf16 a verify pass and plain decode flip near-tied argmaxes, so
+    # bench (bench/spec_ref.converge_reference): in bf16 a score pass and plain decode flip near-tied argmaxes, so
     # plain greedy's continuation stops matching after the first flip and every later draft reads as rejected.
     reference = prompt[0].tolist() + generate_ours(runner, None, prompt.to(dev), new).tolist()[0]
     converged_after = None
@@ -159,21 +159,21 @@ def main() -> None:
     med = {name: statistics.median(v) for name, v in host.items()}
     work = sum(v for name, v in med.items() if name in ("propose", "verify", "commit", "accept"))
     print(f"{a.preset} batch 1, k={k}, nominal acceptance {a.accept:.0%}, {a.rounds} rounds "
-          f"(mean accepted {statistics.mean(accepted):.2f}), KDA verify {'fused' if a.fused else 'unfused'}, reference "
+          f"(mean accepted {statistics.mean(accepted):.2f}), KDA score {'fused' if a.fused else 'unfused'}, reference "
           + (f"converged after {converged_after} untimed runs" if converged_after else
              f"NOT converged in {a.converge} untimed runs: acceptance below nominal"))
     print(f"{'piece':10s} {'host ms (median)':>17s}")
     for name, v in med.items():
         print(f"{name:10s} {v:17.3f}")
-    print(f"round {statistics.median(rounds_ms):.3f} ms; verify on the device {statistics.median(gpu_ms):.3f} ms; "
+    print(f"round {statistics.median(rounds_ms):.3f} ms; score on the device {statistics.median(gpu_ms):.3f} ms; "
           f"host work outside the readback wait {work:.3f} ms a round (the GPU's idle time at batch 1)")
     if a.profile:
-        profile_loop(a, runner, verifier, graphs, reference, prompt[0].tolist(), new, ctx, statistics.median(gpu_ms))
+        profile_loop(a, runner, scorer, graphs, reference, prompt[0].tolist(), new, ctx, statistics.median(gpu_ms))
 
 
-def profile_loop(a: argparse.Namespace, runner: ModelRunner, verifier: SpecVerifier, graphs: object,
-                 reference: list[int], prompt: list[int], new: int, ctx: int, verify_gpu_ms: float) -> None:
-    """The bench's loop (offline.generate_speculative, no cost gate: every round verifies): wall per round of its
+def profile_loop(a: argparse.Namespace, runner: ModelRunner, scorer: SpecScorer, graphs: object,
+                 reference: list[int], prompt: list[int], new: int, ctx: int, score_gpu_ms: float) -> None:
+    """The bench's loop (offline.generate_speculative, no cost policy: every round scores): wall per round of its
     decode phase, then the same run under cProfile."""
     k, dev = a.num_draft, runner.device
     dgraphs = GraphDecoder(runner.model, ctx, buckets=(1,), use_graphs=dev.type == "cuda")
@@ -181,16 +181,16 @@ def profile_loop(a: argparse.Namespace, runner: ModelRunner, verifier: SpecVerif
     def run() -> tuple[float, int]:
         drafter = ControlledDrafter(k, {0: reference}, 1.0 - a.accept, runner.model.cfg.vocab_size, 0)
         marks = DeviceMarks(dev)
-        out = generate_speculative(verifier, drafter, [prompt], new, verify_graphs=graphs,  # type: ignore[arg-type]
+        out = generate_speculative(scorer, drafter, [prompt], new, score_graphs=graphs,  # type: ignore[arg-type]
                                    decode_graphs=dgraphs, after_prefill=marks.mark)
         marks.mark()
-        return marks.seconds(0, 1), out.verify_steps + out.decode_steps
+        return marks.seconds(0, 1), out.score_steps + out.decode_steps
 
     run()  # warm-up: the decode graph's capture
     walls = [run() for _ in range(5)]
     wall, steps = statistics.median(w for w, _ in walls), walls[0][1]
     print(f"offline loop: decode phase {1e3 * wall:.2f} ms over {steps} steps = {1e3 * wall / steps:.3f} ms a step; "
-          f"verify on the device {verify_gpu_ms:.3f} ms: {1e3 * wall / steps - verify_gpu_ms:.3f} ms a step more")
+          f"score on the device {score_gpu_ms:.3f} ms: {1e3 * wall / steps - score_gpu_ms:.3f} ms a step more")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(3):

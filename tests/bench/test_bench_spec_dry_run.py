@@ -21,7 +21,7 @@ def dry_run() -> Any:
     from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 
     plan = SpecPlan("kl-tiny", batches=(1, 3), accept=(0.0, 0.8), new_tokens=24, prompt_len=8, parity_len=64,
-                    layer_rows=(2,), cost_gate=False)  # the gate decides by CPU timings: tested apart
+                    layer_rows=(2,), cost_policy=False)  # the cost policy decides by CPU timings: tested apart
     saved = torch.get_num_threads()  # a module fixture runs before the per-test one-thread fixture
     torch.set_num_threads(1)
     try:
@@ -32,7 +32,7 @@ def dry_run() -> Any:
 
 
 def test_spec_bench_gates_then_times_every_batch_and_acceptance(dry_run: Any) -> None:
-    """Prefill and verify logits parity passed (controls caught) before any row; acceptance follows the drafter."""
+    """Prefill and score logits parity passed (controls caught) before any row; acceptance follows the drafter."""
     assert [p["id"] for p in dry_run.parity] == ["bench.prefill_logits_vs_fp32_gold",
                                                  "bench.spec_verify_logits_vs_fp32_gold"]
     for parity in dry_run.parity:
@@ -63,7 +63,7 @@ def test_spec_table_renders_from_the_json(dry_run: Any, tmp_path: Path, capsys: 
     assert main(["bench", "--table", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| plain decode | speculative | speedup |" in out and "batch 3, k=4, controlled 80%" in out
-    assert "KDA layer verify" in out and "KDA verify path of the speed rows: unfused" in out
+    assert "KDA layer score" in out and "KDA score path of the speed rows: unfused" in out
     assert "| acceptance measured / expected | drafter reference | tokens equal to reference / plain |" in out
     assert "| converged in 1 | 1.00 / 1.00 |" in out and "NOT converged" not in out
     assert "| decode phase: plain / speculative, speedup |" in out and " ms, " in out

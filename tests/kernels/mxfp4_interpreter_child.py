@@ -81,7 +81,7 @@ def readout(launch: Any) -> dict[str, float]:
 def faulted_kernels(tmp: str) -> dict[str, Any]:
     """Each CUDA catalog entry that targets the kernel module, applied to its source: id -> launch function."""
     from k3verify.gates.mutation import load_catalog
-    from k3verify.kernels.mxfp4 import grouped_kernel, triton_impl
+    from k3verify.kernels.mxfp4 import grouped_kernel, grouped_launch
 
     source = Path(grouped_kernel.__file__).read_text()
     out: dict[str, Any] = {}
@@ -97,7 +97,7 @@ def faulted_kernels(tmp: str) -> dict[str, Any]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
 
-        out[m.id] = functools.partial(triton_impl.launch, module)
+        out[m.id] = functools.partial(grouped_launch.launch, module)
     return out
 
 
@@ -135,7 +135,7 @@ def bench_decode(faulted: dict[str, Any]) -> dict[str, dict[str, float | str]]:
     from k3verify.bench import mxfp4_parity as mp
     from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.kernels import mxfp4
-    from k3verify.kernels.mxfp4 import triton_impl
+    from k3verify.kernels.mxfp4 import grouped_launch
     from k3verify.kernels.registry import REGISTRY, TRITON
     from k3verify.presets import get_preset
     from k3verify.serving.runner import ModelRunner
@@ -151,7 +151,7 @@ def bench_decode(faulted: dict[str, Any]) -> dict[str, dict[str, float | str]]:
     out: dict[str, dict[str, float | str]] = {}
     REGISTRY.force(mxfp4.GROUPED_MM, TRITON)
     try:
-        for name, launch in {"kernel": triton_impl.grouped_mm_triton, BENCH_FAULT: faulted[BENCH_FAULT]}.items():
+        for name, launch in {"kernel": grouped_launch.grouped_mm_triton, BENCH_FAULT: faulted[BENCH_FAULT]}.items():
             REGISTRY.register(mxfp4.GROUPED_MM, TRITON, launch)
             REGISTRY.last_backend.pop(mxfp4.GROUPED_MM, None)
             r = mp.packed_vs_dequantized("bench.mxfp4.decode_packed_vs_dequantized", models["cached"],
@@ -159,8 +159,8 @@ def bench_decode(faulted: dict[str, Any]) -> dict[str, dict[str, float | str]]:
             out[name] = {"status": r["status"], "metric": r["metric"], "bar": r["bar"],
                          "control": r["control_metric"], "backend": REGISTRY.last_backend[mxfp4.GROUPED_MM]}
     finally:
-        REGISTRY.register(mxfp4.GROUPED_MM, TRITON, triton_impl.grouped_mm_triton, accepts=triton_impl.accepts,
-                          available=triton_impl.available)
+        REGISTRY.register(mxfp4.GROUPED_MM, TRITON, grouped_launch.grouped_mm_triton, accepts=grouped_launch.accepts,
+                          available=grouped_launch.available)
         REGISTRY.force(mxfp4.GROUPED_MM, None)
     return out
 
@@ -172,12 +172,12 @@ def check_dry_run() -> dict[str, Any]:
     from k3verify.gates.evaluate import evaluate_trial
     from k3verify.gates.gate import REGISTRY as CHECKS
     from k3verify.kernels import mxfp4
-    from k3verify.kernels.mxfp4 import triton_impl
+    from k3verify.kernels.mxfp4 import grouped_launch
     from k3verify.kernels.registry import REGISTRY, TRITON
     from k3verify.target import resolve_target
 
     setattr(serving_mxfp4, "CASES", CASES[:2])  # noqa: B010 (the check's module constant, small shapes)
-    triton_impl.available = lambda: None  # the interpreter stands in for CUDA
+    grouped_launch.available = lambda: None  # the interpreter stands in for CUDA
     check = CHECKS.get("kernel.mxfp4.grouped_vs_torch")
     ctx = CheckContext(resolve_target("k3-tiny"), torch.device("cpu"), 0, torch.Generator().manual_seed(0), "quick")
     REGISTRY.force(mxfp4.GROUPED_MM, TRITON)
@@ -196,9 +196,9 @@ def main(tmp: str) -> None:
 
     patch_interpreter()
     from k3verify.gates.checks.serving_mxfp4 import swap_nibbles
-    from k3verify.kernels.mxfp4 import triton_impl
+    from k3verify.kernels.mxfp4 import grouped_launch
 
-    kernel = triton_impl.grouped_mm_triton
+    kernel = grouped_launch.grouped_mm_triton
     report: dict[str, Any] = {"cases": {}, "controls": {}, "mutants": {}}
     for name, counts, N, K in CASES:
         report["cases"][name] = compare(kernel, name, counts, N, K)

@@ -23,15 +23,15 @@ def main(cases_path: str, outputs_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("TRITON_INTERPRET=1 must be set in the environment before triton is imported")
     round_bf16_to_nearest_even()
-    from k3verify.kernels.norm import triton_impl
+    from k3verify.kernels.norm import norm_launch
 
     cases: dict[str, dict[str, Any]] = torch.load(cases_path)
     outputs: dict[str, torch.Tensor] = {}
     for name, c in cases.items():
         if c["op"] == "rms":
-            outputs[name] = triton_impl.rms_norm_triton(c["x"], c["weight"], c["eps"])
+            outputs[name] = norm_launch.rms_norm_triton(c["x"], c["weight"], c["eps"])
         else:
-            outputs[name] = triton_impl.gated_rms_norm_triton(c["x"], c["gate"], c["weight"], c["eps"])
+            outputs[name] = norm_launch.gated_rms_norm_triton(c["x"], c["gate"], c["weight"], c["eps"])
     torch.save(outputs, outputs_path)
 
 

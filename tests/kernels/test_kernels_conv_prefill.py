@@ -11,7 +11,7 @@ import torch
 from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
 from k3verify.kernels import conv as conv_ops
-from k3verify.kernels.conv import torch_ref, triton_path
+from k3verify.kernels.conv import conv_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.serving.batch import PackedBatch
 
@@ -109,14 +109,14 @@ def test_prefill_refusals_name_the_reason() -> None:
     """The registry's gate: fp32, a width past the unroll, mismatched windows and CPU tensors are refused, each with
     its reason (the registry logs it and runs the torch path)."""
     xs, weights, b, inits = _case(torch.bfloat16, 16, 4, True)
-    assert "float32" in str(triton_path.accepts_prefill(
+    assert "float32" in str(conv_launch.accepts_prefill(
         tuple(x.float() for x in xs), weights, b.seg_ids, b.local_pos, b.cu_seqlens, inits))
     wide = tuple(torch.zeros(16, 9, dtype=torch.bfloat16) for _ in range(3))
-    assert "width 9" in str(triton_path.accepts_prefill(xs, wide, b.seg_ids, b.local_pos, b.cu_seqlens, None))
+    assert "width 9" in str(conv_launch.accepts_prefill(xs, wide, b.seg_ids, b.local_pos, b.cu_seqlens, None))
     short = tuple(t[:2] for t in inits)  # type: ignore[index]
-    assert "initial windows" in str(triton_path.accepts_prefill(xs, weights, b.seg_ids, b.local_pos, b.cu_seqlens,
+    assert "initial windows" in str(conv_launch.accepts_prefill(xs, weights, b.seg_ids, b.local_pos, b.cu_seqlens,
                                                                 short))
-    assert "CUDA" in str(triton_path.accepts_prefill(xs, weights, b.seg_ids, b.local_pos, b.cu_seqlens, inits))
+    assert "CUDA" in str(conv_launch.accepts_prefill(xs, weights, b.seg_ids, b.local_pos, b.cu_seqlens, inits))
 
 
 def test_cpu_prefill_runs_the_torch_convs() -> None:

@@ -84,10 +84,10 @@ def test_state_handoff_at_chunk_boundary_is_bitexact_and_mid_chunk_is_not() -> N
 
 
 def test_fla_varlen_arguments_need_no_host_sync() -> None:
-    """fla_triton._varlen: one sequence -> the dense call (no offsets at all); several -> device offsets plus
+    """fla_launch._varlen: one sequence -> the dense call (no offsets at all); several -> device offsets plus
     cu_seqlens_cpu (fla's chunk indices are derived on the host), the same tensors for every layer of a pass (fla's
     tensor_cache keys on identity) and new ones for another pack."""
-    from k3verify.kernels.kda.fla_triton import _varlen
+    from k3verify.kernels.kda.fla_launch import _varlen
 
     cpu = torch.device("cpu")
     assert _varlen([0, 1024], cpu) == {}

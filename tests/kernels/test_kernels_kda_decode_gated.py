@@ -32,8 +32,8 @@ def _case(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _old_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, bound: float | None) -> torch.Tensor:
-    """KimiDeltaAttention.forget_gate as the layer wrote it before kernels/kda/torch_ref.kda_gate existed."""
+def _old_forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """KimiDeltaAttention.forget_gate as the layer wrote it before kernels/kda/torch_ref.kda_forget_gate existed."""
     raw = torch.add(f, dt_bias.float()).view(-1, H, DK)
     A = a_log.float().reshape(-1)[:H].exp()[:, None]
     return -A * F.softplus(raw) if bound is None else bound * torch.sigmoid(A * raw)
@@ -45,22 +45,23 @@ def test_torch_path_is_the_old_decode_bit_for_bit(dtype: torch.dtype, bound: flo
     c = _case(dtype)
     slots = torch.tensor(SLOTS)
     old_pool, new_pool = c["pool"].clone(), c["pool"].clone()
-    old = torch_ref.kda_decode_slots_torch(c["q"], c["k"], c["v"], _old_gate(c["f"], c["dt_bias"], c["a_log"], bound),
+    old_g = _old_forget_gate(c["f"], c["dt_bias"], c["a_log"], bound)
+    old = torch_ref.kda_decode_slots_torch(c["q"], c["k"], c["v"], old_g,
                                            torch.sigmoid(c["b"].float()), old_pool, slots, DK**-0.5)
     new = kda_ops.kda_decode_slots_gated(c["q"], c["k"], c["v"], c["f"], c["dt_bias"], c["a_log"], c["b"], new_pool,
                                          slots, DK**-0.5, bound)
     assert REGISTRY.last_backend[kda_ops.DECODE_SLOTS_GATED] == TORCH
     assert torch.equal(old, new) and torch.equal(old_pool, new_pool)
     # the comparison can fail: a gate without dt_bias moves both
-    wrong = torch_ref.kda_decode_slots_torch(c["q"], c["k"], c["v"], _old_gate(c["f"], 0 * c["dt_bias"], c["a_log"],
-                                                                                 bound),
+    wrong_g = _old_forget_gate(c["f"], 0 * c["dt_bias"], c["a_log"], bound)
+    wrong = torch_ref.kda_decode_slots_torch(c["q"], c["k"], c["v"], wrong_g,
                                              torch.sigmoid(c["b"].float()), c["pool"].clone(), slots, DK**-0.5)
     assert not torch.equal(old, wrong)
 
 
 # ---- fla's kernel under the interpreter (a subprocess: TRITON_INTERPRET must precede the import) ----
 
-BROKEN = {  # controls: fla_triton's own source with one fault in the call, compared the same way
+BROKEN = {  # controls: fla_launch's own source with one fault in the call, compared the same way
     "bias_dropped": ("a_log=a_log, dt_bias=dt_bias,\n", "a_log=a_log, dt_bias=None,\n"),
     "beta_not_squashed": ("gate_in_kernel=True, beta_sigmoid_in_kernel=True,", "gate_in_kernel=True, "
                           "beta_sigmoid_in_kernel=False,"),
@@ -92,14 +93,14 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     """Runs in the subprocess (TRITON_INTERPRET=1): fla's gated decode and broken variants vs the torch path."""
     from triton_interp import patch_interpreter
 
-    from k3verify.kernels.kda import fla_triton
+    from k3verify.kernels.kda import fla_launch
 
     patch_interpreter()  # bf16 stores round to nearest even, as on the GPU
     report: dict[str, Any] = {"cases": {}, "broken": {}}
     for bound in BOUNDS:
-        report["cases"][str(bound)] = _compare(fla_triton.kda_decode_slots_gated_fla, bound)
+        report["cases"][str(bound)] = _compare(fla_launch.kda_decode_slots_gated_fla, bound)
     for name, (old, new) in BROKEN.items():
-        module = broken_variant(fla_triton, name, old, new, tmp)
+        module = broken_variant(fla_launch, name, old, new, tmp)
         report["broken"][name] = {str(b): _compare(module.kda_decode_slots_gated_fla, b) for b in BOUNDS}
     # fla's own launch, as when the signature probe refuses the direct one: the same results, one warning
     import logging
@@ -108,12 +109,12 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("k3verify.kernels").addHandler(handler)
-    probe = fla_triton._recurrent_kernel
-    fla_triton._recurrent_kernel = lambda: "the probe refused it (test)"  # type: ignore[assignment]
+    probe = fla_launch._recurrent_kernel
+    fla_launch._recurrent_kernel = lambda: "the probe refused it (test)"  # type: ignore[assignment]
     try:
-        report["fla_launch"] = {str(b): _compare(fla_triton.kda_decode_slots_gated_fla, b) for b in BOUNDS}
+        report["fla_launch"] = {str(b): _compare(fla_launch.kda_decode_slots_gated_fla, b) for b in BOUNDS}
     finally:
-        fla_triton._recurrent_kernel = probe  # type: ignore[assignment]
+        fla_launch._recurrent_kernel = probe  # type: ignore[assignment]
     report["fla_launch_warnings"] = warnings
     from k3verify.kernels.registry import REGISTRY
 

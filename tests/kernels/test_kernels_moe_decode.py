@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
-from k3verify.kernels.moe import decode_path
-from k3verify.kernels.moe.decode_path import GluSpec
+from k3verify.kernels.moe import decode_launch
+from k3verify.kernels.moe.decode_launch import GluSpec
 
 Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -53,9 +53,9 @@ SPECS = {"silu": GluSpec("silu"), "situ": GluSpec("situ", 2.0, 3.0), "situ-nolin
 # (E, D, I, k, T): one token; a few; more rows per expert than one 16-row block; the most pairs the kernels take
 SHAPES = {"t1": (8, 64, 32, 2, 1), "t5": (8, 72, 48, 2, 5), "blocks": (4, 64, 32, 2, 40), "max": (64, 32, 16, 8, 64),
           "e12": (12, 48, 80, 3, 7)}  # expert count, width and intermediate no powers of two (a k3-skew-like shape)
-GRIDS = {"all": decode_path.Tiles(64, 4, 4), "compact": decode_path.Tiles(64, 4, 4, compact=True),
-         "cols_first": decode_path.Tiles(64, 4, 4, cols_first=True),
-         "compact_cols_first": decode_path.Tiles(64, 4, 4, compact=True, cols_first=True)}
+GRIDS = {"all": decode_launch.Tiles(64, 4, 4), "compact": decode_launch.Tiles(64, 4, 4, compact=True),
+         "cols_first": decode_launch.Tiles(64, 4, 4, cols_first=True),
+         "compact_cols_first": decode_launch.Tiles(64, 4, 4, compact=True, cols_first=True)}
 BROKEN = {  # controls: the kernel's own source with one fault, compared the same way (compact grid)
     "first_pair_dropped": ("rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1",
                            "rank = tl.cumsum(hit.to(tl.int32), axis=0)"),
@@ -82,7 +82,7 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
             case = _case(*dims, seed=len(report["cases"]))
             ref = reference(case, spec)
             for grid, tiles in GRIDS.items():
-                got = decode_path.combine(*case, spec, mod=decode_kernel, tiles=tiles)
+                got = decode_launch.combine(*case, spec, mod=decode_kernel, tiles=tiles)
                 report["cases"][f"{shape}-{name}-{grid}"] = {
                     "rel": _rel(got, ref), "pairs": case[4].numel(),
                     "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
@@ -91,24 +91,24 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
         shared = torch.randn(case[0].shape, generator=torch.Generator().manual_seed(8)).bfloat16()
         ref = reference(case, SPECS["silu"]).to(torch.bfloat16) + shared
         for grid, tiles in GRIDS.items():
-            got = decode_path.combine(*case, SPECS["silu"], mod=decode_kernel, tiles=tiles, add=shared)
+            got = decode_launch.combine(*case, SPECS["silu"], mod=decode_kernel, tiles=tiles, add=shared)
             report["cases"][f"{shape}-silu-{grid}-added"] = {
                 "rel": _rel(got.float(), ref.float()), "pairs": case[4].numel(), "dtype": str(got.dtype),
                 "max_rows_per_expert": int(torch.bincount(case[4].flatten()).max())}
         module = broken_variant(decode_kernel, f"shared_not_added_{shape}",
                                 "acc = acc.to(shared.dtype).to(tl.float32) + shared.to(tl.float32)",
                                 "acc = acc.to(shared.dtype).to(tl.float32)", tmp)
-        got = decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"], add=shared)
+        got = decode_launch.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"], add=shared)
         report["broken"][f"shared_not_added_{shape}"] = _rel(got.float(), ref.float())
     case = _case(*SHAPES["blocks"], seed=99)
     module = broken_variant(decode_kernel, "cols_first_axes_crossed",
                             "return tl.program_id(0) if COLS_FIRST else tl.program_id(1)", "return tl.program_id(1)",
                             tmp)
-    got = decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["cols_first"])
+    got = decode_launch.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["cols_first"])
     report["broken"]["cols_first_axes_crossed"] = _rel(got, reference(case, SPECS["silu"]))
     for name, (old, new) in BROKEN.items():
         module = broken_variant(decode_kernel, name, old, new, tmp)
-        report["broken"][name] = _rel(decode_path.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"]),
+        report["broken"][name] = _rel(decode_launch.combine(*case, SPECS["silu"], mod=module, tiles=GRIDS["compact"]),
                                       reference(case, SPECS["silu"]))
     return report
 
@@ -126,8 +126,8 @@ def test_decode_combine_matches_the_loop_under_interpreter(interpreter_report: d
     beta, 1 to 64 tokens, experts with more rows than one 16-row block, the 512-pair maximum's pad; the grid over
     all experts and the compact grid over the touched ones alike."""
     cases = interpreter_report["cases"]
-    assert cases["blocks-silu-all"]["max_rows_per_expert"] > decode_path.BLOCK_M, cases["blocks-silu-all"]
-    assert cases["max-silu-compact"]["pairs"] == decode_path.MAX_PAIRS
+    assert cases["blocks-silu-all"]["max_rows_per_expert"] > decode_launch.BLOCK_M, cases["blocks-silu-all"]
+    assert cases["max-silu-compact"]["pairs"] == decode_launch.MAX_PAIRS
     for name, r in cases.items():
         assert r["rel"] < 1e-3, (name, r)
     assert sum(name.endswith("-added") for name in cases) == 2 * len(GRIDS)
@@ -145,11 +145,11 @@ def test_interpreter_comparison_catches_broken_decode_kernels(interpreter_report
 
 def test_decode_refusals_name_the_reason() -> None:
     x, w13, w2, weights, idx = _case(*SHAPES["t5"], seed=0)
-    assert "bf16" in str(decode_path.accepts(x.float(), w13, w2, weights, idx, SPECS["silu"]))
-    assert "GLU" in str(decode_path.accepts(x, w13, w2, weights, idx, None))
-    assert "shapes" in str(decode_path.accepts(x, w13[:, :10], w2, weights, idx, SPECS["silu"]))
-    assert "cpu" in str(decode_path.accepts(x, w13, w2, weights, idx, SPECS["silu"]))
-    assert decode_path.too_large(decode_path.MAX_PAIRS + 1) and not decode_path.too_large(decode_path.MAX_PAIRS)
+    assert "bf16" in str(decode_launch.accepts(x.float(), w13, w2, weights, idx, SPECS["silu"]))
+    assert "GLU" in str(decode_launch.accepts(x, w13, w2, weights, idx, None))
+    assert "shapes" in str(decode_launch.accepts(x, w13[:, :10], w2, weights, idx, SPECS["silu"]))
+    assert "cpu" in str(decode_launch.accepts(x, w13, w2, weights, idx, SPECS["silu"]))
+    assert decode_launch.too_large(decode_launch.MAX_PAIRS + 1) and not decode_launch.too_large(decode_launch.MAX_PAIRS)
     with pytest.raises(ValueError, match="unknown GLU"):
         GluSpec("gelu")
 
@@ -166,13 +166,13 @@ def test_cuda_decode_combine_vs_loop_and_routing() -> None:
     for T in (1, 16, 64):
         case = _case(64, 2304, 1024, 8, T, seed=T, device="cuda")
         ref = reference(case, SPECS["silu"])
-        assert _rel(decode_path.combine(*case, SPECS["silu"]), ref) < 1e-2
-        every = decode_path.combine(*case, SPECS["silu"], tiles=GRIDS["all"])
+        assert _rel(decode_launch.combine(*case, SPECS["silu"]), ref) < 1e-2
+        every = decode_launch.combine(*case, SPECS["silu"], tiles=GRIDS["all"])
         for grid in ("compact", "cols_first", "compact_cols_first"):
-            assert torch.equal(decode_path.combine(*case, SPECS["silu"], tiles=GRIDS[grid]), every), (T, grid)
+            assert torch.equal(decode_launch.combine(*case, SPECS["silu"], tiles=GRIDS[grid]), every), (T, grid)
         for pairs in (8, 40, 512):  # every size's pick writes the same bits: a pair's result never depends on its batch
-            picked = decode_path.pick_tiles(pairs)
-            assert torch.equal(decode_path.combine(*case, SPECS["silu"], tiles=picked), every), (T, picked)
+            picked = decode_launch.pick_tiles(pairs)
+            assert torch.equal(decode_launch.combine(*case, SPECS["silu"], tiles=picked), every), (T, picked)
     x, w13, w2, weights, idx = _case(64, 256, 128, 8, 65, seed=1, device="cuda")
     moe = SimpleNamespace(stacked_weights=lambda: (w13, w2), glu=SPECS["silu"],
                           act=lambda g, u: _glu(SPECS["silu"], g, u))

@@ -19,7 +19,7 @@ import k3verify
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates.mutation import load_catalog
 from k3verify.kernels import mxfp4
-from k3verify.kernels.mxfp4 import torch_ref, triton_impl
+from k3verify.kernels.mxfp4 import grouped_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 
 BAR = 3.3e-3  # kernel.mxfp4.grouped_vs_torch's bar (2x the reference's own bf16 noise)
@@ -62,22 +62,22 @@ def test_fast_path_refusals_name_the_reason() -> None:
     x, codes, scales, offs = _case(3, [2, 2], 8, 64, torch.bfloat16)
 
     def reason(*args: Any) -> str:
-        return str(triton_impl.accepts(*args))
+        return str(grouped_launch.accepts(*args))
     assert "got torch.float32" in reason(x.float(), codes, scales, offs, 32)
     assert "scales (2, 8, 3)" in reason(x, codes, scales[..., :1].expand(2, 8, 3), offs, 32)
     assert "offs must be int32 [2]; got torch.int64" in reason(x, codes, scales, offs.long(), 32)
     assert "group 24" in reason(x, codes, scales, offs, 24)
     assert "not all on cpu" in reason(x, codes, scales, offs, 32)
     if not torch.cuda.is_available():
-        assert triton_impl.available() == "CUDA is not available"
+        assert grouped_launch.available() == "CUDA is not available"
 
 
 def test_tiles_follow_rows_per_expert() -> None:
     """Decode batches (<= 16 rows per expert) take 16-row tiles, prefill 128; K blocks hold whole groups."""
-    assert triton_impl.pick_tiles(16, 64, 32).block_m == 16
-    assert triton_impl.pick_tiles(64 * 16, 64, 32).block_m == 16
-    assert triton_impl.pick_tiles(8192 * 16, 64, 32).block_m == 128
-    assert all(triton_impl.pick_tiles(m, 8, 32).block_k % 32 == 0 for m in (1, 100, 10_000))
+    assert grouped_launch.pick_tiles(16, 64, 32).block_m == 16
+    assert grouped_launch.pick_tiles(64 * 16, 64, 32).block_m == 16
+    assert grouped_launch.pick_tiles(8192 * 16, 64, 32).block_m == 128
+    assert all(grouped_launch.pick_tiles(m, 8, 32).block_k % 32 == 0 for m in (1, 100, 10_000))
 
 
 # ---- the Triton kernel under the interpreter (a subprocess: TRITON_INTERPRET must precede the import) ----

@@ -16,7 +16,7 @@ import torch
 
 import k3verify
 from k3verify.kernels import norm as norm_ops
-from k3verify.kernels.norm import torch_ref, triton_impl
+from k3verify.kernels.norm import norm_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.serving.layers.norm import GatedRMSNorm, RMSNorm
 
@@ -171,16 +171,16 @@ def test_fast_path_refusals_name_the_reason(monkeypatch: pytest.MonkeyPatch) -> 
     """The Triton path refuses fp32 activations, a strided last dim, a mismatched gate or weight and a
     missing CUDA / triton, each with a reason that names the value."""
     x, w = torch.randn(4, 8, dtype=BF16), torch.ones(8, dtype=BF16)
-    assert "float32 activations" in str(triton_impl.accepts_rms(x.float(), w, EPS))
-    assert "last dim is not contiguous (stride 8)" in str(triton_impl.accepts_rms(x.t(), torch.ones(4), EPS))
-    assert "weight must be contiguous [8]" in str(triton_impl.accepts_rms(x, torch.ones(9), EPS))
-    assert "gate shape (4, 1)" in str(triton_impl.accepts_gated(x, x[:, :1], torch.ones(8), EPS))
-    assert "not one CUDA device" in str(triton_impl.accepts_rms(x, w, EPS))
+    assert "float32 activations" in str(norm_launch.accepts_rms(x.float(), w, EPS))
+    assert "last dim is not contiguous (stride 8)" in str(norm_launch.accepts_rms(x.t(), torch.ones(4), EPS))
+    assert "weight must be contiguous [8]" in str(norm_launch.accepts_rms(x, torch.ones(9), EPS))
+    assert "gate shape (4, 1)" in str(norm_launch.accepts_gated(x, x[:, :1], torch.ones(8), EPS))
+    assert "not one CUDA device" in str(norm_launch.accepts_rms(x, w, EPS))
     if not torch.cuda.is_available():
-        assert triton_impl.available() == "CUDA is not available"
+        assert norm_launch.available() == "CUDA is not available"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(triton_impl, "_kernels", lambda: "triton norm kernels unavailable: ImportError: no triton")
-    assert triton_impl.available() == "triton norm kernels unavailable: ImportError: no triton"
+    monkeypatch.setattr(norm_launch, "_kernels", lambda: "triton norm kernels unavailable: ImportError: no triton")
+    assert norm_launch.available() == "triton norm kernels unavailable: ImportError: no triton"
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
 from k3verify.kernels import norm as norm_ops
-from k3verify.kernels.norm import torch_ref, triton_impl
+from k3verify.kernels.norm import norm_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -47,7 +47,7 @@ BROKEN = {  # controls: the kernel module's own source with one fault, compared 
 
 def _compare(kernels: Any) -> dict[str, dict[str, float]]:
     """Per case: the share of bit-identical elements of s and y against the add followed by rms_norm_triton."""
-    from k3verify.kernels.norm import triton_impl as impl
+    from k3verify.kernels.norm import norm_launch as impl
 
     out: dict[str, dict[str, float]] = {}
     for i, (W, R, wd) in enumerate(CASES):
@@ -68,12 +68,12 @@ def _compare(kernels: Any) -> dict[str, dict[str, float]]:
 def _interpreter_report(tmp: str) -> dict[str, Any]:
     from triton_interp import patch_interpreter
 
-    from k3verify.kernels.norm import triton_kernels
+    from k3verify.kernels.norm import norm_kernel
 
     patch_interpreter()  # bf16 stores round to nearest even, as on the GPU
-    report: dict[str, Any] = {"kernel": _compare(triton_kernels), "broken": {}}
+    report: dict[str, Any] = {"kernel": _compare(norm_kernel), "broken": {}}
     for name, (old, new) in BROKEN.items():
-        report["broken"][name] = _compare(broken_variant(triton_kernels, name, old, new, tmp))
+        report["broken"][name] = _compare(broken_variant(norm_kernel, name, old, new, tmp))
     return report
 
 
@@ -96,9 +96,9 @@ def test_broken_fused_kernels_are_caught(interpreter_report: dict[str, Any]) -> 
 
 def test_refusals_name_the_reason() -> None:
     x, w = torch.randn(4, 8, dtype=BF16), torch.ones(8, dtype=BF16)
-    assert "residual (4, 1)" in str(triton_impl.accepts_add(x, x[:, :1], w, EPS))
-    assert "differs from x (4, 8) torch.bfloat16" in str(triton_impl.accepts_add(x, x.float(), w, EPS))
-    assert "float32 activations" in str(triton_impl.accepts_add(x.float(), x.float(), w, EPS))
+    assert "residual (4, 1)" in str(norm_launch.accepts_add(x, x[:, :1], w, EPS))
+    assert "differs from x (4, 8) torch.bfloat16" in str(norm_launch.accepts_add(x, x.float(), w, EPS))
+    assert "float32 activations" in str(norm_launch.accepts_add(x.float(), x.float(), w, EPS))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])

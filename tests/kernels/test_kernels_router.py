@@ -15,7 +15,7 @@ from triton_interp import broken_variant, child_report  # tests/kernels, on sys.
 
 from k3verify.kernels import router as router_ops
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
-from k3verify.kernels.router import torch_ref, triton_impl
+from k3verify.kernels.router import select_launch, torch_ref
 from k3verify.serving.layers.moe import Router
 
 EXPERT_TOPK = [(E, k) for E in (8, 12, 64, 256) for k in (1, 3, 8, 16) if k <= E]
@@ -97,27 +97,27 @@ def _compare_kernel(launch: Any, T: int, E: int, k: int, renormalize: bool) -> d
 
 def _interpreter_report(tmp: str) -> dict[str, Any]:
     """Runs in the subprocess (TRITON_INTERPRET=1): the kernel and its broken variants vs the torch reference."""
-    from k3verify.kernels.router import triton_kernels
+    from k3verify.kernels.router import select_kernel
 
     report: dict[str, Any] = {"cases": {}, "broken": {}}
     for E, k in EXPERT_TOPK:
         for T in ROWS:
             for renormalize in ((True, False) if T == 5 else (True,)):
                 report["cases"][f"E{E}-k{k}-T{T}-renorm{int(renormalize)}"] = _compare_kernel(
-                    triton_impl.route_triton, T, E, k, renormalize)
+                    select_launch.route_triton, T, E, k, renormalize)
     logits, bias = _logits(torch.Generator().manual_seed(5), 4, 64)
     logits[1] = float("nan")  # a garbage row (the decode scratch slot): its ids must stay in range
     logits[2, :7] = float("nan")
-    _, idx = triton_impl.route_triton(logits, bias, 8, 1, 1, True, SCALING)
+    _, idx = select_launch.route_triton(logits, bias, 8, 1, 1, True, SCALING)
     report["nan_rows_ids_in_range"] = float(bool(((idx >= 0) & (idx < 64)).all()))
     for name, (old, new) in BROKEN.items():
-        module = broken_variant(triton_kernels, name, old, new, tmp)
-        original = triton_impl._kernels
-        triton_impl._kernels = lambda module=module: module  # type: ignore[assignment]
+        module = broken_variant(select_kernel, name, old, new, tmp)
+        original = select_launch._kernels
+        select_launch._kernels = lambda module=module: module  # type: ignore[assignment]
         try:
-            report["broken"][name] = _compare_kernel(triton_impl.route_triton, 64, 64, 8, True)
+            report["broken"][name] = _compare_kernel(select_launch.route_triton, 64, 64, 8, True)
         finally:
-            triton_impl._kernels = original  # type: ignore[assignment]
+            select_launch._kernels = original  # type: ignore[assignment]
     return report
 
 
@@ -155,7 +155,7 @@ def test_fast_path_refusals_name_the_reason(monkeypatch: pytest.MonkeyPatch) -> 
     logits, bias = torch.randn(4, 64), torch.zeros(64)
 
     def reason(*args: Any) -> str:
-        return str(triton_impl.accepts(*args))
+        return str(select_launch.accepts(*args))
     assert "grouped top-k (8 groups, best 4 kept)" in reason(logits, bias, 8, 8, 4, True, 1.0)
     assert "torch.bfloat16" in reason(logits.bfloat16(), bias, 8, 1, 1, True, 1.0)
     assert "4097 experts" in reason(torch.randn(2, 4097), torch.zeros(4097), 8, 1, 1, True, 1.0)
@@ -164,10 +164,10 @@ def test_fast_path_refusals_name_the_reason(monkeypatch: pytest.MonkeyPatch) -> 
     assert "must be contiguous" in reason(torch.randn(64, 4).t(), bias, 8, 1, 1, True, 1.0)
     assert "not one CUDA device" in reason(logits, bias, 8, 1, 1, True, 1.0)
     if not torch.cuda.is_available():
-        assert triton_impl.available() == "CUDA is not available"
+        assert select_launch.available() == "CUDA is not available"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(triton_impl, "_kernels", lambda: "triton router kernel unavailable: ImportError: no triton")
-    assert triton_impl.available() == "triton router kernel unavailable: ImportError: no triton"
+    monkeypatch.setattr(select_launch, "_kernels", lambda: "triton router kernel unavailable: ImportError: no triton")
+    assert select_launch.available() == "triton router kernel unavailable: ImportError: no triton"
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ def test_spec_round_diag_smoke() -> None:
     out = _run("spec_round_diag", "--prompt-len", "8", "--rounds", "3", "--profile", "3")
     for piece in ("propose", "verify", "readback", "accept", "commit"):
         assert f"\n{piece} " in out, out
-    assert "round " in out and "verify on the device" in out
+    assert "round " in out and "score on the device" in out
     assert "offline loop: decode phase" in out and "cProfile of 3 runs" in out, out
     # fp32 on CPU: speculative greedy is plain greedy, so plain greedy's continuation is already the path's own
     assert "reference converged after 1 untimed runs" in out, out

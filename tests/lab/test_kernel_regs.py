@@ -1,4 +1,4 @@
-"""The shipped KDA verify launches, compiled offline for sm_90 (lab/gpu/kernel_regs.py: no GPU needed), stay within
+"""The shipped KDA score launches, compiled offline for sm_90 (lab/gpu/kernel_regs.py: no GPU needed), stay within
 their register cap: four programs fit on an SM, where uncapped builds held 170-200 registers and two fit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from k3verify.kernels.kda import verify_triton as vt
+from k3verify.kernels.kda import score_launch as vt
 
 
 @pytest.mark.parametrize("kind", ["fused", "record"])

@@ -1,5 +1,5 @@
-"""`serve --speculative ngram` is visible to an operator: /metrics counts verify passes, drafted and accepted
-tokens, per-request auto-off and cost-gate declines; an engine without a speculator exports none of them."""
+"""`serve --speculative ngram` is visible to an operator: /metrics counts score passes, drafted and accepted
+tokens, per-request auto-off and cost-policy declines; an engine without a speculator exports none of them."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _counters(text: str) -> dict[str, float]:
 
 
 def _serve_flags() -> ServeOptions:
-    """What `serve --speculative ngram` parses into, with its defaults (cost gate and auto-off on)."""
+    """What `serve --speculative ngram` parses into, with its defaults (cost policy and auto-off on)."""
     return ServeOptions.from_args(build_parser().parse_args(["serve", "--speculative", "ngram", "--num-draft", str(K),
                                                              "--max-batch", "8"]))
 
@@ -43,7 +43,7 @@ def _served_counters(runner: Any, speculator: SpeculativeStep | None) -> dict[st
 
 
 def test_served_speculation_counts_drafted_and_accepted_tokens_on_metrics() -> None:
-    """serve's own n-gram speculator shows every counter, with verify passes and drafted tokens; the same served
+    """serve's own n-gram speculator shows every counter, with score passes and drafted tokens; the same served
     step with drafts that follow the model (ControlledDrafter: its greedy text) counts every draft accepted. The
     n-gram drafter on random weights is almost never right
     (serving/spec/drafter.py), hence the second run for acceptance."""

@@ -124,7 +124,7 @@ def test_packed_batch_validation() -> None:
 def test_a_runner_whose_caches_another_runner_replaced_refuses_to_run(
         build_model: Callable[..., ServingModel]) -> None:
     """The model owns the caches a runner works on: a second runner over the same model allocates new ones, and the
-    first would have read and written those (its own sequences' states gone: a verify gave other tokens than
+    first would have read and written those (its own sequences' states gone: a score gave other tokens than
     decode, 2026-12-02). The first runner now raises; after reset_caches it is the model's again and runs."""
     model = build_model("kl-tiny")
     first = _runner(model)

@@ -17,10 +17,10 @@ from k3verify.serving.sampler import SamplingParams
 from k3verify.serving.spec.accept import accept_greedy, accept_sampled, token_probs
 from k3verify.serving.spec.drafter import ControlledDrafter, NgramDrafter, WithoutDrafts
 from k3verify.serving.spec.offline import generate_speculative
-from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
+from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
+from k3verify.serving.spec.scorer import SpecScorer
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
 from k3verify.serving.spec.timing import StepTimer
-from k3verify.serving.spec.verifier import SpecVerifier
 from k3verify.tokenizer import default_tokenizer
 
 K = 4
@@ -77,7 +77,7 @@ def test_rejection_sampling_emits_tokens_distributed_as_the_model(draft: int) ->
 
 
 def test_policy_turns_speculation_off_only_when_acceptance_stays_low() -> None:
-    policy, low, high = SpecPolicy(min_verifies=3, min_mean_accepted=0.25), SpecStats(), SpecStats()
+    policy, low, high = SpecPolicy(min_scores=3, min_mean_accepted=0.25), SpecStats(), SpecStats()
     for _ in range(2):
         policy.record(low, K, 0)
     assert not low.off, "too early to judge"
@@ -110,59 +110,59 @@ def _lookup_prompts() -> list[list[int]]:
 
 
 def test_offline_speculation_with_ngram_drafts_equals_plain_greedy(tiny_model: ServingModel) -> None:
-    """Verify passes over n-gram drafts leave the output equal to plain greedy's."""
+    """Score passes over n-gram drafts leave the output equal to plain greedy's."""
     prompts = _lookup_prompts()
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600),
                             prompts, 12)
-    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600), K, 2)
-    run = generate_speculative(verifier, NgramDrafter(K), prompts, 12, policy=SpecPolicy(min_mean_accepted=0.0))
+    scorer = SpecScorer(ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600), K, 2)
+    run = generate_speculative(scorer, NgramDrafter(K), prompts, 12, policy=SpecPolicy(min_mean_accepted=0.0))
     assert run.tokens == plain
-    assert run.verify_steps > 0, "the drafter never proposed: the test proves nothing"
-    verifier.runner.check_integrity()
+    assert run.score_steps > 0, "the drafter never proposed: the test proves nothing"
+    scorer.runner.check_integrity()
 
 
 def test_rows_that_turned_speculation_off_finish_on_the_plain_device_fed_path(tiny_model: ServingModel) -> None:
-    """Every draft wrong (corrupt=1): the policy turns each row off after 3 verifies, the rest is decoded in
+    """Every draft wrong (corrupt=1): the policy turns each row off after 3 scores, the rest is decoded in
     one device-fed tail (offline._plain_tail) and equals plain greedy token for token."""
     prompts, new = _prompts(), 20
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
                             prompts, new)
     refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
-    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-    run = generate_speculative(verifier, ControlledDrafter(K, refs, 1.0, 4608), prompts, new,
-                               policy=SpecPolicy(min_verifies=3, min_mean_accepted=0.25))
+    scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    run = generate_speculative(scorer, ControlledDrafter(K, refs, 1.0, 4608), prompts, new,
+                               policy=SpecPolicy(min_scores=3, min_mean_accepted=0.25))
     assert run.tokens == plain
-    assert all(s.off for s in run.stats) and run.verify_steps == 3
+    assert all(s.off for s in run.stats) and run.score_steps == 3
     assert run.decode_steps == new - 1 - 3, "one tail step per remaining token (the first came from the prefill)"
-    assert verifier.runner.active_ids == []
+    assert scorer.runner.active_ids == []
 
 
 def test_rows_without_drafts_ride_along_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
-    """One row drafts, two have nothing to verify: they ride along in its verify passes with filler drafts, so
-    while it speculates no round also runs a decode step (a verify and a decode step per round cost a batch of 16
+    """One row drafts, two have nothing to score: they ride along in its score passes with filler drafts, so
+    while it speculates no round also runs a decode step (a score and a decode step per round cost a batch of 16
     38% of plain speed on the H200); decode steps only finish the riders after it is done, and every row ends
     with plain greedy's tokens."""
     prompts, new = _prompts(), 16
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
                             prompts, new)
     refs = {0: prompts[0] + plain[0]}
-    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-    run = generate_speculative(verifier, WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608, seed=1), {1, 2}), prompts,
+    scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    run = generate_speculative(scorer, WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608, seed=1), {1, 2}), prompts,
                                new, policy=SpecPolicy(min_mean_accepted=0.0))
     assert run.tokens == plain
-    assert run.verify_steps > 0 and run.rider_rows == 2 * run.verify_steps, run
-    # rows 1 and 2 need new - 1 tokens after the prefill; each verify pass gave them one (or more): only the rest
-    # took decode steps (without riders: new - 1 decode steps, one per round, next to every verify pass)
-    assert run.decode_steps <= new - 1 - run.verify_steps, run
-    assert run.stats[1].verifies == run.stats[2].verifies == 0, "a rider's fillers were counted as drafts"
-    verifier.runner.check_integrity()
+    assert run.score_steps > 0 and run.rider_rows == 2 * run.score_steps, run
+    # rows 1 and 2 need new - 1 tokens after the prefill; each score pass gave them one (or more): only the rest
+    # took decode steps (without riders: new - 1 decode steps, one per round, next to every score pass)
+    assert run.decode_steps <= new - 1 - run.score_steps, run
+    assert run.stats[1].scores == run.stats[2].scores == 0, "a rider's fillers were counted as drafts"
+    scorer.runner.check_integrity()
 
 
-def test_rows_near_their_end_still_verify_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
+def test_rows_near_their_end_still_score_instead_of_a_decode_step(tiny_model: ServingModel) -> None:
     """Every row drafts at 50%: rows get ahead of each other, and a row within k tokens of its end still has room
-    for a verify pass (k positions reserved past its need, scheduler.spec_reservation), so no round runs a decode
-    step beside the batch's verify pass. Without the reservation this run takes decode steps (a kl-48b-8l batch of
-    16 at 50%: 35 beside 36 verify steps on the H200)."""
+    for a score pass (k positions reserved past its need, scheduler.spec_reservation), so no round runs a decode
+    step beside the batch's score pass. Without the reservation this run takes decode steps (a kl-48b-8l batch of
+    16 at 50%: 35 beside 36 score steps on the H200)."""
     from k3verify.serving.scheduler import spec_reservation
     from k3verify.serving.spec.offline import useful_drafts
 
@@ -172,24 +172,24 @@ def test_rows_near_their_end_still_verify_instead_of_a_decode_step(tiny_model: S
     refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
 
     def run_with(reserve: bool) -> Any:
-        verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+        scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
         drafter = ControlledDrafter(K, refs, 0.5, 4608, seed=3)
         if reserve:
-            return generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
+            return generate_speculative(scorer, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
         with pytest.MonkeyPatch.context() as mp:  # the reservation off: each row reserves exactly its need
             mp.setattr("k3verify.serving.spec.offline.spec_reservation", lambda runner, need, k, limit: need)
-            return generate_speculative(verifier, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
+            return generate_speculative(scorer, drafter, prompts, new, policy=SpecPolicy(min_mean_accepted=0.0))
 
     run, without = run_with(True), run_with(False)
     assert run.tokens == plain == without.tokens
-    assert run.verify_steps > 0 and run.decode_steps == 0, run
+    assert run.score_steps > 0 and run.decode_steps == 0, run
     assert without.decode_steps > 0, "the control needs rows that ran out of room: the test proves nothing"
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     assert spec_reservation(runner, 100, K, 128) == 100 + K and spec_reservation(runner, 126, K, 128) == 126
     # drafts past a row's end are not counted as drafted (nor as accepted): the measured acceptance stays the
     # drafter's; a row with one token to go only rides along
     assert [useful_drafts(K, left) for left in (1, 2, 3, 9)] == [0, 1, 2, K]
-    assert sum(s.drafted for s in run.stats) < K * run.verify_steps * len(prompts)
+    assert sum(s.drafted for s in run.stats) < K * run.score_steps * len(prompts)
 
 
 def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> None:
@@ -208,7 +208,7 @@ def test_plain_tail_with_rows_of_unequal_lengths(tiny_model: ServingModel) -> No
     for row, ahead in ((0, 5), (1, 2)):
         for _ in range(ahead):
             run.tokens[row] += runner.decode([(row, run.tokens[row][-1])]).argmax(-1).tolist()
-    _plain_tail(SpecVerifier(runner, K, 3), [0, 1, 2], [0, 1, 2], run, new, None)
+    _plain_tail(SpecScorer(runner, K, 3), [0, 1, 2], [0, 1, 2], run, new, None)
     assert run.tokens == plain and run.decode_steps == new - 1
     for sid in range(3):
         assert runner.num_cached(sid) == len(prompts[sid]) + new - 1
@@ -226,13 +226,13 @@ def _engine_run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]
 
 def test_engine_speculative_greedy_equals_plain_greedy(tiny_model: ServingModel) -> None:
     """Greedy requests through the engine's speculative step (drafts: plain greedy's continuation, 40% corrupted)
-    return plain greedy's tokens and logprobs' token ids; verify rows were partially accepted."""
+    return plain greedy's tokens and logprobs' token ids; score rows were partially accepted."""
     prompts, new = _prompts(), 14
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
                             prompts, new)
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}  # engine ids start at 1
-    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.4, 4608, seed=2),
+    step = SpeculativeStep(SpecScorer(runner, K, 3), ControlledDrafter(K, refs, 0.4, 4608, seed=2),
                            SpecPolicy(min_mean_accepted=0.0))
     engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -242,18 +242,18 @@ def test_engine_speculative_greedy_equals_plain_greedy(tiny_model: ServingModel)
         assert [lp.token_id for e in evs for lp in e.logprobs] == want
         assert evs[-1].finish_reason == "length" and evs[-1].completion_tokens == new
     c = step.counters
-    assert c.verify_steps > 0 and 0 < c.accepted < c.drafted, f"no partial acceptance: {c}"
+    assert c.score_steps > 0 and 0 < c.accepted < c.drafted, f"no partial acceptance: {c}"
 
 
 def test_engine_greedy_rows_ride_along_sampled_rows_decode(tiny_model: ServingModel) -> None:
-    """In the engine: a greedy row without drafts rides along in the verify pass of a drafting row (its tokens
+    """In the engine: a greedy row without drafts rides along in the score pass of a drafting row (its tokens
     still plain greedy's); a sampled row without drafts does not (its seeded draws stay on the decode path)."""
     prompts, new = _prompts(), 12
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
                             prompts, new)
     runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     refs = {1: prompts[0] + plain[0]}  # engine ids start at 1
-    step = SpeculativeStep(SpecVerifier(runner, K, 3), WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608), {2, 3}),
+    step = SpeculativeStep(SpecScorer(runner, K, 3), WithoutDrafts(ControlledDrafter(K, refs, 0.3, 4608), {2, 3}),
                            SpecPolicy(min_mean_accepted=0.0))
     engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
     greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -263,13 +263,13 @@ def test_engine_greedy_rows_ride_along_sampled_rows_decode(tiny_model: ServingMo
         assert [t for e in evs for t in e.token_ids] == want
     assert len([t for e in events[2] for t in e.token_ids]) == new
     c = step.counters
-    assert c.verify_steps > 0 and c.rider_rows >= c.verify_steps - 1, c
-    assert c.verified_rows == c.verify_steps, "only the drafting row counts as verified"
+    assert c.score_steps > 0 and c.rider_rows >= c.score_steps - 1, c
+    assert c.scored_rows == c.score_steps, "only the drafting row counts as scored"
 
 
 def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingModel) -> None:
     """Sampled requests through the speculative step: a seed reproduces the tokens, max_tokens is honoured
-    exactly even when a verify accepts past it, and the caches come back intact."""
+    exactly even when a score accepts past it, and the caches come back intact."""
     def once() -> list[list[int]]:
         runner = ModelRunner(tiny_model, num_pages=400, page_size=8, num_slots=2, max_context=1600)
         step = build_speculative_step(runner, "ngram", K, 2, policy=SpecPolicy(min_mean_accepted=0.0))
@@ -277,7 +277,7 @@ def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingMode
         reqs = [(p, SamplingParams(max_tokens=9, temperature=0.7, seed=11 + i, ignore_eos=True))
                 for i, p in enumerate(_lookup_prompts())]
         events = _engine_run(engine, reqs)
-        assert step.counters.verify_steps > 0
+        assert step.counters.score_steps > 0
         return [[t for e in evs for t in e.token_ids] for evs in events]
 
     first = once()
@@ -286,7 +286,7 @@ def test_engine_speculative_sampling_is_seeded_and_stops(tiny_model: ServingMode
 
 
 def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
-    """serve: --kda-fused-verify needs --speculative; --num-draft must be positive; default is no speculator."""
+    """serve: --kda-fused-score needs --speculative; --num-draft must be positive; default is no speculator."""
     import dataclasses
 
     from k3verify.cli import build_parser
@@ -301,72 +301,72 @@ def test_serve_speculative_flags_are_checked(tiny_model: ServingModel) -> None:
         return dataclasses.replace(base, **kw)
 
     assert _speculator(args(), runner) is None
-    with pytest.raises(UsageError, match="--kda-fused-verify"):
-        _speculator(args(kda_fused_verify=True), runner)
+    with pytest.raises(UsageError, match="--kda-fused-score"):
+        _speculator(args(kda_fused_score=True), runner)
     with pytest.raises(UsageError, match="num-draft"):
         _speculator(args(speculative="ngram", num_draft=0), runner)
-    step = _speculator(args(speculative="ngram", num_draft=3, kda_fused_verify=True), runner)
-    assert step is not None and step.verifier.num_draft == 3 and step.verifier.fused
-    assert isinstance(step.gate, CostGate), "serve gates verification by its cost unless told not to"
-    step = _speculator(args(speculative="ngram", no_spec_cost_gate=True), runner)
-    assert step is not None and step.gate is None
+    step = _speculator(args(speculative="ngram", num_draft=3, kda_fused_score=True), runner)
+    assert step is not None and step.scorer.num_draft == 3 and step.scorer.fused
+    assert isinstance(step.cost_policy, CostPolicy), "serve holds scoring to by its cost unless told not to"
+    step = _speculator(args(speculative="ngram", no_spec_cost_policy=True), runner)
+    assert step is not None and step.cost_policy is None
 
 
-def test_cost_gate_probes_then_decides_by_measured_step_times() -> None:
-    """A batch size's first two drafted steps verify (probes: the faster one counts), the next decodes plainly (to
-    time it), then the rule: tokens per row expected from the rows' acceptance (with the prior) against verify /
+def test_cost_policy_probes_then_decides_by_measured_step_times() -> None:
+    """A batch size's first two drafted steps score (probes: the faster one counts), the next decodes plainly (to
+    time it), then the rule: tokens per row expected from the rows' acceptance (with the prior) against score /
     decode time. A declined batch size probes again after reprobe_after declined steps, then after twice as many."""
-    gate = CostGate(reprobe_after=3)
+    cost = CostPolicy(reprobe_after=3)
     none = SpecStats()
-    assert gate.verify_now(16, [none], 0, 4)  # nothing timed: probe
-    gate.record_verify(16, 0.030)  # a first step with one-time costs
-    assert gate.verify_now(16, [none], 0, 4), "one slow first verify does not decide: probe again"
-    gate.record_verify(16, 0.009)
-    assert not gate.verify_now(16, [none], 0, 4)  # verify timed, plain not yet: time a plain step
-    gate.record_decode(16, 0.003)
-    bad, good = SpecStats(verifies=1, drafted=4, accepted=0), SpecStats(verifies=1, drafted=4, accepted=4)
-    assert gate.expected_accepted(bad, 4) == pytest.approx(1.0) and gate.expected_accepted(good, 4) == 3.0
-    assert gate.verify_now(16, [good], 0, 4)  # 4 tokens a row >= 3x the time
-    assert not gate.verify_now(16, [bad], 0, 4)  # 2 tokens a row < 3x
-    assert not gate.verify_now(16, [good], 3, 4)  # riders dilute: (4 + 3) / 4 rows < 3
+    assert cost.score_now(16, [none], 0, 4)  # nothing timed: probe
+    cost.record_score(16, 0.030)  # a first step with one-time costs
+    assert cost.score_now(16, [none], 0, 4), "one slow first score does not decide: probe again"
+    cost.record_score(16, 0.009)
+    assert not cost.score_now(16, [none], 0, 4)  # score timed, plain not yet: time a plain step
+    cost.record_decode(16, 0.003)
+    bad, good = SpecStats(scores=1, drafted=4, accepted=0), SpecStats(scores=1, drafted=4, accepted=4)
+    assert cost.expected_accepted(bad, 4) == pytest.approx(1.0) and cost.expected_accepted(good, 4) == 3.0
+    assert cost.score_now(16, [good], 0, 4)  # 4 tokens a row >= 3x the time
+    assert not cost.score_now(16, [bad], 0, 4)  # 2 tokens a row < 3x
+    assert not cost.score_now(16, [good], 3, 4)  # riders dilute: (4 + 3) / 4 rows < 3
     # two declined above; the third probes, then the sixth after it, then the twelfth
-    assert [gate.verify_now(16, [bad], 0, 4) for _ in range(9)] == [True] + [False] * 5 + [True, False, False]
-    assert gate.verify_now(1, [bad], 0, 4), "another batch size is timed on its own"
-    near_end = SpecStats(verifies=2, drafted=5, accepted=5)  # all accepted, the last verify had 1 countable draft
-    assert gate.expected_accepted(near_end, 4) == pytest.approx(4 * 7 / 9), "a rate: short last rounds are no loss"
-    gate.record_verify(16, 0.012)
-    assert gate.describe() == {"verify_ms": {"16": 9.0}, "decode_ms": {"16": 3.0}}, "the fastest step is kept"
+    assert [cost.score_now(16, [bad], 0, 4) for _ in range(9)] == [True] + [False] * 5 + [True, False, False]
+    assert cost.score_now(1, [bad], 0, 4), "another batch size is timed on its own"
+    near_end = SpecStats(scores=2, drafted=5, accepted=5)  # all accepted, the last score had 1 countable draft
+    assert cost.expected_accepted(near_end, 4) == pytest.approx(4 * 7 / 9), "a rate: short last rounds are no loss"
+    cost.record_score(16, 0.012)
+    assert cost.describe() == {"verify_ms": {"16": 9.0}, "decode_ms": {"16": 3.0}}, "the fastest step is kept"
 
 
-def test_cost_gate_sends_an_expensive_verify_to_plain_decode_offline(tiny_model: ServingModel) -> None:
-    """Offline, with step times where a verify costs 10 decode steps (control: 1), every draft right: the gate
-    never verifies and the run is plain greedy's; with equal times it verifies. Greedy output is the same both
-    ways: the gate only chooses how tokens are made."""
+def test_cost_policy_sends_an_expensive_score_to_plain_decode_offline(tiny_model: ServingModel) -> None:
+    """Offline, with step times where a score costs 10 decode steps (control: 1), every draft right: the cost policy
+    never scores and the run is plain greedy's; with equal times it scores. Greedy output is the same both
+    ways: the cost policy only chooses how tokens are made."""
     prompts, new = _prompts(), 12
     plain = generate_greedy(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128),
                             prompts, new)
     refs = {i: p + t for i, (p, t) in enumerate(zip(prompts, plain, strict=True))}
     runs = {}
     for ratio in (10.0, 1.0):
-        gate = CostGate(verify_s={3: ratio * 1e-9}, decode_s={3: 1e-9})  # below any real step: kept as the fastest
-        verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-        runs[ratio] = generate_speculative(verifier, ControlledDrafter(K, refs, 0.0, 4608), prompts, new,
-                                           policy=SpecPolicy(min_mean_accepted=0.0), gate=gate)
+        cost = CostPolicy(score_s={3: ratio * 1e-9}, decode_s={3: 1e-9})  # below any real step: kept as the fastest
+        scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+        runs[ratio] = generate_speculative(scorer, ControlledDrafter(K, refs, 0.0, 4608), prompts, new,
+                                           policy=SpecPolicy(min_mean_accepted=0.0), cost_policy=cost)
         assert runs[ratio].tokens == plain
-    assert runs[10.0].verify_steps == 0 and runs[10.0].gated_off
-    assert runs[1.0].verify_steps > 0 and not runs[1.0].gated_off and runs[1.0].acceptance == 1.0
+    assert runs[10.0].score_steps == 0 and runs[10.0].cost_off
+    assert runs[1.0].score_steps > 0 and not runs[1.0].cost_off and runs[1.0].acceptance == 1.0
 
 
-def _gated_engine_run(model: ServingModel, new: int, gate: CostGate, graphs: bool = False
+def _cost_policy_engine_run(model: ServingModel, new: int, cost: CostPolicy, graphs: bool = False
                       ) -> tuple[list[list[int]], list[list[int]], SpeculativeStep]:
-    """Plain greedy tokens of _prompts(), then the engine's greedy tokens with a speculative step under `gate`
+    """Plain greedy tokens of _prompts(), then the engine's greedy tokens with a speculative step under `cost`
     (drafts: plain greedy's continuation, none corrupted), and that step."""
     prompts = _prompts()
     plain = generate_greedy(ModelRunner(model, num_pages=40, page_size=8, num_slots=3, max_context=128), prompts, new)
     runner = ModelRunner(model, num_pages=40, page_size=8, num_slots=3, max_context=128)
     refs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, plain, strict=True))}
-    step = SpeculativeStep(SpecVerifier(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
-                           SpecPolicy(min_mean_accepted=0.0), gate)
+    step = SpeculativeStep(SpecScorer(runner, K, 3), ControlledDrafter(K, refs, 0.0, 4608),
+                           SpecPolicy(min_mean_accepted=0.0), cost)
     engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step,
                     graphs=GraphDecoder(model, 128, buckets=(4,), use_graphs=False) if graphs else None)
     events = _engine_run(engine, [(p, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
@@ -374,55 +374,56 @@ def _gated_engine_run(model: ServingModel, new: int, gate: CostGate, graphs: boo
     return plain, [[t for e in evs for t in e.token_ids] for evs in events], step
 
 
-def test_engine_cost_gate_declines_verifies_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
-    """The engine's speculative step under a gate whose measured verify costs 10 plain steps: drafted steps go to
-    plain decode (counted), output is plain greedy's; the engine times its own plain steps for the gate."""
-    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1.0}, reprobe_after=1000)
-    plain, tokens, step = _gated_engine_run(tiny_model, 10, gate)
+def test_engine_cost_policy_declines_scores_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
+    """The engine's speculative step under a cost policy whose measured score costs 10 plain steps: drafted steps go to
+    plain decode (counted), output is plain greedy's; the engine times its own plain steps for the cost policy."""
+    cost = CostPolicy(score_s={3: 10.0}, decode_s={3: 1.0}, reprobe_after=1000)
+    plain, tokens, step = _cost_policy_engine_run(tiny_model, 10, cost)
     assert tokens == plain
-    assert step.counters.verify_steps == 0 and step.counters.gated_steps > 0
-    assert gate.decode_s[3] < 1.0, "the engine timed its plain steps"
-    assert step.counters.plain_ahead_steps > 0, "while the gate declines, the engine launches ahead"
+    assert step.counters.score_steps == 0 and step.counters.declined_steps > 0
+    assert cost.decode_s[3] < 1.0, "the engine timed its plain steps"
+    assert step.counters.plain_ahead_steps > 0, "while the cost policy declines, the engine launches ahead"
 
 
-def test_engine_leaves_launch_ahead_for_the_gates_reprobe_and_keeps_greedy_output(tiny_model: ServingModel) -> None:
-    """A gate that declines at batch 3 and probes again every few declined steps: the engine runs launch-ahead
+def test_engine_leaves_launch_ahead_for_the_cost_policys_reprobe_and_keeps_greedy_output(
+        tiny_model: ServingModel) -> None:
+    """A cost policy that declines at batch 3 and probes again every few declined steps: the engine runs launch-ahead
     plain steps while it declines (drafts not asked for), drains the step in flight before each in-order step, and
-    verifies at each reprobe; the tokens equal plain greedy's throughout (every draft right: accepted ones show)."""
-    # a plain step at 1 us: whatever the engine times, a verify never pays except as a reprobe
-    gate = CostGate(verify_s={3: 10.0}, decode_s={3: 1e-6}, reprobe_after=2)
-    plain, tokens, step = _gated_engine_run(tiny_model, 16, gate)
+    scores at each reprobe; the tokens equal plain greedy's throughout (every draft right: accepted ones show)."""
+    # a plain step at 1 us: whatever the engine times, a score never pays except as a reprobe
+    cost = CostPolicy(score_s={3: 10.0}, decode_s={3: 1e-6}, reprobe_after=2)
+    plain, tokens, step = _cost_policy_engine_run(tiny_model, 16, cost)
     assert tokens == plain
     c = step.counters
-    assert c.plain_ahead_steps > 0 and c.verify_steps > 0 and c.gated_steps > 0, c
-    assert c.accepted > 0, "the reprobes verified right drafts"
+    assert c.plain_ahead_steps > 0 and c.score_steps > 0 and c.declined_steps > 0, c
+    assert c.accepted > 0, "the reprobes scored right drafts"
 
 
-def test_cost_gate_take_plain_step_follows_its_last_decision_and_reprobes() -> None:
-    gate = CostGate(verify_s={4: 10.0}, decode_s={4: 1.0}, reprobe_after=3)
-    assert not gate.take_plain_step(4), "nothing decided at 4 yet"
-    assert not gate.verify_now(4, [SpecStats()], 0, K)  # declined: 5 tokens a row expected < 10x
-    assert gate.take_plain_step(4) and not gate.take_plain_step(8)
-    assert not gate.take_plain_step(4), "the third declined step is the reprobe's: left to verify_now"
-    assert gate.verify_now(4, [SpecStats()], 0, K), "reprobe"
-    assert not gate.take_plain_step(4), "after a verify the gate is not declining"
+def test_cost_policy_take_plain_step_follows_its_last_decision_and_reprobes() -> None:
+    cost = CostPolicy(score_s={4: 10.0}, decode_s={4: 1.0}, reprobe_after=3)
+    assert not cost.take_plain_step(4), "nothing decided at 4 yet"
+    assert not cost.score_now(4, [SpecStats()], 0, K)  # declined: 5 tokens a row expected < 10x
+    assert cost.take_plain_step(4) and not cost.take_plain_step(8)
+    assert not cost.take_plain_step(4), "the third declined step is the reprobe's: left to score_now"
+    assert cost.score_now(4, [SpecStats()], 0, K), "reprobe"
+    assert not cost.take_plain_step(4), "after a score the cost policy is not declining"
 
 
-@pytest.mark.parametrize(("decode_ms", "verifies"), [(1.19, False), (1.6, True)])
-def test_cost_gate_third_verify_at_zero_acceptance_depends_on_the_plain_step_time(decode_ms: float,
-                                                                                    verifies: bool) -> None:
-    """H200 batch 1, k=4, verify 2.1 ms, two probes that accepted 0 of 4 drafts: 1 + 4 * (0 + 2) / (8 + 4) = 1.67
-    tokens a row expected; against a launch-ahead plain step (1.19 ms: 1.76x) the gate declines, against the
-    in-order step's wall time (1.6 ms: 1.31x) it verifies a third time."""
-    gate, policy, stats = CostGate(), SpecPolicy(), SpecStats()
-    for _ in range(gate.probes):
-        assert gate.verify_now(1, [stats], 0, K), "probe"
-        gate.record_verify(1, 2.1e-3)
+@pytest.mark.parametrize(("decode_ms", "scores"), [(1.19, False), (1.6, True)])
+def test_cost_policy_third_score_at_zero_acceptance_depends_on_the_plain_step_time(decode_ms: float,
+                                                                                    scores: bool) -> None:
+    """H200 batch 1, k=4, score 2.1 ms, two probes that accepted 0 of 4 drafts: 1 + 4 * (0 + 2) / (8 + 4) = 1.67
+    tokens a row expected; against a launch-ahead plain step (1.19 ms: 1.76x) the cost policy declines, against the
+    in-order step's wall time (1.6 ms: 1.31x) it scores a third time."""
+    cost, policy, stats = CostPolicy(), SpecPolicy(), SpecStats()
+    for _ in range(cost.probes):
+        assert cost.score_now(1, [stats], 0, K), "probe"
+        cost.record_score(1, 2.1e-3)
         policy.record(stats, K, 0)
-    assert not stats.off, "the request's own auto-off waits for its third verify"
-    assert not gate.verify_now(1, [stats], 0, K), "verify timed, plain not yet: a plain step to time"
-    gate.record_decode(1, decode_ms * 1e-3)
-    assert gate.verify_now(1, [stats], 0, K) is verifies
+    assert not stats.off, "the request's own auto-off waits for its third score"
+    assert not cost.score_now(1, [stats], 0, K), "score timed, plain not yet: a plain step to time"
+    cost.record_decode(1, decode_ms * 1e-3)
+    assert cost.score_now(1, [stats], 0, K) is scores
 
 
 def test_step_timer_on_cpu_times_the_wall_clock_around_the_step() -> None:
@@ -526,56 +527,56 @@ def test_graph_decoder_calls_its_hook_once_per_step_after_the_fill(tiny_model: S
     restarts: list[int] = []
     real_restart = StepTimer.restart
     monkeypatch.setattr(StepTimer, "restart", lambda self: (restarts.append(1), real_restart(self)))
-    gate = CostGate(verify_s={3: 1e-9})  # verify settled: the first drafted round is the gate's plain step
-    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-    decode_graphs = GraphDecoder(verifier.runner.model, 128, buckets=(4,), use_graphs=False)
-    generate_speculative(verifier, NgramDrafter(K), _prompts(), 8, gate=gate, decode_graphs=decode_graphs)
-    assert 3 in gate.decode_s and len(restarts) >= 1
+    cost = CostPolicy(score_s={3: 1e-9})  # score settled: the first drafted round is the cost policy's plain step
+    scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    decode_graphs = GraphDecoder(scorer.runner.model, 128, buckets=(4,), use_graphs=False)
+    generate_speculative(scorer, NgramDrafter(K), _prompts(), 8, cost_policy=cost, decode_graphs=decode_graphs)
+    assert 3 in cost.decode_s and len(restarts) >= 1
     assert decode_graphs.before_replay is None
     restarts.clear()
-    gate = CostGate(verify_s={3: 10.0}, reprobe_after=1000)  # the engine's in-order plain step, timed for the gate
-    _gated_engine_run(tiny_model, 8, gate, graphs=True)
-    assert 3 in gate.decode_s and len(restarts) >= 1
+    cost = CostPolicy(score_s={3: 10.0}, reprobe_after=1000)  # the engine's in-order plain step, timed for the policy
+    _cost_policy_engine_run(tiny_model, 8, cost, graphs=True)
+    assert 3 in cost.decode_s and len(restarts) >= 1
 
 
-def test_offline_round_and_engine_give_the_gate_the_step_timers_plain_time(tiny_model: ServingModel,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plain step both paths time for the gate is StepTimer's (a sentinel here), offline and in the engine."""
+def test_offline_round_and_engine_give_the_cost_policy_the_step_timers_plain_time(
+        tiny_model: ServingModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain step both paths time for the cost policy is StepTimer's (a sentinel here), offline and in engine."""
     monkeypatch.setattr(StepTimer, "seconds", lambda self: 0.25)
-    gate = CostGate(verify_s={3: 1e-9})  # verify settled, plain not yet: the first drafted round decodes plainly
-    verifier = SpecVerifier(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
-    generate_speculative(verifier, NgramDrafter(K), _prompts(), 8, gate=gate)
-    assert gate.decode_s == {3: 0.25}
-    gate = CostGate(verify_s={3: 10.0}, reprobe_after=1000)
-    _gated_engine_run(tiny_model, 8, gate)
-    assert gate.decode_s == {3: 0.25}
+    cost = CostPolicy(score_s={3: 1e-9})  # score settled, plain not yet: the first drafted round decodes plainly
+    scorer = SpecScorer(ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128), K, 3)
+    generate_speculative(scorer, NgramDrafter(K), _prompts(), 8, cost_policy=cost)
+    assert cost.decode_s == {3: 0.25}
+    cost = CostPolicy(score_s={3: 10.0}, reprobe_after=1000)
+    _cost_policy_engine_run(tiny_model, 8, cost)
+    assert cost.decode_s == {3: 0.25}
 
 
 def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_model: ServingModel) -> None:
-    """commit_greedy (acceptance on the device, commit behind the verify) leaves the caches and the runner's counts
-    exactly as the host rule + commit would, on rows that accept none, some and all of their drafts; verify before
+    """commit_greedy (acceptance on the device, commit behind the score) leaves the caches and the runner's counts
+    exactly as the host rule + commit would, on rows that accept none, some and all of their drafts; score before
     `committed`, and `committed` without a commit_greedy, are refused."""
     prompts = [[5, 6, 7, 8, 9], [11, 3, 3, 2], [7, 7, 1, 9, 4, 2]]
     truth = generate_greedy(ModelRunner(tiny_model, num_pages=32, page_size=4, num_slots=4, max_context=64),
-                            prompts, K + 2)  # before the verifier's runner: a runner binds its caches to the model
+                            prompts, K + 2)  # before the scorer's runner: a runner binds its caches to the model
     drafts = [[1, 2, 3, 4], truth[1][1:K + 1], [truth[2][1], 0, 0, 0]]  # none, all, one of them accepted
 
     def run(on_device: bool) -> tuple[list[int], dict[str, torch.Tensor], list[int]]:
         runner = ModelRunner(tiny_model, num_pages=32, page_size=4, num_slots=4, max_context=64)
-        verifier = SpecVerifier(runner, K, max_rows=3)
+        scorer = SpecScorer(runner, K, max_rows=3)
         for sid in range(len(prompts)):
             runner.admit(sid, 40)
         last = runner.prefill([(sid, p) for sid, p in enumerate(prompts)]).argmax(-1).tolist()
-        logits = verifier.verify([(sid, [last[sid], *d]) for sid, d in enumerate(drafts)])
+        logits = scorer.score([(sid, [last[sid], *d]) for sid, d in enumerate(drafts)])
         if on_device:
-            out = verifier.commit_greedy(logits, drafts).tolist()
+            out = scorer.commit_greedy(logits, drafts).tolist()
             with pytest.raises(RuntimeError, match="committed"):
-                verifier.verify([(0, [1] * (K + 1))])
+                scorer.score([(0, [1] * (K + 1))])
             counts = [o[-1] for o in out]
-            verifier.committed(counts)
+            scorer.committed(counts)
         else:
             counts = [accept_greedy(logits[b], d).num_accepted for b, d in enumerate(drafts)]
-            verifier.commit(counts)
+            scorer.commit(counts)
         pool = runner.state_pool
         states = {"state": pool.state.clone(), "conv_q": pool.conv_q.clone(), "latents": runner.kv_cache.data.clone()}
         return counts, states, [runner.num_cached(sid) for sid in range(3)]
@@ -587,30 +588,30 @@ def test_commit_greedy_commits_what_commit_would_and_keeps_the_call_order(tiny_m
         assert torch.equal(t, device[1][name]), name
     runner = ModelRunner(tiny_model, num_pages=8, page_size=4, num_slots=2, max_context=16)
     with pytest.raises(RuntimeError, match="without a commit_greedy"):
-        SpecVerifier(runner, K, max_rows=1).committed([0])
+        SpecScorer(runner, K, max_rows=1).committed([0])
 
 
 def test_commit_greedy_queues_the_readback_before_the_commit(tiny_model: ServingModel) -> None:
     """The ids and counts start their copy to the host before the commit's kernels are launched, so reading them
     does not wait for the commit; the copy holds [ids, count] per row, and the reject flag after them when given."""
     runner = ModelRunner(tiny_model, num_pages=24, page_size=4, num_slots=3, max_context=64)
-    verifier = SpecVerifier(runner, K, max_rows=2)
+    scorer = SpecScorer(runner, K, max_rows=2)
     for sid in range(2):
         runner.admit(sid, 24)
     last = runner.prefill([(0, [5, 6, 7]), (1, [9, 3, 4, 2])]).argmax(-1).tolist()
     order: list[str] = []
-    start, launch = verifier.readback.start, verifier._launch_commit
-    verifier.readback.start = lambda src: (order.append("readback"), start(src))[1]  # type: ignore[method-assign]
-    verifier._launch_commit = lambda *a: (order.append("commit"), launch(*a))[1]  # type: ignore[method-assign]
-    logits = verifier.verify([(sid, [last[sid], 1, 2, 3, 4]) for sid in range(2)])
-    rows = verifier.commit_greedy(logits, [[1, 2, 3, 4]] * 2, reject=torch.tensor([False, True])).tolist()
+    start, launch = scorer.readback.start, scorer._launch_commit
+    scorer.readback.start = lambda src: (order.append("readback"), start(src))[1]  # type: ignore[method-assign]
+    scorer._launch_commit = lambda *a: (order.append("commit"), launch(*a))[1]  # type: ignore[method-assign]
+    logits = scorer.score([(sid, [last[sid], 1, 2, 3, 4]) for sid in range(2)])
+    rows = scorer.commit_greedy(logits, [[1, 2, 3, 4]] * 2, reject=torch.tensor([False, True])).tolist()
     assert order == ["readback", "commit"]
     assert [len(r) for r in rows] == [K + 3] * 2 and [r[-1] for r in rows] == [0, 1] and rows[1][-2] == 0, rows
     assert [r[:K + 1] for r in rows] == logits.argmax(-1).tolist()
 
 
-def test_engine_verify_row_with_nonfinite_logits_fails_its_request_alone(tiny_model: ServingModel) -> None:
-    """One verify pass gives one row NaN logits (injected): that request ends with a non-finite error, and the other
+def test_engine_score_row_with_nonfinite_logits_fails_its_request_alone(tiny_model: ServingModel) -> None:
+    """One score pass gives one row NaN logits (injected): that request ends with a non-finite error, and the other
     requests still return plain greedy's tokens; the caches pass the integrity check. Control: without the injection
     every request completes with plain greedy's tokens."""
     prompts, new = _prompts(), 10
@@ -620,20 +621,20 @@ def test_engine_verify_row_with_nonfinite_logits_fails_its_request_alone(tiny_mo
 
     def run(inject: bool) -> tuple[list[list[EngineEvent]], ModelRunner]:
         runner = ModelRunner(tiny_model, num_pages=40, page_size=8, num_slots=3, max_context=128)
-        verifier = SpecVerifier(runner, K, 3)
-        real_verify = verifier.verify
+        scorer = SpecScorer(runner, K, 3)
+        real_score = scorer.score
         calls = [0]
 
-        def verify(seqs: list[tuple[int, list[int]]], graphs: Any = None) -> torch.Tensor:
-            logits = real_verify(seqs, graphs)
+        def score(seqs: list[tuple[int, list[int]]], graphs: Any = None) -> torch.Tensor:
+            logits = real_score(seqs, graphs)
             calls[0] += 1
             if inject and calls[0] == 2:
                 rows = [sid for sid, _ in seqs]
                 logits[rows.index(2)] = float("nan")  # request 2's row
             return logits
 
-        verifier.verify = verify  # type: ignore[method-assign]
-        step = SpeculativeStep(verifier, ControlledDrafter(K, refs, 0.3, 4608, seed=1),
+        scorer.score = score  # type: ignore[method-assign]
+        step = SpeculativeStep(scorer, ControlledDrafter(K, refs, 0.3, 4608, seed=1),
                                SpecPolicy(min_mean_accepted=0.0))
         engine = Engine(runner, default_tokenizer(), eos_token_ids=(0,), vocab_size=4608, speculator=step)
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)

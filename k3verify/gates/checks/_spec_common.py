@@ -1,4 +1,4 @@
-"""Helpers of the spec.* checks: op-level verify inputs over a sentinel-filled pool, bit views, poisoning."""
+"""Helpers of the spec.* checks: op-level score inputs over a sentinel-filled pool, bit views, poisoning."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from k3verify.gates import SkipCheck
 from k3verify.serving.runner import ModelRunner
 
 NUM_DRAFT = 4
-SLOTS = [2, 5, 1]  # verified rows park in these pool slots; the others are idle sentinels
+SLOTS = [2, 5, 1]  # scored rows park in these pool slots; the others are idle sentinels
 NUM_SLOTS = 6
 IDLE = [0, 3, 4]
 
 
 @dataclass
 class OpCase:
-    """One KDA layer's verify inputs: xs 3 x [B, n, D], conv weights 3 x [D, W], g / gate [B, n, h, dk], beta
+    """One KDA layer's score inputs: xs 3 x [B, n, D], conv weights 3 x [D, W], g / gate [B, n, h, dk], beta
     [B, n, h], a pool (windows 3 x [NUM_SLOTS, D, W-1], state [NUM_SLOTS, h, dk, dv]) with NaN / 1e30 in the
     idle slots, slots [B], keep [B], norm weight [dk]."""
 

@@ -1,6 +1,6 @@
 """The CUDA routed-expert combine vs the torch loop it replaces, through the kernel registry (CUDA only).
 
-On CUDA `moe.combine` runs the decode kernels (bf16, at most decode_path.MAX_PAIRS (token, expert) pairs),
+On CUDA `moe.combine` runs the decode kernels (bf16, at most decode_launch.MAX_PAIRS (token, expert) pairs),
 two grouped GEMMs over the stacked experts (larger bf16 steps) or a per-pair weight gather with batched GEMVs
 (fp32): static shapes, no host sync, so a decode step that contains it can be captured in a CUDA graph. The
 module checks (`moe.module.*`) compare our MoE with the reference bit for bit in fp32, which these paths match
@@ -20,7 +20,7 @@ import torch
 
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
-from k3verify.kernels.moe import COMBINE, decode_path, grouped, moe_combine
+from k3verify.kernels.moe import COMBINE, decode_launch, grouped, moe_combine
 from k3verify.kernels.moe import torch_ref as moe_ref
 from k3verify.kernels.registry import CUDA
 
@@ -88,7 +88,7 @@ def check_moe_grouped(ctx: CheckContext) -> Trial:
 )
 def check_moe_decode(ctx: CheckContext) -> Trial:
     top_k = ctx.cfg.num_experts_per_token
-    return combine_trial(ctx, torch.bfloat16, tokens=(1, 4, max(1, decode_path.MAX_PAIRS // top_k)), path="decode")
+    return combine_trial(ctx, torch.bfloat16, tokens=(1, 4, max(1, decode_launch.MAX_PAIRS // top_k)), path="decode")
 
 
 @register_check(

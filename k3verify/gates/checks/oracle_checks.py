@@ -62,7 +62,7 @@ def check_kda_recurrent_vs_chunk(ctx: CheckContext) -> Trial:
     id="oracle.kda.gate_vs_fla", component="oracle", level="module", kind=Kind.BITEXACT,
     control="the safe gate computed with the plain softplus formula",
 )
-def check_kda_gate_vs_fla(ctx: CheckContext) -> Trial:
+def check_kda_forget_gate_vs_fla(ctx: CheckContext) -> Trial:
 
     T, h, dk, g = 67, 3, 20, ctx.generator
     # bf16 activations as in serving; a x8 tail drives softplus past its linear threshold and sigmoid to 0/1.
@@ -74,8 +74,9 @@ def check_kda_gate_vs_fla(ctx: CheckContext) -> Trial:
     lower = ctx.cfg.gate_lower_bound if ctx.cfg.gate_lower_bound is not None else -5.0
     reference = {"plain": fla_ref.naive_gate(raw, a_log, dt_plain),
                  "safe": fla_ref.naive_lowerbound_gate(raw, a_log, dt_safe, lower)}
-    candidate = {"plain": Fn.kda_gate_plain(raw, a_log, dt_plain), "safe": Fn.kda_gate_safe(raw, a_log, dt_safe, lower)}
-    control = {"plain": candidate["plain"], "safe": Fn.kda_gate_plain(raw, a_log, dt_safe)}
+    candidate = {"plain": Fn.kda_forget_gate_plain(raw, a_log, dt_plain),
+                 "safe": Fn.kda_forget_gate_safe(raw, a_log, dt_safe, lower)}
+    control = {"plain": candidate["plain"], "safe": Fn.kda_forget_gate_plain(raw, a_log, dt_safe)}
     return Trial(reference=reference, candidate=candidate, control=control,
                  notes=[f"lower bound {lower}; fla naive_kda_gate / naive_kda_lowerbound_gate are the reference"])
 

@@ -175,7 +175,7 @@ def check_act_bf16(ctx: CheckContext) -> Trial:
     return _act_trial(ctx, BF16)
 
 
-def _gate_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
+def _forget_gate_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     cfg = ctx.cfg
     if not cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
@@ -190,8 +190,8 @@ def _gate_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
         raw = ref_attn.f_b_proj(ref_attn.f_a_proj(x)).view(T, h, dk)
         a_log = ref_attn.A_log.reshape(-1)[:h]
         key = f"layers.{i}"
-        out["ref"][key] = (Fn.kda_gate_plain(raw, a_log, ref_attn.dt_bias) if ref_attn.lower_bound is None
-                           else Fn.kda_gate_safe(raw, a_log, ref_attn.dt_bias, ref_attn.lower_bound))
+        out["ref"][key] = (Fn.kda_forget_gate_plain(raw, a_log, ref_attn.dt_bias) if ref_attn.lower_bound is None
+                           else Fn.kda_forget_gate_safe(raw, a_log, ref_attn.dt_bias, ref_attn.lower_bound))
         out["cand"][key] = attn.forget_gate(attn.f_a_proj(x))  # the layer hands the gate f_a_proj(x)
         with fx.patched(attn, "lower_bound", wrong):
             out["ctrl"][key] = attn.forget_gate(attn.f_a_proj(x))
@@ -205,12 +205,12 @@ _GATE_CONTROL = "the safe gate's lower bound at 0.8x the config's (plain-gate pr
 
 @register_check(id="kda.gate.fp32", component="kda", level="module", kind=Kind.BITEXACT, control=_GATE_CONTROL)
 @fx.single_thread
-def check_gate_fp32(ctx: CheckContext) -> Trial:
-    return _gate_trial(ctx, F32)
+def check_forget_gate_fp32(ctx: CheckContext) -> Trial:
+    return _forget_gate_trial(ctx, F32)
 
 
 @register_check(id="kda.gate.bf16", component="kda", level="module", kind=Kind.BF16, suites=("full",),
                 control=_GATE_CONTROL)
 @fx.single_thread
-def check_gate_bf16(ctx: CheckContext) -> Trial:
-    return _gate_trial(ctx, BF16)
+def check_forget_gate_bf16(ctx: CheckContext) -> Trial:
+    return _forget_gate_trial(ctx, BF16)

@@ -17,7 +17,7 @@ import torch
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
 from k3verify.kernels import conv as conv_ops
-from k3verify.kernels.conv import torch_ref, triton_path
+from k3verify.kernels.conv import conv_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.serving.batch import PackedBatch
 
@@ -112,7 +112,7 @@ def check_conv_decode(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_conv_decode_triton(ctx: CheckContext) -> Trial:
     """The registry's CUDA decode conv (Triton, one launch) vs the torch reference, bf16 activations."""
-    fx.require_fast_path("Triton conv decode", triton_path.available())
+    fx.require_fast_path("Triton conv decode", conv_launch.available())
     slots = torch.tensor(SLOTS, device=ctx.device)
     keep = torch.tensor(KEEP, device=ctx.device).bfloat16()
     case = _case(ctx, torch.bfloat16)
@@ -142,7 +142,7 @@ def check_conv_prefill_triton(ctx: CheckContext) -> Trial:
     """The registry's CUDA prefill convs (Triton, q/k/v in two launches) vs the torch gather conv, bf16: a pack
     of fresh and continuing sequences (initial windows scaled by keep, as the layer passes them), outputs and
     final windows."""
-    fx.require_fast_path("Triton conv prefill", triton_path.available_prefill())
+    fx.require_fast_path("Triton conv prefill", conv_launch.available_prefill())
     if not ctx.cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
     g, D, W, dev = ctx.generator, ctx.cfg.kda_dim, ctx.cfg.conv_kernel_size, ctx.device

@@ -12,11 +12,11 @@ from k3verify.kernels import norm as norm_ops
 from k3verify.kernels import router as router_ops
 from k3verify.kernels.attn import sdpa as attn_sdpa
 from k3verify.kernels.attn import torch_ref as attn_ref
+from k3verify.kernels.norm import norm_launch as norm_triton
 from k3verify.kernels.norm import torch_ref as norm_ref
-from k3verify.kernels.norm import triton_impl as norm_triton
 from k3verify.kernels.registry import CUDA, TRITON
+from k3verify.kernels.router import select_launch as router_triton
 from k3verify.kernels.router import torch_ref as router_ref
-from k3verify.kernels.router import triton_impl as router_triton
 
 NORM_WIDTHS = (72, 2304, 7168)  # ragged vs the power-of-two block, a K3 KDA width, the K3 hidden size
 NORM_ROWS = 37

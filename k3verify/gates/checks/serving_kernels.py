@@ -10,7 +10,7 @@ from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
 from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, register_check
 from k3verify.gates import fixtures as fx
 from k3verify.kernels import kda as kda_ops
-from k3verify.kernels.kda import fla_triton
+from k3verify.kernels.kda import fla_launch
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
@@ -157,10 +157,10 @@ def check_kda_decode_kernel(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_kda_triton(ctx: CheckContext) -> Trial:
     """fla's chunk_kda (through our registry) vs the torch path, bf16 inputs: a pack of three sequences (fla's
-    varlen call), its second sequence alone (the dense call fla_triton makes for one sequence), and the pack as a
+    varlen call), its second sequence alone (the dense call fla_launch makes for one sequence), and the pack as a
     static pack with an empty trailing sequence (fla's graph-capturable `use_graph` mode; the empty sequence's
     final state is not compared: fla leaves it undefined)."""
-    fx.require_fast_path("Triton KDA path", fla_triton.available())
+    fx.require_fast_path("Triton KDA path", fla_launch.available())
     cu = [0]
     for n in LENS:
         cu.append(cu[-1] + n)
@@ -210,7 +210,7 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
     """The serving decode: fla's fused_recurrent_kda reading/writing states in the pool by slot, in
     place, vs the torch path (gather, step, scatter). Rows out of slot order; untouched slots must
     stay as they were (they are part of the compared state)."""
-    fx.require_fast_path("Triton KDA path", fla_triton.available())
+    fx.require_fast_path("Triton KDA path", fla_launch.available())
     B, n_slots = 5, 9
     x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, B, n_slots).items()}
     slots = torch.tensor([7, 2, 5, 1, 8], device=ctx.device)
@@ -241,9 +241,9 @@ def check_kda_decode_slots_triton(ctx: CheckContext) -> Trial:
 @fx.single_thread
 def check_kda_decode_gated_triton(ctx: CheckContext) -> Trial:
     """The serving decode as the layer calls it: fla's fused_recurrent_kda making the forget gate (plain and safe)
-    and beta's sigmoid from their raw inputs in-kernel, states in the pool by slot, vs the torch path (kda_gate,
+    and beta's sigmoid from their raw inputs in-kernel, states in the pool by slot, vs the torch path (kda_forget_gate,
     kda_beta, gather, step, scatter). Rows out of slot order; untouched slots are part of the compared state."""
-    fx.require_fast_path("Triton KDA path", fla_triton.available())
+    fx.require_fast_path("Triton KDA path", fla_launch.available())
     B, n_slots = 5, 9
     x = {k: v.to(ctx.device) for k, v in _kda_inputs(ctx, B, n_slots).items()}
     g = ctx.generator
@@ -278,16 +278,16 @@ def check_kda_decode_gated_triton(ctx: CheckContext) -> Trial:
 @register_check(
     id="kernel.kda.gate_beta_triton", component="kernel", level="kernel", kind=Kind.RMS, devices=("cuda",),
     bar=1e-5,
-    bar_reason="the same fp32 arithmetic as torch's kda_gate / kda_beta with Triton's exp and log (a few ulps): "
-    "1.2e-8 to 1.7e-8 under the interpreter on CPU (tests/kernels/test_kernels_kda_gate.py); far below any gate "
+    bar_reason="the same fp32 arithmetic as torch's kda_forget_gate / kda_beta with Triton's exp and log (a few ulps): "
+    "1.2e-8 to 1.7e-8 under the interpreter on CPU (tests/kernels/test_kernels_kda_forget_gate.py); far below any gate "
     "fault (a dropped bias moves it 0.1)",
     control="beta squashed before the kernel, which squashes it again",
 )
 @fx.single_thread
-def check_kda_gate_beta_triton(ctx: CheckContext) -> Trial:
-    """The prefill / verify gate as the layer calls it: one Triton launch making the forget gate (plain and safe)
+def check_kda_forget_gate_beta_triton(ctx: CheckContext) -> Trial:
+    """The prefill / score gate as the layer calls it: one Triton launch making the forget gate (plain and safe)
     and beta from f_b_proj's output and b_proj's logits, both column slices of one wider row (the fused projection
-    GEMM's layout), vs the torch path (kda_gate, kda_beta). Inputs span softplus' threshold both ways."""
+    GEMM's layout), vs the torch path (kda_forget_gate, kda_beta). Inputs span softplus' threshold both ways."""
     g = ctx.generator
     T, width = 7, 2 * H * DK + H + 5
     row = (torch.randn(T, width, generator=g) * 3.0)
@@ -300,15 +300,15 @@ def check_kda_gate_beta_triton(ctx: CheckContext) -> Trial:
     def run(backend: str | None, b_logits: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, bound in (("plain", None), ("safe", -5.0)):
-            REGISTRY.force(kda_ops.GATE_BETA, backend)
+            REGISTRY.force(kda_ops.FORGET_GATE_BETA, backend)
             try:
-                out[f"{name}.g"], out[f"{name}.beta"] = kda_ops.kda_gate_beta(f, dt_bias, A, b_logits, H, bound)
+                out[f"{name}.g"], out[f"{name}.beta"] = kda_ops.kda_forget_gate_beta(f, dt_bias, A, b_logits, H, bound)
             finally:
-                REGISTRY.force(kda_ops.GATE_BETA, None)
+                REGISTRY.force(kda_ops.FORGET_GATE_BETA, None)
         return out
 
     cand = run(None, b)
-    fx.assert_routed(kda_ops.GATE_BETA, backend=TRITON)
+    fx.assert_routed(kda_ops.FORGET_GATE_BETA, backend=TRITON)
     ctrl_b = torch.sigmoid(b.float()).bfloat16()
     return Trial(reference=run(TORCH, b), candidate=cand, control=run(None, ctrl_b),
                  notes=[f"{T} tokens, {H} heads x {DK}; bf16 inputs as strided column slices; the plain gate and a "

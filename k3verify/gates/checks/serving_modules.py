@@ -75,8 +75,8 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: Fault, 
 
 def _beta_twice(layer: Any) -> Any:
     """beta's logits squashed before the layer's gate op, which squashes them again."""
-    inner = layer.gate_and_beta
-    return fx.patched(layer, "gate_and_beta",
+    inner = layer.forget_gate_and_beta
+    return fx.patched(layer, "forget_gate_and_beta",
                       lambda f_a, b_logits: inner(f_a, torch.sigmoid(b_logits.float()).to(b_logits.dtype)))
 
 

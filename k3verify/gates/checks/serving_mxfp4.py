@@ -10,8 +10,8 @@ from k3verify.gates import CheckContext, Kind, SkipCheck, Trial, compare, regist
 from k3verify.gates import fixtures as fx
 from k3verify.kernels import mxfp4 as mxfp4_ops
 from k3verify.kernels.moe.grouped import PackedExperts
+from k3verify.kernels.mxfp4 import grouped_launch as mxfp4_triton
 from k3verify.kernels.mxfp4 import torch_ref as mxfp4_ref
-from k3verify.kernels.mxfp4 import triton_impl as mxfp4_triton
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 from k3verify.serving.layers.decoder import DecoderLayer
 from k3verify.serving.layers.moe import SparseMoE

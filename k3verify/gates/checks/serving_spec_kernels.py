@@ -1,6 +1,6 @@
-"""Speculative verify on CUDA: the Triton kernels against the torch reference, the fused launch against the
-unfused chain bit for bit (rows 1, 4, 8; eager and CUDA-graph replay), the captured verify step against eager.
-The kernel checks need CUDA (the CPU interpreter covers the kernels in tests/kernels/test_kernels_kda_verify.py);
+"""Speculative score on CUDA: the Triton kernels against the torch reference, the fused launch against the
+unfused chain bit for bit (rows 1, 4, 8; eager and CUDA-graph replay), the captured score step against eager.
+The kernel checks need CUDA (the CPU interpreter covers the kernels in tests/kernels/test_kernels_kda_score.py);
 the captured step runs on CPU too, recorded by gates.replay's rerun recorder (its static-buffer bookkeeping).
 """
 
@@ -17,14 +17,14 @@ from k3verify.gates import fixtures as fx
 from k3verify.gates.checks._spec_common import NUM_DRAFT, OpCase, bits, op_case
 from k3verify.gates.replay import rerun_recorder
 from k3verify.kernels import kda as kda_ops
-from k3verify.kernels.kda import verify_triton
-from k3verify.kernels.kda.verify import VERIFY_CONV, VERIFY_FUSED, VERIFY_NORM, VERIFY_RECORD, kda_verify
+from k3verify.kernels.kda import score_launch
+from k3verify.kernels.kda.score import SCORE_CONV, SCORE_FUSED, SCORE_NORM, SCORE_RECORD, kda_score
 from k3verify.kernels.registry import REGISTRY, TRITON
 from k3verify.serving.runner import ModelRunner
-from k3verify.serving.spec.verifier import SpecVerifier
+from k3verify.serving.spec.scorer import SpecScorer
 
 ROWS = (1, 4, 8)
-UNFUSED_OPS = (VERIFY_CONV, VERIFY_RECORD, VERIFY_NORM)
+UNFUSED_OPS = (SCORE_CONV, SCORE_RECORD, SCORE_NORM)
 
 
 def _buffers(case: OpCase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +45,9 @@ def _outputs(case: OpCase, o: torch.Tensor, y: torch.Tensor, conv_rec: torch.Ten
 
 def run_eager(case: OpCase, fused: bool) -> dict[str, torch.Tensor]:
     conv_rec, state_rec = _buffers(case)
-    o, y = kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
+    o, y = kda_score(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
                       case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec, fused=fused)
-    fx.assert_routed(*((VERIFY_FUSED,) if fused else UNFUSED_OPS), backend=TRITON)
+    fx.assert_routed(*((SCORE_FUSED,) if fused else UNFUSED_OPS), backend=TRITON)
     return _outputs(case, o, y, conv_rec, state_rec)
 
 
@@ -56,7 +56,7 @@ def run_replayed(case: OpCase) -> dict[str, torch.Tensor]:
     conv_rec, state_rec = _buffers(case)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        return kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
+        return kda_score(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
                           case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec, fused=True)
 
     stream = torch.cuda.Stream()
@@ -67,7 +67,7 @@ def run_replayed(case: OpCase) -> dict[str, torch.Tensor]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o, y = step()
-    fx.assert_routed(VERIFY_FUSED, backend=TRITON)
+    fx.assert_routed(SCORE_FUSED, backend=TRITON)
     conv_rec.fill_(float("nan"))
     state_rec.fill_(float("nan"))
     graph.replay()
@@ -80,7 +80,7 @@ def run_replayed(case: OpCase) -> dict[str, torch.Tensor]:
     control="the fused launch reads each row's state and windows from another row's slot",
 )
 def check_fused_vs_unfused(ctx: CheckContext) -> Trial:
-    fx.require_fast_path("Triton KDA verify kernels", verify_triton.available())
+    fx.require_fast_path("Triton KDA score kernels", score_launch.available())
     return fused_vs_unfused_trial(ctx, ROWS)
 
 
@@ -98,8 +98,8 @@ def fused_vs_unfused_trial(ctx: Any, rows_list: tuple[int, ...]) -> Trial:
                 cand[f"rows{rows}.{mode}.{key}"] = got[key]
                 ctrl[f"rows{rows}.{mode}.{key}"] = wrong[key]
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
-        f"rows {rows_list} x {NUM_DRAFT + 1} positions, bf16, this preset's KDA dims; unfused = kda.verify_conv + "
-        "kda.verify_record + kda.verify_norm (Triton, eager); fused = kda.verify_fused (one Triton launch) eager "
+        f"rows {rows_list} x {NUM_DRAFT + 1} positions, bf16, this preset's KDA dims; unfused = kda.score_conv + "
+        "kda.score_record + kda.score_norm (Triton, eager); fused = kda.score_fused (one Triton launch) eager "
         "and replayed from a CUDA graph; records NaN-poisoned before each run; `pool` = the pool's raw bits after"])
 
 
@@ -112,16 +112,16 @@ def fused_vs_unfused_trial(ctx: Any, rows_list: tuple[int, ...]) -> Trial:
     control="records one position late (record j holds the state and windows before position j)",
 )
 def check_triton_vs_torch(ctx: CheckContext) -> Trial:
-    fx.require_fast_path("Triton KDA verify kernels", verify_triton.available())
+    fx.require_fast_path("Triton KDA score kernels", score_launch.available())
     case = op_case(ctx, torch.bfloat16, rows=4)
     with fx.torch_path(*UNFUSED_OPS):
         conv_rec, state_rec = _buffers(case)
-        o, y = kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g,
+        o, y = kda_score(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g,
                           case.beta, case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec,
                           fused=False)
         ref = {"o": o, "y": y, "conv_records": conv_rec, "state_records": state_rec}
     conv_rec, state_rec = _buffers(case)
-    o, y = kda_verify(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
+    o, y = kda_score(case.xs, case.weights, case.windows, case.state, case.slots, case.keep, case.g, case.beta,
                       case.gate, case.norm_weight, case.eps, case.scale, conv_rec, state_rec, fused=False)
     fx.assert_routed(*UNFUSED_OPS, backend=TRITON)
     cand = {"o": o, "y": y, "conv_records": conv_rec, "state_records": state_rec}
@@ -136,12 +136,12 @@ def check_triton_vs_torch(ctx: CheckContext) -> Trial:
 Bits = dict[str, torch.Tensor]
 
 
-def _verify_variants(ctx: CheckContext, fused: bool) -> tuple[Bits, Bits, Bits]:
-    """Prefill three prompts once, then verify one pack three ways from the same caches (restored from one
+def _score_variants(ctx: CheckContext, fused: bool) -> tuple[Bits, Bits, Bits]:
+    """Prefill three prompts once, then score one pack three ways from the same caches (restored from one
     snapshot, arena re-poisoned; nothing committed, so the runner's host-side counts never move): the static step
     eagerly (reference), the recorded step replayed over the capture's own scratch inputs (control: the refill
     skipped), the recorded step refilled and replayed (candidate). Each -> logits, records and the caches' bits
-    right after the verify. Recorded steps are CUDA graphs on CUDA; elsewhere the rerun recorder's stand-in,
+    right after the score. Recorded steps are CUDA graphs on CUDA; elsewhere the rerun recorder's stand-in,
     whose replays run the step again over the same static buffers."""
     cuda = ctx.device.type == "cuda"
     # CPU tests the bookkeeping, not bf16 kernels: the fp32 model and a short context keep it to seconds
@@ -157,7 +157,7 @@ def _verify_variants(ctx: CheckContext, fused: bool) -> tuple[Bits, Bits, Bits]:
     flat = [t for sid in range(B) for t in fx.prompt(ctx, n, salt=80 + sid).tolist()]
     slots, tables = [runner.slot_of(s) for s in range(B)], [runner.kv_cache.table(s) for s in range(B)]
     starts = [runner.num_cached(s) for s in range(B)]
-    verifier = SpecVerifier(runner, NUM_DRAFT, 4, fused=fused)
+    scorer = SpecScorer(runner, NUM_DRAFT, 4, fused=fused)
     pool = runner.state_pool.tensors()
     snap = ({k: v.clone() for k, v in pool.items()}, runner.kv_cache.data.clone())
 
@@ -165,41 +165,41 @@ def _verify_variants(ctx: CheckContext, fused: bool) -> tuple[Bits, Bits, Bits]:
         for k, v in snap[0].items():
             pool[k].copy_(v)
         runner.kv_cache.data.copy_(snap[1])
-        verifier.arena.poison()
+        scorer.arena.poison()
         logits = step()
         if cuda:
             torch.cuda.synchronize()
-        arena = verifier.arena
+        arena = scorer.arena
         return {"logits": bits(logits.float()), "state_records": bits(arena.state[:, :B]),
                 "conv_records": bits(arena.conv[:, :B]), "latents": bits(runner.kv_cache.data),
                 "pool": bits(runner.state_pool.state)}
 
-    eager = verifier.make_graphs(context, (4,), use_graphs=False)
-    graphs = verifier.make_graphs(context, (4,), recorder=None if cuda else rerun_recorder)
-    ref = bits_after(lambda: eager.verify(flat, slots, tables, starts)[0])
+    eager = scorer.make_graphs(context, (4,), use_graphs=False)
+    graphs = scorer.make_graphs(context, (4,), recorder=None if cuda else rerun_recorder)
+    ref = bits_after(lambda: eager.score(flat, slots, tables, starts)[0])
     ctrl = bits_after(lambda: graphs.replay_stale(B))  # captures first: its static inputs hold scratch rows
-    cand = bits_after(lambda: graphs.verify(flat, slots, tables, starts)[0])
+    cand = bits_after(lambda: graphs.score(flat, slots, tables, starts)[0])
     return ref, cand, ctrl
 
 
 @register_check(
     id="spec.verify.graph_vs_eager", component="serving", level="serving", kind=Kind.BITEXACT,
-    control="the captured verify replayed over the capture's own (scratch) inputs instead of this step's rows",
+    control="the captured score replayed over the capture's own (scratch) inputs instead of this step's rows",
 )
-def check_verify_graph_vs_eager(ctx: CheckContext) -> Trial:
+def check_score_graph_vs_eager(ctx: CheckContext) -> Trial:
     ref: Bits = {}
     cand: Bits = {}
     ctrl: Bits = {}
-    # off CUDA a fused request runs the unfused reference (kda.verify_fused's torch backend): one path to test
+    # off CUDA a fused request runs the unfused reference (kda.score_fused's torch backend): one path to test
     for fused in (False, True) if ctx.device.type == "cuda" else (False,):
         path = "fused" if fused else "unfused"
-        for out, bits_ in zip((ref, cand, ctrl), _verify_variants(ctx, fused), strict=True):
+        for out, bits_ in zip((ref, cand, ctrl), _score_variants(ctx, fused), strict=True):
             out.update({f"{path}.{key}": value for key, value in bits_.items()})
     cuda = ctx.device.type == "cuda"
     how = "a CUDA graph" if cuda else "the rerun recorder (static-buffer bookkeeping only)"
     setup = "bf16 model, context 256, prompts (9, 30, 17)" if cuda else "fp32 model, context 64, prompts (5, 12, 7)"
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=[
-        f"{setup}, one verify pack of {NUM_DRAFT + 1} tokens in a bucket of 4 rows from one prefill (caches "
-        f"restored between runs); the same static step eager vs replayed from {how}; KDA verify paths "
+        f"{setup}, one score pack of {NUM_DRAFT + 1} tokens in a bucket of 4 rows from one prefill (caches "
+        f"restored between runs); the same static step eager vs replayed from {how}; KDA score paths "
         f"{sorted({k.split('.')[0] for k in ref})}, last fused path taken: "
-        f"{REGISTRY.last_backend.get(VERIFY_FUSED, 'none')}"])
+        f"{REGISTRY.last_backend.get(SCORE_FUSED, 'none')}"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.conv import torch_ref, triton_path
+from k3verify.kernels.conv import conv_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 CAUSAL = "conv.causal"
@@ -23,11 +23,11 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 REGISTRY.register(CAUSAL, TORCH, torch_ref.causal_conv_varlen_torch)
 REGISTRY.register(CAUSAL_QKV, TORCH, torch_ref.causal_conv_qkv_torch)
-REGISTRY.register(CAUSAL_QKV, TRITON, triton_path.causal_conv_qkv_fast, accepts=triton_path.accepts_prefill,
-                  available=triton_path.available_prefill)
+REGISTRY.register(CAUSAL_QKV, TRITON, conv_launch.causal_conv_qkv_fast, accepts=conv_launch.accepts_prefill,
+                  available=conv_launch.available_prefill)
 REGISTRY.register(CAUSAL_DECODE, TORCH, torch_ref.causal_conv_decode_torch)
-REGISTRY.register(CAUSAL_DECODE, TRITON, triton_path.conv_decode_qkv_fast, accepts=triton_path.accepts_decode,
-                  available=triton_path.available)
+REGISTRY.register(CAUSAL_DECODE, TRITON, conv_launch.conv_decode_qkv_fast, accepts=conv_launch.accepts_decode,
+                  available=conv_launch.available)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, seg_ids: torch.Tensor, local_pos: torch.Tensor,

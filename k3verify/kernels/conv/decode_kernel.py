@@ -5,7 +5,7 @@ straight from the fp32 pool at slots[b], forms silu(conv) and writes the shifted
 arithmetic mirrors torch's elementwise ops in the activation dtype (fp32 math, rounded to bf16 after
 every multiply and add), so outputs differ from the torch reference only where exp / division do.
 
-Imports triton at module level: import it lazily (kernels/conv/triton_path.py), and for the
+Imports triton at module level: import it lazily (kernels/conv/conv_launch.py), and for the
 interpreter set TRITON_INTERPRET=1 before this module is first imported.
 """
 
@@ -71,7 +71,7 @@ def conv_decode_qkv_triton(xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                            weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                            windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
                            keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as torch_ref.causal_conv_decode_torch (callers check triton_path.accepts_decode)."""
+    """Same contract as torch_ref.causal_conv_decode_torch (callers check conv_launch.accepts_decode)."""
     B, D = xs[0].shape
     W = weights[0].shape[1]
     # q/k/v usually arrive as column slices of one fused projection: read them in place when they share a

@@ -9,7 +9,7 @@ fp32 math rounded to the activation dtype after every multiply and add, taps old
 torch_ref.causal_conv_varlen_torch computes with torch's elementwise ops; only silu's exp / division may
 differ from torch by an ulp.
 
-Imports triton at module level: import it lazily (kernels/conv/triton_path.py), and for the interpreter set
+Imports triton at module level: import it lazily (kernels/conv/conv_launch.py), and for the interpreter set
 TRITON_INTERPRET=1 before this module is first imported.
 """
 
@@ -94,7 +94,7 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def causal_conv_qkv_triton(xs: QKV, weights: QKV, seg_ids: torch.Tensor, local_pos: torch.Tensor,
                            cu_seqlens: torch.Tensor, initial: QKV | None) -> tuple[QKV, QKV]:
-    """Same contract as torch_ref.causal_conv_qkv_torch (callers check triton_path.accepts_prefill)."""
+    """Same contract as torch_ref.causal_conv_qkv_torch (callers check conv_launch.accepts_prefill)."""
     T, D = xs[0].shape
     W = weights[0].shape[1]
     N = cu_seqlens.numel() - 1

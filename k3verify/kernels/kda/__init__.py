@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.kda import fla_triton, gate_triton, torch_ref
+from k3verify.kernels.kda import fla_launch, forget_gate_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 from k3verify.kernels.varlen import DeviceSeqlens, Offsets
 
@@ -17,24 +17,24 @@ PREFILL = "kda.prefill"
 # the same op over a static pack's device offsets (kernels/varlen.py; fla's use_graph mode): an op of its own, so a
 # refusal or a raise there (the registry then disables the fast path for the process) leaves the eager prefill alone
 PREFILL_STATIC = "kda.prefill_static"
-DECODE_SLOTS = fla_triton.DECODE_SLOTS
-DECODE_SLOTS_GATED = fla_triton.DECODE_SLOTS_GATED
-GATE_BETA = "kda.gate_beta"
+DECODE_SLOTS = fla_launch.DECODE_SLOTS
+DECODE_SLOTS_GATED = fla_launch.DECODE_SLOTS_GATED
+FORGET_GATE_BETA = "kda.forget_gate_beta"
 CHUNK = torch_ref.CHUNK
 
 for _op in (PREFILL, PREFILL_STATIC):  # the same two backends; each op is disabled on its own
     REGISTRY.register(_op, TORCH, torch_ref.kda_prefill_torch)
-    REGISTRY.register(_op, TRITON, fla_triton.kda_prefill_fla, accepts=fla_triton.accepts_prefill,
-                      available=fla_triton.available)
+    REGISTRY.register(_op, TRITON, fla_launch.kda_prefill_fla, accepts=fla_launch.accepts_prefill,
+                      available=fla_launch.available)
 REGISTRY.register(DECODE_SLOTS, TORCH, torch_ref.kda_decode_slots_torch)
-REGISTRY.register(DECODE_SLOTS, TRITON, fla_triton.kda_decode_slots_fla, accepts=fla_triton.accepts_decode_slots,
-                  available=fla_triton.available)
+REGISTRY.register(DECODE_SLOTS, TRITON, fla_launch.kda_decode_slots_fla, accepts=fla_launch.accepts_decode_slots,
+                  available=fla_launch.available)
 REGISTRY.register(DECODE_SLOTS_GATED, TORCH, torch_ref.kda_decode_slots_gated_torch)
-REGISTRY.register(DECODE_SLOTS_GATED, TRITON, fla_triton.kda_decode_slots_gated_fla,
-                  accepts=fla_triton.accepts_decode_slots_gated, available=fla_triton.available)
-REGISTRY.register(GATE_BETA, TORCH, torch_ref.kda_gate_beta)
-REGISTRY.register(GATE_BETA, TRITON, gate_triton.gate_beta_triton, accepts=gate_triton.accepts,
-                  available=gate_triton.available)
+REGISTRY.register(DECODE_SLOTS_GATED, TRITON, fla_launch.kda_decode_slots_gated_fla,
+                  accepts=fla_launch.accepts_decode_slots_gated, available=fla_launch.available)
+REGISTRY.register(FORGET_GATE_BETA, TORCH, torch_ref.kda_forget_gate_beta)
+REGISTRY.register(FORGET_GATE_BETA, TRITON, forget_gate_launch.forget_gate_beta_triton,
+                  accepts=forget_gate_launch.accepts, available=forget_gate_launch.available)
 
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -58,18 +58,19 @@ def kda_decode_slots_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_
                            pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
                            lower_bound: float | None) -> torch.Tensor:
     """The serving decode step: kda_decode_slots with the gate and beta made from their raw inputs (f_b_proj's
-    output f_raw [B, h*dk], dt_bias [h*dk], a_log [h] fp32, b_logits [B, h]) as torch_ref.kda_gate / kda_beta
+    output f_raw [B, h*dk], dt_bias [h*dk], a_log [h] fp32, b_logits [B, h]) as torch_ref.kda_forget_gate / kda_beta
     make them; on CUDA inside fla's recurrence kernel."""
     return dispatch(DECODE_SLOTS_GATED, q, k, v, f_raw, dt_bias, a_log, b_logits, pool_state, slots, scale,
                     lower_bound, device=q.device)
 
 
-def kda_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor, heads: int,
-                  lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forget gate and beta of a prefill or verify pass from their raw inputs (f_b_proj's output f_raw [T, D],
+def kda_forget_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor,
+                         heads: int, lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forget gate and beta of a prefill or score pass from their raw inputs (f_b_proj's output f_raw [T, D],
     dt_bias [D] fp32, the decay rate A = exp(A_log) [h] fp32, b_logits [T, h]) -> (g [T, h, dk], beta [T, h]), fp32:
-    torch_ref.kda_gate and kda_beta (six launches); on CUDA in bf16 one Triton launch (kernels/kda/gate_kernel.py)."""
-    return dispatch(GATE_BETA, f_raw, dt_bias, A, b_logits, heads, lower_bound, device=f_raw.device)
+    torch_ref.kda_forget_gate and kda_beta (six launches); on CUDA in bf16 one Triton launch
+    (kernels/kda/forget_gate_kernel.py)."""
+    return dispatch(FORGET_GATE_BETA, f_raw, dt_bias, A, b_logits, heads, lower_bound, device=f_raw.device)
 
 
-from k3verify.kernels.kda import verify as _verify  # noqa: E402,F401  (registers the kda.verify_* ops)
+from k3verify.kernels.kda import score as _score  # noqa: E402,F401  (registers the kda.score_* ops)

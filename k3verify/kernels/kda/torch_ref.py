@@ -130,7 +130,7 @@ def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o.to(v.dtype), S.to(state.dtype)
 
 
-def kda_gate(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, heads: int,
+def kda_forget_gate(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, heads: int,
              lower_bound: float | None) -> torch.Tensor:
     """The forget gate from f_b_proj's output f_raw [T, h*dk] (activation dtype), dt_bias [h*dk] and the per-head
     decay rate A = exp(A_log) [h, 1] (fp32) -> log-space decay [T, h, dk] fp32: plain -A softplus(f + dt_bias),
@@ -148,10 +148,11 @@ def kda_beta(b_logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(b_logits.float())
 
 
-def kda_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor, heads: int,
-                  lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kda_gate, kda_beta) of one layer's raw inputs: A [h] or [h, 1] -> (g [T, h, dk] fp32, beta [T, h] fp32)."""
-    return kda_gate(f_raw, dt_bias, A.reshape(-1, 1), heads, lower_bound), kda_beta(b_logits)
+def kda_forget_gate_beta(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor,
+                         heads: int, lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kda_forget_gate, kda_beta) of one layer's raw inputs: A [h] or [h, 1] -> (g [T, h, dk] fp32, beta [T, h]
+    fp32)."""
+    return kda_forget_gate(f_raw, dt_bias, A.reshape(-1, 1), heads, lower_bound), kda_beta(b_logits)
 
 
 def kda_decode_slots_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -168,6 +169,6 @@ def kda_decode_slots_gated_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  lower_bound: float | None) -> torch.Tensor:
     """kda_decode_slots_torch from the gate's and beta's raw inputs: f_raw [B, h*dk] (f_b_proj's output), dt_bias
     [h*dk], a_log [h] fp32 (A_log's first h entries), b_logits [B, h]; the gate and beta as the prefill gets them
-    (kda_gate, kda_beta), op for op."""
-    g = kda_gate(f_raw, dt_bias, a_log.exp()[:, None], q.shape[1], lower_bound)
+    (kda_forget_gate, kda_beta), op for op."""
+    g = kda_forget_gate(f_raw, dt_bias, a_log.exp()[:, None], q.shape[1], lower_bound)
     return kda_decode_slots_torch(q, k, v, g, kda_beta(b_logits), pool_state, slots, scale)

@@ -22,7 +22,7 @@ activation dtype before the GLU and before the route weight, as F.linear's outpu
 accumulation order differs. A pair's result depends on its own row alone (the K loop and its block size do
 not change with the batch), so a request computes the same bits whatever shares its step.
 
-Imports triton at module level: load it lazily (kernels/moe/decode_path.py); for the CPU interpreter set
+Imports triton at module level: load it lazily (kernels/moe/decode_launch.py); for the CPU interpreter set
 TRITON_INTERPRET=1 before this module is first imported.
 """
 

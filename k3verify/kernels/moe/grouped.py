@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
-from k3verify.kernels.moe import decode_path
+from k3verify.kernels.moe import decode_launch
 from k3verify.kernels.mxfp4 import grouped_mm
 from k3verify.kernels.registry import REGISTRY
 
@@ -193,7 +193,7 @@ def moe_gathered_combine(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return (y.float() * weights.reshape(-1, 1)).view(T, k, -1).sum(dim=1)
 
 
-# which kernels the bf16 combine ran, per call: "decode" (kernels/moe/decode_path.py) or "grouped"
+# which kernels the bf16 combine ran, per call: "decode" (kernels/moe/decode_launch.py) or "grouped"
 PATHS: Counter[str] = Counter()
 _FORCED: list[str] = []
 
@@ -224,19 +224,19 @@ def added(out: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
 def combine_grouped(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                     add: torch.Tensor | None = None) -> torch.Tensor:
     """Registry entry: the SparseMoE's experts stacked once (`moe.stacked_weights()`); bf16 steps of at most
-    decode_path.MAX_PAIRS pairs run the decode kernels (with `add`, summed, cast and added in their finish
+    decode_launch.MAX_PAIRS pairs run the decode kernels (with `add`, summed, cast and added in their finish
     launch), larger ones two grouped GEMMs; other dtypes the per-pair gather. A decode-sized step the decode
     kernels refuse runs the grouped GEMMs with the reason logged once."""
     w13, w2 = moe.stacked_weights()
     if x_in.dtype != torch.bfloat16:
         return added(moe_gathered_combine(x_in, w13, w2, weights, idx, moe.act), add)
     forced = _FORCED[-1] if _FORCED else None
-    if forced == "decode" or (forced is None and not decode_path.too_large(idx.numel())):
-        refusal = (REGISTRY.broken_inside(OP, DECODE) or decode_path.available()
-                   or decode_path.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None)))
+    if forced == "decode" or (forced is None and not decode_launch.too_large(idx.numel())):
+        refusal = (REGISTRY.broken_inside(OP, DECODE) or decode_launch.available()
+                   or decode_launch.accepts(x_in, w13, w2, weights, idx, getattr(moe, "glu", None)))
         if forced == "decode" and refusal is not None:
             raise RuntimeError(f"moe.combine pinned to the decode kernels, which refused: {refusal}")
-        out = REGISTRY.run_inside(OP, DECODE, refusal, lambda: decode_path.combine(x_in, w13, w2, weights, idx,
+        out = REGISTRY.run_inside(OP, DECODE, refusal, lambda: decode_launch.combine(x_in, w13, w2, weights, idx,
                                                                                    moe.glu, add=add),
                                   "the grouped GEMMs")
         if out is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.mxfp4 import torch_ref, triton_impl
+from k3verify.kernels.mxfp4 import grouped_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 DEQUANT = "mxfp4.dequant"
@@ -19,8 +19,8 @@ GROUPED_MM = "mxfp4.grouped_mm"
 
 REGISTRY.register(DEQUANT, TORCH, torch_ref.dequantize_torch)
 REGISTRY.register(GROUPED_MM, TORCH, torch_ref.grouped_mm_torch)
-REGISTRY.register(GROUPED_MM, TRITON, triton_impl.grouped_mm_triton, accepts=triton_impl.accepts,
-                  available=triton_impl.available)
+REGISTRY.register(GROUPED_MM, TRITON, grouped_launch.grouped_mm_triton, accepts=grouped_launch.accepts,
+                  available=grouped_launch.available)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ packed from HBM once per tile and decoded in registers: E2M1 codes x 2^(E8M0 - 1
 interleaved back into input-column order (each byte holds two codes, low nibble first) for one bf16
 tensor-core dot per K block with fp32 accumulation.
 
-Imports triton at module level: load it lazily (kernels/mxfp4/triton_impl.py); for the CPU interpreter set
+Imports triton at module level: load it lazily (kernels/mxfp4/grouped_launch.py); for the CPU interpreter set
 TRITON_INTERPRET=1 before this module is first imported.
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.kernels.norm import torch_ref, triton_impl
+from k3verify.kernels.norm import norm_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
 
 RMS = "norm.rms"
@@ -16,14 +16,14 @@ GATED_RMS = "norm.gated_rms"
 ADD_RMS = "norm.add_rms"
 
 REGISTRY.register(RMS, TORCH, torch_ref.rms_norm_torch)
-REGISTRY.register(RMS, TRITON, triton_impl.rms_norm_triton, accepts=triton_impl.accepts_rms,
-                  available=triton_impl.available)
+REGISTRY.register(RMS, TRITON, norm_launch.rms_norm_triton, accepts=norm_launch.accepts_rms,
+                  available=norm_launch.available)
 REGISTRY.register(ADD_RMS, TORCH, torch_ref.add_rms_norm_torch)
-REGISTRY.register(ADD_RMS, TRITON, triton_impl.add_rms_norm_triton, accepts=triton_impl.accepts_add,
-                  available=triton_impl.available)
+REGISTRY.register(ADD_RMS, TRITON, norm_launch.add_rms_norm_triton, accepts=norm_launch.accepts_add,
+                  available=norm_launch.available)
 REGISTRY.register(GATED_RMS, TORCH, torch_ref.gated_rms_norm_torch)
-REGISTRY.register(GATED_RMS, TRITON, triton_impl.gated_rms_norm_triton, accepts=triton_impl.accepts_gated,
-                  available=triton_impl.available)
+REGISTRY.register(GATED_RMS, TRITON, norm_launch.gated_rms_norm_triton, accepts=norm_launch.accepts_gated,
+                  available=norm_launch.available)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON, dispatch
-from k3verify.kernels.router import torch_ref, triton_impl
+from k3verify.kernels.router import select_launch, torch_ref
 
 SELECT = "router.select"
 
 REGISTRY.register(SELECT, TORCH, torch_ref.route_torch)
-REGISTRY.register(SELECT, TRITON, triton_impl.route_triton, accepts=triton_impl.accepts,
-                  available=triton_impl.available)
+REGISTRY.register(SELECT, TRITON, select_launch.route_triton, accepts=select_launch.accepts,
+                  available=select_launch.available)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, topk_group: int, renormalize: bool,

@@ -17,9 +17,9 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.conv import causal_conv_qkv, conv_decode_qkv
-from k3verify.kernels.kda import CHUNK, kda_decode_slots_gated, kda_gate_beta, kda_prefill
-from k3verify.kernels.kda.torch_ref import kda_gate
-from k3verify.kernels.kda.verify import kda_verify
+from k3verify.kernels.kda import CHUNK, kda_decode_slots_gated, kda_forget_gate_beta, kda_prefill
+from k3verify.kernels.kda.score import kda_score
+from k3verify.kernels.kda.torch_ref import kda_forget_gate
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.fused import FusedLinears
 from k3verify.serving.layers.linear import linear
@@ -108,14 +108,15 @@ class KimiDeltaAttention(nn.Module):
         gate_in = self.g_proj if cfg.use_full_rank_gate else self.g_a_proj
         self.in_proj = FusedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj])
 
-    def gate_input(self, f_a: torch.Tensor) -> torch.Tensor:
+    def forget_gate_input(self, f_a: torch.Tensor) -> torch.Tensor:
         """f_a_proj(x) [T, dk] -> f_b_proj's output [T, D]: the forget gate's raw input (no activation between)."""
         return self.f_b_proj(f_a)
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """f_a_proj(x) [T, dk] -> log-space decay [T, h, dk] in fp32: plain -exp(A) softplus(.) or safe
-        L sigmoid(exp(A) .) (kernels/kda/torch_ref.kda_gate, which the decode step's torch path shares)."""
-        return kda_gate(self.gate_input(f_a), self.dt_bias, self.decay_rate(), self.heads, self.lower_bound)
+        L sigmoid(exp(A) .) (kernels/kda/torch_ref.kda_forget_gate, which the decode step's torch path shares)."""
+        return kda_forget_gate(self.forget_gate_input(f_a), self.dt_bias, self.decay_rate(), self.heads,
+                               self.lower_bound)
 
     def _from_weights(self, key: Any, params: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
         """A value derived from parameters, made once and remade when any of them is reloaded (copy_
@@ -145,10 +146,10 @@ class KimiDeltaAttention(nn.Module):
             return gate_in
         return self.g_b_proj(gate_in)
 
-    def gate_and_beta(self, f_a: torch.Tensor, b_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """forget_gate(f_a) and beta [T, h] fp32 of a prefill or verify pass, beta's one and only sigmoid included:
-        op kda.gate_beta (torch_ref.kda_gate / kda_beta; on CUDA in bf16 one Triton launch for their six)."""
-        return kda_gate_beta(self.gate_input(f_a), self.dt_bias, self.decay_rate(), b_logits, self.heads,
+    def forget_gate_and_beta(self, f_a: torch.Tensor, b_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forget_gate(f_a) and beta [T, h] fp32 of a prefill or score pass, beta's one and only sigmoid included:
+        op kda.gate_beta (torch_ref.kda_forget_gate / kda_beta; on CUDA in bf16 one Triton launch for their six)."""
+        return kda_forget_gate_beta(self.forget_gate_input(f_a), self.dt_bias, self.decay_rate(), b_logits, self.heads,
                              self.lower_bound)
 
     def conv_weights(self, dtype: torch.dtype) -> ConvWeights:
@@ -180,8 +181,8 @@ class KimiDeltaAttention(nn.Module):
         return list(outs)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.verify is not None:
-            return self.verify_forward(x, ctx)
+        if ctx.score is not None:
+            return self.score_forward(x, ctx)
         b, pool = ctx.batch, ctx.state_pool
         T, h, dk = x.shape[0], self.heads, self.head_dim
         if pool is not None and b.slots is None:
@@ -196,11 +197,11 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError("KDA decode needs the state pool and batch.slots")
             # States are read and updated in place, by slot. No `keep` mask: a slot is zeroed when it is
             # allocated (gated by serving.state.slot_reuse), so a sequence's first step reads zeros. The gate
-            # and beta go in raw: the step makes them (kda_gate, kda_beta; on CUDA inside the recurrence kernel).
-            o = kda_decode_slots_gated(q, k, v, self.gate_input(f_a), self.dt_bias, self.a_log_row(), b_logits,
+            # and beta go in raw: the step makes them (kda_forget_gate, kda_beta; on CUDA inside the recurrence kernel).
+            o = kda_decode_slots_gated(q, k, v, self.forget_gate_input(f_a), self.dt_bias, self.a_log_row(), b_logits,
                                        pool.state_view(self.layer_idx), b.slots, scale, self.lower_bound)
         else:
-            g, beta = self.gate_and_beta(f_a, b_logits)
+            g, beta = self.forget_gate_and_beta(f_a, b_logits)
             if continuing:
                 assert pool is not None and b.slots is not None
                 state0 = pool.read_state(self.layer_idx, b.slots) * keep.float()[..., None]
@@ -223,23 +224,23 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o, self.output_gate(gate_in).view(T, h, dk))
         return self.o_proj(o.reshape(T, h * dk))
 
-    def verify_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """A speculative verify pack (B sequences x n tokens, all continuing): each position runs a decode
-        step's math; the windows and state after every position go to the verify arena, the pool is only
+    def score_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A speculative score pack (B sequences x n tokens, all continuing): each position runs a decode
+        step's math; the windows and state after every position go to the score arena, the pool is only
         read (a commit later copies the accepted position's record into it)."""
-        b, pool, spec = ctx.batch, ctx.state_pool, ctx.verify
+        b, pool, spec = ctx.batch, ctx.state_pool, ctx.score
         assert spec is not None
         if pool is None or b.slots is None:
-            raise ValueError("a KDA verify pass needs the state pool and batch.slots")
+            raise ValueError("a KDA score pass needs the state pool and batch.slots")
         B, n, T, h, dk = b.num_seqs, spec.num_positions, x.shape[0], self.heads, self.head_dim
         if T != B * n:
-            raise ValueError(f"a verify pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
+            raise ValueError(f"a score pack holds {n} tokens per sequence: {B} sequences need {B * n} tokens, got {T}")
         q_in, k_in, v_in, f_a, gate_in, b_logits = self.in_proj(x)
-        # [B, n, D] views of the fused GEMM's column slices: the verify kernels take their row stride, no copies
+        # [B, n, D] views of the fused GEMM's column slices: the score kernels take their row stride, no copies
         xs = (q_in.reshape(B, n, -1), k_in.reshape(B, n, -1), v_in.reshape(B, n, -1))
         state_records, conv_records = spec.arena.records(self.layer_idx, B)
-        g, beta = self.gate_and_beta(f_a, b_logits)
-        _, y = kda_verify(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
+        g, beta = self.forget_gate_and_beta(f_a, b_logits)
+        _, y = kda_score(xs, self.conv_weights(x.dtype), pool.conv_views(self.layer_idx),
                           pool.state_view(self.layer_idx), b.slots, ctx.fresh_mask(x.dtype).view(-1),
                           g.view(B, n, h, dk), beta.view(B, n, h),
                           self.output_gate(gate_in).reshape(B, n, h, dk).contiguous(), self.o_norm.weight,

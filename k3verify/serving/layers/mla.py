@@ -44,7 +44,7 @@ def context_rows(b: PackedBatch, cache: PagedLatentCache, total: int) -> torch.T
 
 
 def decode_rows(b: PackedBatch, cache: PagedLatentCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """For queries against the cache (a decode step: one token per sequence; a verify pack: several): which
+    """For queries against the cache (a decode step: one token per sequence; a score pack: several): which
     of the padded context positions each token sees ([T, L] bool, L the longest context) and the latent-cache
     rows holding them ([T, L]; masked positions read their sequence's row 0). Host ints only: no sync."""
     assert b.page_table is not None
@@ -109,7 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
             cache.write(self.layer_idx, ctx.kv_rows, lat)
         elif b.is_decode or b.has_prefix:
             raise ValueError("decode / prefix continuation needs the latent cache")
-        if (b.is_decode or ctx.verify is not None) and ctx.mla_absorb:
+        if (b.is_decode or ctx.score is not None) and ctx.mla_absorb:
             out = self._decode_absorbed(q, ctx)
         else:
             out = self._attend(q, lat, ctx)
@@ -150,7 +150,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _decode_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Every query token against its sequence's cached context up to itself, in the latent space (one token
-        per sequence in decode, k+1 in a verify pack). q [T, nh, nope+rope] -> [T, nh, v_dim]. Contexts are
+        per sequence in decode, k+1 in a score pack). q [T, nh, nope+rope] -> [T, nh, v_dim]. Contexts are
         padded to the longest and masked."""
         b, cache = ctx.batch, ctx.kv_cache
         assert cache is not None and b.page_table is not None

@@ -21,7 +21,7 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.kernels.moe import moe_combine
-from k3verify.kernels.moe.decode_path import GluSpec
+from k3verify.kernels.moe.decode_launch import GluSpec
 from k3verify.kernels.moe.grouped import PackedExperts, moe_packed_combine
 from k3verify.kernels.mxfp4 import dequantize
 from k3verify.kernels.router import route

@@ -1,1 +1,1 @@
-"""Speculative decoding: drafters, the verify pass with KDA records, acceptance, commit, engine step."""
+"""Speculative decoding: drafters, the score pass with KDA records, acceptance, commit, engine step."""

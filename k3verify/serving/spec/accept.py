@@ -1,4 +1,4 @@
-"""Acceptance of k draft tokens from one verify row: logits [k+1, V] (row j predicts the token after
+"""Acceptance of k draft tokens from one score row: logits [k+1, V] (row j predicts the token after
 position j, position 0 being the last accepted token) -> the tokens to emit (accepted drafts + one more).
 
 Greedy: the longest prefix of drafts equal to the model's argmax, then the bonus token (the argmax after
@@ -37,14 +37,14 @@ def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Accepted:
 
 def greedy_counts(best: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """The greedy rule on the device: best [B, k+1] argmax ids, drafts [B, k] -> [B] int64 drafts accepted (the
-    longest prefix where each draft equals the argmax before it), so a commit can follow a verify without a host
+    longest prefix where each draft equals the argmax before it), so a commit can follow a score without a host
     round trip. accept_greedy_ids is the same rule on the host, and callers hold the two to each other."""
     k = drafts.shape[1]
     return (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)
 
 
 def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
-    """accept_greedy on the rows' argmax ids already on the host (one transfer for a whole verify batch)."""
+    """accept_greedy on the rows' argmax ids already on the host (one transfer for a whole score batch)."""
     if len(best) != len(drafts) + 1:
         raise ValueError(f"acceptance needs k+1 = {len(drafts) + 1} argmax ids; got {len(best)}")
     a = 0
@@ -55,7 +55,7 @@ def accept_greedy_ids(best: list[int], drafts: list[int]) -> Accepted:
 
 def accept_read_back(out: list[list[int]], drafts: list[list[int]], rejected: Collection[int] = ()
                      ) -> list[Accepted]:
-    """After SpecVerifier.commit_greedy: rows [k+1 argmax ids..., the device's count] read back -> each row's
+    """After SpecScorer.commit_greedy: rows [k+1 argmax ids..., the device's count] read back -> each row's
     Accepted by the host's rule (rows in `rejected` accept nothing), held to the counts the device committed."""
     results = [Accepted(0, []) if r in rejected else accept_greedy_ids(o[:-1], d)
                for r, (o, d) in enumerate(zip(out, drafts, strict=True))]

@@ -1,4 +1,4 @@
-"""Drafters: who proposes the k tokens a verify pass checks. Neither needs a second model.
+"""Drafters: who proposes the k tokens a score pass checks. Neither needs a second model.
 
 NgramDrafter (prompt lookup): find the longest suffix of prompt + output (up to max_ngram tokens) that
 occurred earlier, take its most recent earlier occurrence, and propose the tokens that followed it.
@@ -72,7 +72,7 @@ class ControlledDrafter:
 
 class WithoutDrafts:
     """`inner`, except that the sequences in `silent` get no drafts: in a batch with drafting rows they ride along
-    in the verify pass on filler drafts (offline.filler_drafts). The checks and tests use it to exercise riders."""
+    in the score pass on filler drafts (offline.filler_drafts). The checks and tests use it to exercise riders."""
 
     def __init__(self, inner: Drafter, silent: Collection[int]) -> None:
         self.inner, self.silent, self.num_draft = inner, frozenset(silent), inner.num_draft

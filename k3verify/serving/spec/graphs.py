@@ -1,9 +1,9 @@
-"""CUDA graphs of the verify pass: one captured graph per row-count bucket, replayed over static buffers.
+"""CUDA graphs of the score pass: one captured graph per row-count bucket, replayed over static buffers.
 
-The captured step saves the latents its rows are about to overwrite, then runs the verify forward (KDA
-records into the arena, MLA latents into the cache): the same sequence SpecVerifier runs eagerly. Padded
+The captured step saves the latents its rows are about to overwrite, then runs the score forward (KDA
+records into the arena, MLA latents into the cache): the same sequence SpecScorer runs eagerly. Padded
 rows of a bucket park on the scratch slot and the scratch page. A replay whose cache or arena tensors
-moved (capture signature) re-captures, logged. `static_verify` is the same step without a graph.
+moved (capture signature) re-captures, logged. `static_score` is the same step without a graph.
 
 How a step is recorded is a seam (`Recorder`): on CUDA, `cuda_graph_recorder` (warm-up, then a CUDA-graph
 capture); a recorder that replays by running the step again over the same static buffers
@@ -22,14 +22,14 @@ import torch
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.graphs import Signature, capture_signature, cuda_graph_recorder
 from k3verify.serving.model import ServingModel
-from k3verify.serving.spec.arena import VerifyArena, VerifyPass
+from k3verify.serving.spec.arena import ScoreArena, ScorePass
 from k3verify.serving.staging import HostStaging
 
 log = logging.getLogger("k3verify.graphs")
 
 
 @dataclass
-class VerifyInputs:
+class ScoreInputs:
     """Device buffers of one bucket (B rows x n positions); rows past the live ones hold scratch values. The
     per-pass inputs are views of one int64 buffer (`live`), so a fill is one staged host-to-device copy."""
 
@@ -41,7 +41,7 @@ class VerifyInputs:
     n: int
 
     @classmethod
-    def allocate(cls, rows: int, n: int, pages_per_seq: int, device: torch.device) -> VerifyInputs:
+    def allocate(cls, rows: int, n: int, pages_per_seq: int, device: torch.device) -> ScoreInputs:
         seg = torch.arange(rows, device=device).repeat_interleave(n)
         local = torch.arange(n, device=device).repeat(rows)
         cu = torch.arange(0, rows * n + 1, n, device=device)
@@ -62,7 +62,7 @@ class VerifyInputs:
         return self._part(self.rows * self.n, self.rows)
 
     @property
-    def starts(self) -> torch.Tensor:  # [B] tokens cached before the verify
+    def starts(self) -> torch.Tensor:  # [B] tokens cached before the score
         return self._part(self.rows * (self.n + 1), self.rows)
 
     @property
@@ -93,44 +93,44 @@ class VerifyInputs:
         staging.copy_into(self.live, values)
 
 
-def static_verify(model: ServingModel, verify: VerifyPass, inputs: VerifyInputs,
+def static_score(model: ServingModel, score: ScorePass, inputs: ScoreInputs,
                   max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Save the latents the rows will overwrite, run the verify forward -> ([B * n, V] logits, latent rows [B * n]).
+    """Save the latents the rows will overwrite, run the score forward -> ([B * n, V] logits, latent rows [B * n]).
     No host synchronisation: host-side lists are fixed by the bucket (every row seen as up to max_context long)."""
     assert model.kv_cache is not None
-    B, n = inputs.rows, verify.num_positions
+    B, n = inputs.rows, score.num_positions
     batch = PackedBatch(
         input_ids=inputs.input_ids, cu_seqlens=inputs.cu_seqlens, cu_list=list(range(0, B * n + 1, n)),
         start_pos=inputs.starts, start_list=[max_context - n] * B, slots=inputs.slots, page_table=inputs.page_table,
         seg_ids=inputs.seg_ids, local_pos=inputs.local_pos, positions=inputs.positions,
     )
     rows = model.kv_cache.rows(inputs.page_table, inputs.seg_ids, inputs.positions)
-    verify.arena.save_latents(model.kv_cache, rows)
-    return model.verify(batch, verify), rows
+    score.arena.save_latents(model.kv_cache, rows)
+    return model.score(batch, score), rows
 
 
-StepOutputs = tuple[torch.Tensor, torch.Tensor]  # (logits [B * n, V], latent rows [B * n]) of static_verify
+StepOutputs = tuple[torch.Tensor, torch.Tensor]  # (logits [B * n, V], latent rows [B * n]) of static_score
 
 
 class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-# A recorder turns the verify step into something replayable plus the tensors its replays write.
+# A recorder turns the score step into something replayable plus the tensors its replays write.
 Recorder = Callable[[Callable[[], StepOutputs]], tuple[Replayable, StepOutputs]]
 
 
-class VerifyGraphs:
-    def __init__(self, model: ServingModel, arena: VerifyArena, max_context: int, *, buckets: tuple[int, ...],
+class ScoreGraphs:
+    def __init__(self, model: ServingModel, arena: ScoreArena, max_context: int, *, buckets: tuple[int, ...],
                  fused: bool = False, use_graphs: bool | None = None, recorder: Recorder | None = None) -> None:
         """use_graphs: record per bucket (default: on a CUDA model) or run the static step eagerly. recorder: how
         a step is recorded (default cuda_graph_recorder, which needs a CUDA model)."""
         if model.kv_cache is None or model.state_pool is None:
-            raise RuntimeError("VerifyGraphs needs the model's caches allocated first")
+            raise RuntimeError("ScoreGraphs needs the model's caches allocated first")
         if max(buckets) > arena.max_rows:
             raise ValueError(f"bucket {max(buckets)} exceeds the arena's {arena.max_rows} rows")
         self.model, self.max_context, self.buckets = model, max_context, tuple(sorted(buckets))
-        self.verify_pass = VerifyPass(arena, arena.num_positions, fused)
+        self.score_pass = ScorePass(arena, arena.num_positions, fused)
         if recorder is not None and use_graphs is False:
             raise ValueError("a recorder was given with use_graphs=False: nothing would be recorded")
         default = model.device.type == "cuda" or recorder is not None
@@ -139,7 +139,7 @@ class VerifyGraphs:
             raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device}")
         self.recorder: Recorder = cuda_graph_recorder if recorder is None else recorder
         self.pages_per_seq = -(-max_context // model.kv_cache.page_size)
-        self._inputs: dict[int, VerifyInputs] = {}
+        self._inputs: dict[int, ScoreInputs] = {}
         self.staging = HostStaging(model.device)  # the fills' pinned ring
         self._graphs: dict[int, tuple[Replayable, torch.Tensor, torch.Tensor, Signature]] = {}
         self.captures = 0
@@ -148,16 +148,16 @@ class VerifyGraphs:
         for b in self.buckets:
             if b >= rows:
                 return b
-        raise ValueError(f"{rows} verify rows exceed the largest captured bucket {self.buckets[-1]}")
+        raise ValueError(f"{rows} score rows exceed the largest captured bucket {self.buckets[-1]}")
 
-    def _static(self, bucket: int) -> VerifyInputs:
+    def _static(self, bucket: int) -> ScoreInputs:
         if bucket not in self._inputs:
-            self._inputs[bucket] = VerifyInputs.allocate(bucket, self.verify_pass.num_positions, self.pages_per_seq,
+            self._inputs[bucket] = ScoreInputs.allocate(bucket, self.score_pass.num_positions, self.pages_per_seq,
                                                          self.model.device)
         return self._inputs[bucket]
 
     def _signature(self) -> Signature:
-        arena = self.verify_pass.arena
+        arena = self.score_pass.arena
         extra = tuple((name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
                       for name, t in (("arena.state", arena.state), ("arena.conv", arena.conv),
                                       ("arena.latents", arena.latents)))
@@ -166,11 +166,11 @@ class VerifyGraphs:
     def _capture(self, bucket: int) -> None:
         inputs = self._static(bucket)
         # warm-up and capture touch scratch rows only
-        inputs.fill([], [], [], [], self.verify_pass.num_positions, self.staging)
+        inputs.fill([], [], [], [], self.score_pass.num_positions, self.staging)
 
         def step() -> StepOutputs:
             with torch.no_grad():
-                return static_verify(self.model, self.verify_pass, inputs, self.max_context)
+                return static_score(self.model, self.score_pass, inputs, self.max_context)
 
         graph, (logits, rows) = self.recorder(step)
         self._graphs[bucket] = (graph, logits, rows, self._signature())
@@ -180,7 +180,7 @@ class VerifyGraphs:
         """The bucket's recorded step, (re-)captured first when missing or recorded over other tensors."""
         entry = self._graphs.get(bucket)
         if entry is not None and entry[3] != self._signature():
-            log.warning("verify graph for bucket %d was captured over other cache / arena tensors: re-capturing",
+            log.warning("score graph for bucket %d was captured over other cache / arena tensors: re-capturing",
                         bucket)
             entry = None
         if entry is None:
@@ -188,17 +188,17 @@ class VerifyGraphs:
             entry = self._graphs[bucket]
         return entry
 
-    def verify(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int]
+    def score(self, ids: list[int], slots: list[int], tables: list[list[int]], starts: list[int]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [B * n, V], slots [B], latent rows [B * n]) for B live rows (views of the bucket's buffers:
-        use them before the next verify)."""
-        n, B = self.verify_pass.num_positions, len(slots)
+        use them before the next score)."""
+        n, B = self.score_pass.num_positions, len(slots)
         bucket = self.bucket_for(B)
         inputs = self._static(bucket)
         if not self.use_graphs:
             inputs.fill(ids, slots, tables, starts, n, self.staging)
             with torch.no_grad():
-                logits, rows = static_verify(self.model, self.verify_pass, inputs, self.max_context)
+                logits, rows = static_score(self.model, self.score_pass, inputs, self.max_context)
             return logits[: B * n], inputs.slots[:B], rows[: B * n]
         graph, logits, rows, _ = self._entry(bucket)
         inputs.fill(ids, slots, tables, starts, n, self.staging)
@@ -207,9 +207,9 @@ class VerifyGraphs:
 
     def replay_stale(self, rows: int) -> torch.Tensor:
         """A control's fault: replay the bucket of `rows` over whatever its static inputs hold now (the previous
-        verify's pack, or the capture's scratch rows), without a refill -> logits [rows * n, V] (a view)."""
+        score's pack, or the capture's scratch rows), without a refill -> logits [rows * n, V] (a view)."""
         if not self.use_graphs:
             raise RuntimeError("replay_stale needs recorded steps (use_graphs)")
         graph, logits, _, _ = self._entry(self.bucket_for(rows))
         graph.replay()
-        return logits[: rows * self.verify_pass.num_positions]
+        return logits[: rows * self.score_pass.num_positions]

@@ -2,14 +2,14 @@
 
 Each round: every live sequence whose drafter proposes something, whose policy still allows it and whose
 budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation) is
-verified in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
+scored in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
 live sequences with room ride along in it with filler drafts (filler_drafts) instead of taking a decode step of
-their own: on the H200 a kl-48b-8l batch of 16 that ran a verify and a decode step in every round decoded at
-0.62x plain speed, although a verify step there costs ~1.2 decode steps. Sequences without room
-take one plain decode step. Greedy acceptance, then a commit of each verified row's accepted prefix. Tokens past
+their own: on the H200 a kl-48b-8l batch of 16 that ran a score and a decode step in every round decoded at
+0.62x plain speed, although a score step there costs ~1.2 decode steps. Sequences without room
+take one plain decode step. Greedy acceptance, then a commit of each scored row's accepted prefix. Tokens past
 max_new_tokens are dropped.
 
-With a cost gate (policy.CostGate), a round whose whole batch is one kind of step is timed for it: a verify round
+With a cost policy (policy.CostPolicy), a round whose whole batch is one kind of step is timed for it: a score round
 by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time from the graph replay
 on, without the input fill and round trip that this in-order step pays and the launch-ahead _plain_tail it stands
 for does not).
@@ -29,76 +29,77 @@ from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.scheduler import spec_reservation
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import Drafter
-from k3verify.serving.spec.policy import CostGate, SpecPolicy, SpecStats
+from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
+from k3verify.serving.spec.scorer import SpecScorer
 from k3verify.serving.spec.timing import StepTimer
-from k3verify.serving.spec.verifier import SpecVerifier
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
-    from k3verify.serving.spec.graphs import VerifyGraphs
+    from k3verify.serving.spec.graphs import ScoreGraphs
 
 
 @dataclass
 class SpecRun:
     tokens: list[list[int]]  # generated tokens per prompt
     stats: list[SpecStats]  # per prompt
-    verify_steps: int = 0
+    score_steps: int = 0
     decode_steps: int = 0
-    accepted_per_row: list[int] = field(default_factory=list)  # every verified row's accepted drafts
-    rider_rows: int = 0  # verify rows that rode along without drafts (instead of a separate decode step)
-    gated_off: bool = False  # the cost gate turned verification off for the rest of the run (policy.CostGate)
+    accepted_per_row: list[int] = field(default_factory=list)  # every scored row's accepted drafts
+    rider_rows: int = 0  # score rows that rode along without drafts (instead of a separate decode step)
+    cost_off: bool = False  # the cost policy turned scoring off for the rest of the run (policy.CostPolicy)
 
     @property
     def acceptance(self) -> float:
-        """Accepted drafts / drafted tokens over all verify rows (nan when nothing was verified)."""
+        """Accepted drafts / drafted tokens over all score rows (nan when nothing was scored)."""
         drafted = sum(s.drafted for s in self.stats)
         return sum(s.accepted for s in self.stats) / drafted if drafted else float("nan")
 
 
 def pad_drafts(drafts: list[int], k: int) -> list[int]:
-    """Exactly k drafts: cut, or repeat the last proposal (a verify row is always k+1 tokens)."""
+    """Exactly k drafts: cut, or repeat the last proposal (a score row is always k+1 tokens)."""
     return (drafts + [drafts[-1]] * k)[:k]
 
 
 def useful_drafts(k: int, left: int) -> int:
-    """Of k drafts, how many can still become output for a sequence with `left` tokens to go (the verify's bonus
+    """Of k drafts, how many can still become output for a sequence with `left` tokens to go (the score's bonus
     token is one of them). Only these count as drafted for the policy and the measured acceptance: a sequence
-    near its end reserves room for a full verify (scheduler.spec_reservation), and drafts past its end are
+    near its end reserves room for a full score (scheduler.spec_reservation), and drafts past its end are
     dropped whatever the model says of them. Under 1 the sequence drafts nothing and rides along."""
     return max(0, min(k, left - 1))
 
 
 def filler_drafts(last: int, k: int) -> list[int]:
-    """The k positions of a greedy row that rides along in a verify pass without drafts of its own (speculation
+    """The k positions of a greedy row that rides along in a score pass without drafts of its own (speculation
     off, or nothing proposed): its last token repeated. Greedy acceptance keeps exactly the tokens the model's
     argmax agrees with, so a rider emits its plain decode token (the bonus at position 0) and whatever filler
     happens to equal the argmax: never a token the model would not have chosen."""
     return [last] * k
 
 
-def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequence[Sequence[int]],
+def generate_speculative(scorer: SpecScorer, drafter: Drafter, prompts: Sequence[Sequence[int]],
                          max_new_tokens: int, *, policy: SpecPolicy | None = None,
-                         verify_graphs: VerifyGraphs | None = None,
+                         score_graphs: ScoreGraphs | None = None,
                          decode_graphs: GraphDecoder | None = None,
-                         after_prefill: Callable[[], None] | None = None, gate: CostGate | None = None) -> SpecRun:
+                         after_prefill: Callable[[], None] | None = None,
+                         cost_policy: CostPolicy | None = None) -> SpecRun:
     """Greedy generation of max_new_tokens per prompt, all prompts admitted at once. The drafter is asked
     with the prompt's index as its key. `after_prefill` is called once the prefill's work is issued (the bench
-    marks the device timeline there, to time the decode phase alone). `gate` (policy.CostGate, kept by the caller
-    across runs as an engine keeps it): verify only when it pays at this batch size; None verifies whenever
-    there are drafts (the checks: they must exercise verification whatever the machine's timings)."""
-    runner = verifier.runner
-    if max_new_tokens < 1 or not prompts or len(prompts) > verifier.max_rows:
-        raise ValueError(f"need max_new_tokens >= 1 and 1..{verifier.max_rows} prompts; got {max_new_tokens}, "
+    marks the device timeline there, to time the decode phase alone). `cost_policy` (policy.CostPolicy, kept by the
+    caller across runs as an engine keeps it): score only when it pays at this batch size; None scores whenever
+    there are drafts (the checks: they must exercise scoring whatever the machine's timings)."""
+    runner = scorer.runner
+    if max_new_tokens < 1 or not prompts or len(prompts) > scorer.max_rows:
+        raise ValueError(f"need max_new_tokens >= 1 and 1..{scorer.max_rows} prompts; got {max_new_tokens}, "
                          f"{len(prompts)}")
     policy = policy if policy is not None else SpecPolicy()
     base = max(runner.active_ids, default=-1) + 1
     ids = list(range(base, base + len(prompts)))
-    limit = min([runner.max_context] + [g.max_context for g in (verify_graphs, decode_graphs) if g is not None])
+    limit = min([runner.max_context] + [g.max_context for g in (score_graphs, decode_graphs) if g is not None])
     for sid, p in zip(ids, prompts, strict=True):
         need = len(p) + max_new_tokens
         if not runner.can_admit(need):
             raise CacheError(f"prompt of {len(p)} tokens + {max_new_tokens} new does not fit the free cache")
-        runner.admit(sid, spec_reservation(runner, need, verifier.num_draft, limit))
+        runner.admit(sid, spec_reservation(runner, need, scorer.num_draft, limit))
     run = SpecRun([[] for _ in prompts], [SpecStats() for _ in prompts])
     try:
         first = runner.prefill([(sid, list(p)) for sid, p in zip(ids, prompts, strict=True)]).argmax(-1).tolist()
@@ -108,12 +109,12 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
             out.append(tok)
         while live := [i for i in range(len(prompts)) if len(run.tokens[i]) < max_new_tokens]:
             if all(run.stats[i].off for i in live):
-                _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)
+                _plain_tail(scorer, ids, live, run, max_new_tokens, decode_graphs)
                 break
-            if not _round(verifier, drafter, policy, prompts, ids, live, run, max_new_tokens, verify_graphs,
-                          decode_graphs, gate):
-                _plain_tail(verifier, ids, live, run, max_new_tokens, decode_graphs)  # the gate said no with what
-                run.gated_off = True  # it knows, and without verifies it learns nothing new in this run
+            if not _round(scorer, drafter, policy, prompts, ids, live, run, max_new_tokens, score_graphs,
+                          decode_graphs, cost_policy):
+                _plain_tail(scorer, ids, live, run, max_new_tokens, decode_graphs)  # the cost policy said no with what
+                run.cost_off = True  # it knows, and without scores it learns nothing new in this run
                 break
     finally:
         for sid in ids:
@@ -123,68 +124,70 @@ def generate_speculative(verifier: SpecVerifier, drafter: Drafter, prompts: Sequ
     return run
 
 
-def _round(verifier: SpecVerifier, drafter: Drafter, policy: SpecPolicy, prompts: Sequence[Sequence[int]],
-           ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int, verify_graphs: VerifyGraphs | None,
-           decode_graphs: GraphDecoder | None, gate: CostGate | None = None) -> bool:
-    """One round; False when the gate chose plain decoding although it had timed both kinds of step."""
-    k = verifier.num_draft
+def _round(scorer: SpecScorer, drafter: Drafter, policy: SpecPolicy, prompts: Sequence[Sequence[int]],
+           ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int, score_graphs: ScoreGraphs | None,
+           decode_graphs: GraphDecoder | None, cost_policy: CostPolicy | None = None) -> bool:
+    """One round; False when the cost policy chose plain decoding although it had timed both kinds of step."""
+    k = scorer.num_draft
     rows: list[tuple[int, list[int]]] = []  # (prompt index, drafts)
     plain: list[int] = []
     useful = {i: useful_drafts(k, max_new_tokens - len(run.tokens[i])) for i in live}
     for i in live:
-        drafts = [] if run.stats[i].off or not useful[i] or not verifier.can_verify(ids[i]) else \
+        drafts = [] if run.stats[i].off or not useful[i] or not scorer.can_score(ids[i]) else \
             drafter.propose(i, list(prompts[i]) + run.tokens[i])
         if drafts:
             rows.append((i, pad_drafts(drafts, k)))
         else:
             plain.append(i)
     drafted = len(rows)
-    riders = [i for i in plain if verifier.can_verify(ids[i])] if rows else []
-    timed = gate is not None and len(rows) + len(riders) == len(live)  # the whole batch in one kind of step
-    if rows and gate is not None and not gate.verify_now(len(live), [run.stats[i] for i, _ in rows], len(riders), k):
-        if len(live) in gate.decode_s:
+    riders = [i for i in plain if scorer.can_score(ids[i])] if rows else []
+    timed = cost_policy is not None and len(rows) + len(riders) == len(live)  # the whole batch in one kind of step
+    if rows and cost_policy is not None and not cost_policy.score_now(len(live), [run.stats[i] for i, _ in rows],
+                                                                      len(riders), k):
+        if len(live) in cost_policy.decode_s:
             return False
         plain, rows = live, []
     start = time.perf_counter()
-    if rows:  # rows without drafts ride along: one step for the batch, not a verify and a decode
+    if rows:  # rows without drafts ride along: one step for the batch, not a score and a decode
         rows += [(i, filler_drafts(run.tokens[i][-1], k)) for i in riders]
         plain = [i for i in plain if i not in riders]
-        logits = verifier.verify([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], verify_graphs)
-        # acceptance and commit on the device, right behind the verify; then one transfer of [B][k+1 ids, count]
-        out = verifier.commit_greedy(logits, [d for _, d in rows]).tolist()
-        if gate is not None and timed:
-            gate.record_verify(len(live), time.perf_counter() - start)
+        logits = scorer.score([(ids[i], [run.tokens[i][-1], *d]) for i, d in rows], score_graphs)
+        # acceptance and commit on the device, right behind the score; then one transfer of [B][k+1 ids, count]
+        out = scorer.commit_greedy(logits, [d for _, d in rows]).tolist()
+        if cost_policy is not None and timed:
+            cost_policy.record_score(len(live), time.perf_counter() - start)
         results = accept_read_back(out, [d for _, d in rows])
-        verifier.committed([a.num_accepted for a in results])
+        scorer.committed([a.num_accepted for a in results])
         for r, ((i, _), a) in enumerate(zip(rows, results, strict=True)):
             run.tokens[i].extend(a.tokens)
             if r < drafted:  # a rider's fillers are no drafts: neither the policy nor the acceptance counts them
                 run.accepted_per_row.append(policy.record(run.stats[i], useful[i], a.num_accepted))
-        run.verify_steps += 1
+        run.score_steps += 1
         run.rider_rows += len(rows) - drafted
     if plain:  # one step with a host round trip: the drafter and the policy need these tokens next round
         step = [(ids[i], run.tokens[i][-1]) for i in plain]
-        # the gate's alternative to a verify is a launch-ahead plain step (_plain_tail): timed without the round trip
-        timer = StepTimer(verifier.runner.device) if gate is not None and len(plain) == len(live) else None
+        # the cost policy's alternative to a score pass is a launch-ahead plain step (_plain_tail): timed without the
+        # round trip
+        timer = StepTimer(scorer.runner.device) if cost_policy is not None and len(plain) == len(live) else None
         with timer.starting_at_replay(decode_graphs) if timer is not None else contextlib.nullcontext():
-            best = verifier.runner.decode(step, decode_graphs).argmax(-1)
+            best = scorer.runner.decode(step, decode_graphs).argmax(-1)
         if timer is not None:
             timer.launched()
         for i, tok in zip(plain, best.tolist(), strict=True):
             run.tokens[i].append(tok)
-        if gate is not None and timer is not None:
-            gate.record_decode(len(live), timer.seconds())
+        if cost_policy is not None and timer is not None:
+            cost_policy.record_decode(len(live), timer.seconds())
         run.decode_steps += 1
     return True
 
 
-def _plain_tail(verifier: SpecVerifier, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,
+def _plain_tail(scorer: SpecScorer, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,
                 decode_graphs: GraphDecoder | None) -> None:
     """Every live row turned speculation off: decode the rest as the plain bench path does, each step fed the
     previous step's ids on the device, one readback at the end (a round trip per step cost the speculative run
     19% of batch-1 decode at 0% acceptance on the H200). Rows sorted by tokens still needed, so the rows left
     after each step are a prefix of the batch and the next step's inputs are a slice, never an index copy."""
-    runner = verifier.runner
+    runner = scorer.runner
     need = {i: max_new_tokens - len(run.tokens[i]) for i in live}
     rows = sorted(live, key=lambda i: -need[i])
     last = runner.staging.to_device([run.tokens[i][-1] for i in rows])

@@ -1,4 +1,4 @@
-"""Gate and launcher of the Triton MXFP4 grouped GEMM (kernels/mxfp4/grouped_kernel.py): availability,
+"""Acceptance and launcher of the Triton MXFP4 grouped GEMM (kernels/mxfp4/grouped_kernel.py): availability,
 per-call acceptance with a reason, tile sizes, and a lazy import so that importing k3verify never
 imports triton."""
 

@@ -18,7 +18,7 @@ MAX_EXPERTS = 4096  # one row of experts in one block
 MAX_TOP_K = 32  # the selection and the ascending emit are each unrolled top_k times
 
 
-_kernels = lazy_module("k3verify.kernels.router.triton_kernels", "triton router kernel")
+_kernels = lazy_module("k3verify.kernels.router.select_kernel", "triton router kernel")
 
 
 def available() -> str | None:

@@ -1,4 +1,4 @@
-"""KDA verify kernels: the Triton kernels under Triton's CPU interpreter (a child process) are held to the torch
+"""KDA score kernels: the Triton kernels under Triton's CPU interpreter (a child process) are held to the torch
 reference, the fused launch equals the unfused chain bit for bit and leaves the pool and its tickets as it found
 them; the registry's gates refuse what the kernels cannot do, naming the value; on CUDA the fused path runs."""
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import k3verify
-from k3verify.kernels.kda import verify_ref, verify_triton
-from k3verify.kernels.kda.verify import VERIFY_FUSED, kda_verify
+from k3verify.kernels.kda import score_launch, score_ref
+from k3verify.kernels.kda.score import SCORE_FUSED, kda_score
 from k3verify.kernels.norm import torch_ref as norm_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON
 
-CHILD = Path(__file__).with_name("kda_verify_interpreter_child.py")
+CHILD = Path(__file__).with_name("kda_score_interpreter_child.py")
 # name: (rows, positions, heads, head dim, conv width, dtype). dk=64 runs two value blocks per head (the
 # fused kernel's ticket path); dk=20 pads to a 32-wide block (masks); W=3 and N=3 vary the unrolled loops.
 SHAPES = {"bf16_dk64": (1, 5, 1, 64, 4, torch.bfloat16), "fp32_dk20": (2, 3, 2, 20, 3, torch.float32)}
@@ -84,7 +84,7 @@ def test_fused_equals_unfused_bit_for_bit(name: str, interpreted: tuple[dict, di
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_launch_changes_no_bit(name: str, interpreted: tuple[dict, dict]) -> None:
     """A narrower value block (more programs per head, more tickets, fewer warps) or the positions unrolled writes
-    the shipped launch's bits, fused and unfused: verify_triton.Launch may be tuned per GPU without touching a
+    the shipped launch's bits, fused and unfused: score_launch.Launch may be tuned per GPU without touching a
     value."""
     _, out = interpreted
     for path in ("unfused", "fused"):
@@ -104,8 +104,8 @@ def test_triton_path_matches_the_torch_reference(name: str, interpreted: tuple[d
     B, N, H, DK = c["g"].shape
     conv_rec = torch.full_like(got["conv_records"], float("nan"))
     state_rec = torch.full_like(got["state_records"], float("nan"))
-    q, k, v = verify_ref.spec_conv_qkv_torch(c["xs"], c["weights"], c["windows"], c["slots"], c["keep"], conv_rec)
-    o = verify_ref.kda_record_torch(q.view(B, N, H, DK), k.view(B, N, H, DK), v.view(B, N, H, DK), c["g"], c["beta"],
+    q, k, v = score_ref.spec_conv_qkv_torch(c["xs"], c["weights"], c["windows"], c["slots"], c["keep"], conv_rec)
+    o = score_ref.kda_record_torch(q.view(B, N, H, DK), k.view(B, N, H, DK), v.view(B, N, H, DK), c["g"], c["beta"],
                                     c["state"], c["slots"], c["scale"], state_rec)
     y = norm_ref.gated_rms_norm_torch(o, c["gate"], c["norm_weight"], c["eps"])
     assert torch.equal(got["conv_records"], conv_rec)
@@ -127,42 +127,42 @@ def test_gates_refuse_what_the_kernels_cannot_do() -> None:
     c = _case(2, 5, 1, 16, 4, torch.float32, seed=3)
     B, N, H, DK = c["g"].shape
     conv_rec, state_rec = torch.empty(B, N, 3, DK, 3), torch.empty(B, N, H, DK, DK)
-    reason = verify_triton.accepts_fused(c["xs"], c["weights"], c["windows"], c["state"], c["slots"], c["keep"],
+    reason = score_launch.accepts_fused(c["xs"], c["weights"], c["windows"], c["state"], c["slots"], c["keep"],
                                          c["g"], c["beta"], c["gate"], c["norm_weight"], c["eps"], c["scale"],
                                          conv_rec, state_rec)
     assert reason is not None and "torch.float32" in reason
     big = _case(1, 5, 1, 256, 4, torch.bfloat16, seed=4)
-    reason = verify_triton.accepts_record(big["g"].to(torch.bfloat16), big["g"].to(torch.bfloat16),
+    reason = score_launch.accepts_record(big["g"].to(torch.bfloat16), big["g"].to(torch.bfloat16),
                                           big["g"].to(torch.bfloat16), big["g"], big["beta"], big["state"],
                                           big["slots"], 1.0, torch.empty(1, 5, 1, 256, 256))
     assert reason is not None and "256" in reason
-    bad_rec = verify_triton.accepts_conv(tuple(x.to(torch.bfloat16) for x in c["xs"]),
+    bad_rec = score_launch.accepts_conv(tuple(x.to(torch.bfloat16) for x in c["xs"]),
                                          tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"], c["slots"],
                                          c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 2))
     assert bad_rec is not None and "conv records" in bad_rec
     xs = tuple(x.to(torch.bfloat16) for x in c["xs"])  # contiguous copies: one row stride for all three
     mixed = (xs[0], c["xs"][1].to(torch.bfloat16), xs[2].transpose(1, 2).contiguous().transpose(1, 2))
-    bad_x = verify_triton.accepts_conv(mixed, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"],
+    bad_x = score_launch.accepts_conv(mixed, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"],
                                        c["slots"], c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 3))
     assert bad_x is not None and "row stride" in bad_x
-    assert verify_triton.accepts_conv(xs, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"], c["slots"],
+    assert score_launch.accepts_conv(xs, tuple(w.to(torch.bfloat16) for w in c["weights"]), c["windows"], c["slots"],
                                       c["keep"].to(torch.bfloat16), torch.empty(B, N, 3, DK, 3)) == \
         "tensors are not all on CUDA"
 
 
 def test_fused_request_on_cpu_runs_the_unfused_reference() -> None:
-    """kda_verify(fused=True) off CUDA takes the reference backend of kda.verify_fused (the unfused ops), and its
+    """kda_score(fused=True) off CUDA takes the reference backend of kda.score_fused (the unfused ops), and its
     results equal fused=False's bit for bit."""
     c = _case(2, 5, 1, 16, 4, torch.float32, seed=5)
     B, N, H, DK = c["g"].shape
     outs = []
     for fused in (True, False):
         conv_rec, state_rec = torch.empty(B, N, 3, DK, 3), torch.empty(B, N, H, DK, DK)
-        o, y = kda_verify(c["xs"], c["weights"], c["windows"], c["state"], c["slots"], c["keep"], c["g"], c["beta"],
+        o, y = kda_score(c["xs"], c["weights"], c["windows"], c["state"], c["slots"], c["keep"], c["g"], c["beta"],
                           c["gate"], c["norm_weight"], c["eps"], c["scale"], conv_rec, state_rec, fused=fused)
         outs.append((o, y, conv_rec, state_rec))
         if fused:
-            assert REGISTRY.last_backend[VERIFY_FUSED] == TORCH
+            assert REGISTRY.last_backend[SCORE_FUSED] == TORCH
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
@@ -176,7 +176,7 @@ def _records(c: dict[str, Any], device: str) -> tuple[torch.Tensor, torch.Tensor
             torch.full((B, N, H, DK, DK), float("nan"), device=device))
 
 
-def _gate_args(c: dict[str, Any], device: str) -> tuple[Any, ...]:
+def _accept_args(c: dict[str, Any], device: str) -> tuple[Any, ...]:
     return (c["xs"], c["weights"], c["windows"], c["state"], c["slots"], c["keep"], c["g"], c["beta"], c["gate"],
             c["norm_weight"], c["eps"], c["scale"], *_records(c, device))
 
@@ -185,7 +185,7 @@ def test_cuda_case_passes_every_gate_but_the_device() -> None:
     """The GPU test's inputs, built on CPU: the fused gate's only objection is the device, so on CUDA the fused
     launch runs (the H200 run of 2026-12-01 fell back to torch here: two slots for four rows)."""
     c = _case(*CUDA_CASE, seed=6)
-    assert verify_triton.accepts_fused(*_gate_args(c, "cpu")) == "tensors are not all on CUDA"
+    assert score_launch.accepts_fused(*_accept_args(c, "cpu")) == "tensors are not all on CUDA"
 
 
 @pytest.mark.gpu
@@ -193,14 +193,14 @@ def test_fused_path_runs_on_cuda() -> None:
     """The fused Triton launch runs (no fallback) and equals the unfused Triton chain bit for bit."""
     c = {k: (tuple(t.cuda() for t in v) if isinstance(v, tuple) else v.cuda() if isinstance(v, torch.Tensor) else v)
          for k, v in _case(*CUDA_CASE, seed=6).items()}
-    reason = verify_triton.accepts_fused(*_gate_args(c, "cuda"))
+    reason = score_launch.accepts_fused(*_accept_args(c, "cuda"))
     assert reason is None, f"the fused gate refused the CUDA case: {reason}"
     outs = []
     for fused in (True, False):
-        args = _gate_args(c, "cuda")
-        o, y = kda_verify(*args, fused=fused)
+        args = _accept_args(c, "cuda")
+        o, y = kda_score(*args, fused=fused)
         if fused:
-            assert REGISTRY.last_backend[VERIFY_FUSED] == TRITON
+            assert REGISTRY.last_backend[SCORE_FUSED] == TRITON
         outs.append({"o": o, "y": y, "conv_records": args[-2], "state_records": args[-1]})
     for key in outs[0]:
         assert torch.equal(_bits(outs[0][key]), _bits(outs[1][key])), f"fused vs unfused: {key} differs"

@@ -1,7 +1,7 @@
-"""Speculative verify of a KDA layer in plain torch: n = k+1 tokens per sequence ([last accepted, k drafts]),
+"""Speculative score of a KDA layer in plain torch: n = k+1 tokens per sequence ([last accepted, k drafts]),
 recording what each position leaves behind so that any accepted prefix can be committed exactly.
 
-Nothing here writes the state pool: the pool holds the state before the verify until a commit copies
+Nothing here writes the state pool: the pool holds the state before the score until a commit copies
 record[a] (a = accepted drafts) into it. Each position runs exactly the ops of one decode step
 (conv.causal_decode, kda.decode_slots) on tensors of the same shape, so on one device record[j] equals,
 bit for bit, the state that j+1 sequential decode steps would have left in the pool.

@@ -1,6 +1,6 @@
-"""The Triton kernels behind kernels/norm/triton_impl.py: one program per row, fp32 math.
+"""The Triton kernels behind kernels/norm/norm_launch.py: one program per row, fp32 math.
 
-Imported lazily (triton_impl._kernels) so that importing k3verify never needs triton. Each kernel
+Imported lazily (norm_launch._kernels) so that importing k3verify never needs triton. Each kernel
 makes two passes over its row in BLOCK-wide chunks: the sum of squares, then normalize and store;
 when the row fits one BLOCK the second pass re-reads it from cache.
 """

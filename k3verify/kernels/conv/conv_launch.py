@@ -1,4 +1,4 @@
-"""Gate of the Triton conv decode (kernels/conv/decode_kernel.py): availability, per-call acceptance and
+"""Launch of the Triton conv decode (kernels/conv/decode_kernel.py): availability, per-call acceptance and
 a lazy import, so that importing the conv package never imports triton."""
 
 from __future__ import annotations

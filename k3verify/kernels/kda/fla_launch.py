@@ -257,7 +257,7 @@ def kda_decode_slots_gated_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                pool_state: torch.Tensor, slots: torch.Tensor, scale: float,
                                lower_bound: float | None) -> torch.Tensor:
     """kda_decode_slots_fla with the forget gate and beta's sigmoid computed inside the recurrence kernel
-    (fla's use_gate_in_kernel / use_beta_sigmoid_in_kernel: the same math as torch_ref.kda_gate / kda_beta, to
+    (fla's use_gate_in_kernel / use_beta_sigmoid_in_kernel: the same math as torch_ref.kda_forget_gate / kda_beta, to
     rounding): six elementwise launches fewer per KDA layer and step (add, softplus, negation, multiply, cast,
     sigmoid; past one row a copy makes beta's logits contiguous). beta reaches the kernel as raw logits, squashed
     there once; nothing before it applies a sigmoid."""

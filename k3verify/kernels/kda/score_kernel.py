@@ -1,5 +1,5 @@
-"""Triton kernels of the KDA verify: three for the unfused path (short convs, recording recurrence, gated
-RMSNorm) and one that does all three in one launch. Gated by verify_triton.py; imports triton at module
+"""Triton kernels of the KDA score: three for the unfused path (short convs, recording recurrence, gated
+RMSNorm) and one that does all three in one launch. Launched by score_launch.py; imports triton at module
 level (import it lazily; for the interpreter set TRITON_INTERPRET=1 before the first import).
 
 Why the fused kernel equals the unfused ones bit for bit, by construction rather than by luck:
@@ -183,7 +183,7 @@ def gated_norm_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, eps, DV, BV: tl.constexpr, 
 def _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, g_ptr, beta_ptr, conv_rec,
                     state_rec, o_ptr, scale, b, h, H, D, DK, DV, slot, keep, first, j, i, vv, mi, mv, m2,
                     N: tl.constexpr, W: tl.constexpr, LOG2K: tl.constexpr, BF16: tl.constexpr):
-    """Position j of kda_verify_fused_kernel's program: its convs (q/k windows recorded by value block 0 only), then
+    """Position j of kda_score_fused_kernel's program: its convs (q/k windows recorded by value block 0 only), then
     _step_and_record."""
     q = _conv_pos(xq, wq, winq, conv_rec, b, slot, keep, h * DK + i, mi, mi & first, D, s_x, s_slot, s_d, s_tap, 0,
                   j, N, W, BF16)
@@ -196,7 +196,7 @@ def _fused_position(S, xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_
 
 
 @triton.jit
-def kda_verify_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, slots_ptr, keep_ptr,
+def kda_score_fused_kernel(xq, xk, xv, wq, wk, wv, winq, wink, winv, s_x, s_slot, s_d, s_tap, slots_ptr, keep_ptr,
                             state_ptr, g_ptr, beta_ptr, gate_ptr, nw_ptr, conv_rec, state_rec, o_ptr, y_ptr,
                             counter_ptr, scale, eps, H, DK, DV, N: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, NVB: tl.constexpr, BVF: tl.constexpr, LOG2K: tl.constexpr,

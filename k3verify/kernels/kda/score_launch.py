@@ -1,6 +1,6 @@
-"""Gate and launchers of the Triton KDA verify kernels (verify_kernels.py): availability, per-call acceptance
+"""Acceptance and launchers of the Triton KDA score kernels (score_kernel.py): availability, per-call acceptance
 (a refusal names the value; the registry logs it and runs the reference), and a lazy import so that
-importing k3verify never imports triton. The launchers keep the contracts of verify_ref / kda_verify."""
+importing k3verify never imports triton. The launchers keep the contracts of score_ref / kda_score."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ VALUE_BLOCK = 32  # state columns per program: a [32, dk] fp32 block stays in re
 class Launch:
     """How a recording kernel is launched: value columns per program, warps, and a register cap (None: the
     compiler's choice). None of it changes a value: each state column's arithmetic is the same in any block, and
-    every reduction is a fixed tree (verify_kernels.py), so every launch writes the same bits."""
+    every reduction is a fixed tree (score_kernel.py), so every launch writes the same bits."""
 
     value_block: int = VALUE_BLOCK
     num_warps: int = 4
@@ -32,7 +32,7 @@ class Launch:
     stages: int | None = None  # Triton's num_stages (software pipelining of the positions' loads); None: its default
 
     def options(self) -> dict[str, int | bool]:
-        """Launch / compile options: no mul+add contracted into an fma (verify_kernels.py: the bit-identity rules)."""
+        """Launch / compile options: no mul+add contracted into an fma (score_kernel.py: the bit-identity rules)."""
         cap = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
         stages = {} if self.stages is None else {"num_stages": self.stages}
         return {"num_warps": self.num_warps, "enable_fp_fusion": False} | cap | stages
@@ -40,13 +40,13 @@ class Launch:
 
 # Capped at 128 registers (the compiler spills ~90 bytes): a program of either kernel otherwise holds 170-200
 # (Triton 3.6, H200), two fit on an SM, and rows x heads x value blocks run in waves of 264 programs. Measured on
-# one layer of kl-48b-8l (lab/gpu/verify_tune.py; docs/results/ has the runs): record+conv+norm
+# one layer of kl-48b-8l (lab/gpu/score_tune.py; docs/results/ has the runs): record+conv+norm
 # 46.9/56.5/94.2/141/240 us -> 46.4/55.1/80.1/122/207 at 1/2/4/8/16 rows; fused 29.1/40.1/78.7/149/308 ->
 # 30.4/41.6/66.0/121/225.
 RECORD_LAUNCH = Launch(VALUE_BLOCK, 4, 128)
 FUSED_LAUNCH = Launch(VALUE_BLOCK, 4, 128)
 MAX_HEAD_TICKETS = 1 << 16  # rows x heads of one fused launch
-_kernels = lazy_module("k3verify.kernels.kda.verify_kernels", "Triton KDA verify kernels")
+_kernels = lazy_module("k3verify.kernels.kda.score_kernel", "Triton KDA score kernels")
 
 
 def available() -> str | None:
@@ -149,7 +149,7 @@ def _pow2(n: int) -> tuple[int, int]:
 
 def spec_conv_triton(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, keep: torch.Tensor,
                      records: torch.Tensor) -> QKV:
-    """verify_ref.spec_conv_qkv_torch's contract (callers go through accepts_conv)."""
+    """score_ref.spec_conv_qkv_torch's contract (callers go through accepts_conv)."""
     mod = _module()
     B, N, D = xs[0].shape
     W = weights[0].shape[-1]
@@ -165,7 +165,7 @@ def spec_conv_triton(xs: QKV, weights: QKV, windows: QKV, slots: torch.Tensor, k
 def record_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   pool_state: torch.Tensor, slots: torch.Tensor, scale: float, records: torch.Tensor, *,
                   launch: Launch | None = None) -> torch.Tensor:
-    """verify_ref.kda_record_torch's contract (callers go through accepts_record)."""
+    """score_ref.kda_record_torch's contract (callers go through accepts_record)."""
     mod = _module()
     launch = launch or RECORD_LAUNCH
     B, N, H, DK = q.shape
@@ -195,7 +195,7 @@ def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, 
                  keep: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float, scale: float, conv_records: torch.Tensor, state_records: torch.Tensor, *,
                  launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.kda.verify.kda_verify's contract in one launch (callers go through accepts_fused)."""
+    """kernels.kda.score.kda_score's contract in one launch (callers go through accepts_fused)."""
     mod = _module()
     launch = launch or FUSED_LAUNCH
     B, N, H, DK = g.shape
@@ -203,7 +203,7 @@ def fused_triton(xs: QKV, weights: QKV, windows: QKV, pool_state: torch.Tensor, 
     y = torch.empty_like(o)
     BK, log2k = _pow2(DK)
     BV = min(launch.value_block, BK)
-    mod.kda_verify_fused_kernel[(B, H, -(-DK // BV))](
+    mod.kda_score_fused_kernel[(B, H, -(-DK // BV))](
         *xs, *(w.contiguous() for w in weights), *windows, xs[0].stride(1), *windows[0].stride(), slots, keep,
         pool_state, g, beta,
         gate, norm_weight, conv_records, state_records, o, y, head_counters(g.device), scale, eps, H, DK, DK, N=N,

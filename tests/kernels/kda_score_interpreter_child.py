@@ -1,7 +1,7 @@
-"""Child process for tests/kernels/test_kernels_kda_verify.py: runs the Triton KDA verify kernels under Triton's
+"""Child process for tests/kernels/test_kernels_kda_score.py: runs the Triton KDA score kernels under Triton's
 CPU interpreter on saved cases and saves what they wrote.
 
-    TRITON_INTERPRET=1 python tests/kernels/kda_verify_interpreter_child.py CASES.pt OUTPUTS.pt
+    TRITON_INTERPRET=1 python tests/kernels/kda_score_interpreter_child.py CASES.pt OUTPUTS.pt
 
 Per case: the unfused chain (spec_conv_triton -> record_triton -> norm_triton) and the fused launch, each into its
 own NaN-filled records, over the same read-only pool, each with the shipped value block and a narrower one. The
@@ -24,7 +24,7 @@ PATHS = {"unfused": (False, 32, False), "fused": (True, 32, False), "unfused_bv1
 
 
 def _run(c: dict[str, Any], fused: bool, value_block: int, unroll: bool) -> dict[str, torch.Tensor]:
-    from k3verify.kernels.kda import verify_triton as vt
+    from k3verify.kernels.kda import score_launch as vt
 
     launch = vt.Launch(value_block, num_warps=2 if value_block < 32 else 4, unroll=unroll)
     B, N, H, DK = c["g"].shape

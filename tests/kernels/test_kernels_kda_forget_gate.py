@@ -1,7 +1,7 @@
-"""kda.gate_beta: the KDA forget gate and beta of a prefill or verify pass. Its torch path is the layer's old two
-calls (kda_gate, kda_beta) bit for bit; the one-launch Triton kernel (run by Triton's CPU interpreter in a child
+"""kda.gate_beta: the KDA forget gate and beta of a prefill or score pass. Its torch path is the layer's old two
+calls (kda_forget_gate, kda_beta) bit for bit; the one-launch Triton kernel (run by Triton's CPU interpreter in a child
 process) agrees with it to rounding on strided inputs, broken variants of the kernel do not; refusals name the
-value; the layer's prefill and verify route through the op."""
+value; the layer's prefill and score route through the op."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from triton_interp import broken_variant, child_report  # tests/kernels, on sys.path for pytest and the child
 
 from k3verify.kernels import kda as kda_ops
-from k3verify.kernels.kda import gate_triton, torch_ref
+from k3verify.kernels.kda import forget_gate_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH
 
 T, H, DK = 5, 3, 16
@@ -32,28 +32,29 @@ def _case(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_is_the_old_gate_and_beta_bit_for_bit(dtype: torch.dtype, bound: float | None) -> None:
     c = _case(dtype)
-    g, beta = kda_ops.kda_gate_beta(c["f"], c["dt_bias"], c["A"], c["b"], H, bound)
-    assert REGISTRY.last_backend[kda_ops.GATE_BETA] == TORCH
-    assert torch.equal(g, torch_ref.kda_gate(c["f"], c["dt_bias"], c["A"], H, bound))
+    g, beta = kda_ops.kda_forget_gate_beta(c["f"], c["dt_bias"], c["A"], c["b"], H, bound)
+    assert REGISTRY.last_backend[kda_ops.FORGET_GATE_BETA] == TORCH
+    assert torch.equal(g, torch_ref.kda_forget_gate(c["f"], c["dt_bias"], c["A"], H, bound))
     assert torch.equal(beta, torch_ref.kda_beta(c["b"]))
     # the comparison can fail: a gate without dt_bias moves it
-    assert not torch.equal(g, torch_ref.kda_gate(c["f"], 0 * c["dt_bias"], c["A"], H, bound))
+    assert not torch.equal(g, torch_ref.kda_forget_gate(c["f"], 0 * c["dt_bias"], c["A"], H, bound))
 
 
 def test_gate_refuses_what_the_kernel_cannot_do() -> None:
     c = _case(torch.bfloat16)
     ok = (c["f"], c["dt_bias"], c["A"], c["b"], H, None)
-    assert gate_triton.accepts(*ok) == f"tensors are not all on {c['f'].device}"
-    assert "float32" in (gate_triton.accepts(c["f"].float(), *ok[1:]) or "")
-    assert "unit column strides" in (gate_triton.accepts(c["f"].t().contiguous().t(), *ok[1:]) or "")
-    assert "b_logits must be" in (gate_triton.accepts(c["f"], c["dt_bias"], c["A"], c["b"][:, :2], H, None) or "")
-    assert "dt_bias" in (gate_triton.accepts(c["f"], c["dt_bias"].bfloat16(), c["A"], c["b"], H, None) or "")
-    assert "decay rate" in (gate_triton.accepts(c["f"], c["dt_bias"], c["A"][:2], c["b"], H, None) or "")
+    assert forget_gate_launch.accepts(*ok) == f"tensors are not all on {c['f'].device}"
+    assert "float32" in (forget_gate_launch.accepts(c["f"].float(), *ok[1:]) or "")
+    assert "unit column strides" in (forget_gate_launch.accepts(c["f"].t().contiguous().t(), *ok[1:]) or "")
+    short_b = c["b"][:, :2]
+    assert "b_logits must be" in (forget_gate_launch.accepts(c["f"], c["dt_bias"], c["A"], short_b, H, None) or "")
+    assert "dt_bias" in (forget_gate_launch.accepts(c["f"], c["dt_bias"].bfloat16(), c["A"], c["b"], H, None) or "")
+    assert "decay rate" in (forget_gate_launch.accepts(c["f"], c["dt_bias"], c["A"][:2], c["b"], H, None) or "")
 
 
 # ---- the Triton kernel under the interpreter (a subprocess: TRITON_INTERPRET must precede the import) ----
 
-BROKEN = {  # controls: gate_kernel's own source with one fault, compared the same way
+BROKEN = {  # controls: forget_gate_kernel's own source with one fault, compared the same way
     "bias_dropped": (" + tl.load(dt_ptr + d, mask=m, other=0.0)", ""),
     "beta_raw": ("_sigmoid(b), mask=mh)", "b, mask=mh)"),
     "head_of_channel": ("A = tl.load(a_ptr + d // DK,", "A = tl.load(a_ptr + d % H,"),
@@ -68,11 +69,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compare(mod: Any, bound: float | None) -> dict[str, float]:
     c = _case(torch.bfloat16, seed=1)
-    g_ref, beta_ref = torch_ref.kda_gate_beta(c["f"], c["dt_bias"], c["A"], c["b"], H, bound)
+    g_ref, beta_ref = torch_ref.kda_forget_gate_beta(c["f"], c["dt_bias"], c["A"], c["b"], H, bound)
     g = torch.full((T, H, DK), float("nan"))
     beta = torch.full((T, H), float("nan"))
     A = c["A"].reshape(-1).contiguous()
-    mod.kda_gate_beta_kernel[(T, -(-H * DK // 32))](
+    mod.kda_forget_gate_beta_kernel[(T, -(-H * DK // 32))](
         c["f"], c["dt_bias"], A, c["b"], g, beta, float(bound or 0.0), c["f"].stride(0), c["b"].stride(0), H * DK, DK,
         H, SAFE=bound is not None, BLOCK=32, BLOCK_H=16)  # 32 channels a program: two heads' blocks, masks
     return {"g": _rel(g, g_ref), "beta": _rel(beta, beta_ref)}
@@ -82,12 +83,12 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
     """Runs in the subprocess (TRITON_INTERPRET=1): the gate kernel and broken variants vs the torch path."""
     from triton_interp import patch_interpreter
 
-    from k3verify.kernels.kda import gate_kernel
+    from k3verify.kernels.kda import forget_gate_kernel
 
     patch_interpreter()
-    report: dict[str, Any] = {"cases": {str(b): _compare(gate_kernel, b) for b in BOUNDS}, "broken": {}}
+    report: dict[str, Any] = {"cases": {str(b): _compare(forget_gate_kernel, b) for b in BOUNDS}, "broken": {}}
     for name, (old, new) in BROKEN.items():
-        module = broken_variant(gate_kernel, name, old, new, tmp)
+        module = broken_variant(forget_gate_kernel, name, old, new, tmp)
         report["broken"][name] = {str(b): _compare(module, b) for b in BOUNDS}
     return report
 
@@ -95,7 +96,8 @@ def _interpreter_report(tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def interpreter_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("triton", reason="triton is not installed: the interpreter test needs it")
-    return child_report("test_kernels_kda_gate", "_interpreter_report", str(tmp_path_factory.mktemp("kda_gate")))
+    tmp = str(tmp_path_factory.mktemp("kda_forget_gate"))
+    return child_report("test_kernels_kda_forget_gate", "_interpreter_report", tmp)
 
 
 def test_gate_kernel_matches_torch_under_interpreter(interpreter_report: dict[str, Any]) -> None:
@@ -123,8 +125,8 @@ def test_layer_prefill_routes_through_the_gate_op(preset: str) -> None:
     cfg = get_preset(preset)
     model = ServingModel(cfg, torch.float32).load(synthetic_tensors(cfg, seed=0))
     batch = PackedBatch.build(torch.arange(9), [4, 5])
-    before = REGISTRY.counts[(kda_ops.GATE_BETA, TORCH)]
+    before = REGISTRY.counts[(kda_ops.FORGET_GATE_BETA, TORCH)]
     with torch.no_grad():
         model.prefill(batch)
     assert len(cfg.kda_layers) > 0
-    assert REGISTRY.counts[(kda_ops.GATE_BETA, TORCH)] - before == len(cfg.kda_layers)
+    assert REGISTRY.counts[(kda_ops.FORGET_GATE_BETA, TORCH)] - before == len(cfg.kda_layers)

@@ -1,6 +1,6 @@
-"""Gate and launcher of the one-launch KDA forget gate and beta (kernels/kda/gate_kernel.py): which calls it
-takes (a refusal names the value; the registry logs it and runs torch_ref.kda_gate_beta) and a lazy import so
-that importing k3verify never imports triton."""
+"""Acceptance and launcher of the one-launch KDA forget gate and beta (kernels/kda/forget_gate_kernel.py): which
+calls it takes (a refusal names the value; the registry logs it and runs torch_ref.kda_forget_gate_beta) and a lazy
+import so that importing k3verify never imports triton."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from k3verify.kernels.lazy import cuda_reason, lazy_module, loaded
 
 BLOCK = 1024  # channels per program
-_kernels = lazy_module("k3verify.kernels.kda.gate_kernel", "Triton KDA gate kernel")
+_kernels = lazy_module("k3verify.kernels.kda.forget_gate_kernel", "Triton KDA gate kernel")
 
 
 def available() -> str | None:
@@ -38,16 +38,16 @@ def accepts(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logit
     return None
 
 
-def gate_beta_triton(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor,
+def forget_gate_beta_triton(f_raw: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, b_logits: torch.Tensor,
                      heads: int, lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_ref.kda_gate_beta's contract in one launch (callers go through accepts)."""
+    """torch_ref.kda_forget_gate_beta's contract in one launch (callers go through accepts)."""
     mod = loaded(_kernels)
     T, D = f_raw.shape
     g = torch.empty(T, heads, D // heads, dtype=torch.float32, device=f_raw.device)
     beta = torch.empty(T, heads, dtype=torch.float32, device=f_raw.device)
     if T == 0:
         return g, beta
-    mod.kda_gate_beta_kernel[(T, -(-D // BLOCK))](
+    mod.kda_forget_gate_beta_kernel[(T, -(-D // BLOCK))](
         f_raw, dt_bias, A, b_logits, g, beta, float(lower_bound or 0.0), f_raw.stride(0), b_logits.stride(0), D,
         D // heads, heads, SAFE=lower_bound is not None, BLOCK=BLOCK,
         BLOCK_H=max(16, 1 << max(heads - 1, 0).bit_length()), num_warps=4)

@@ -1,11 +1,11 @@
-"""SpecVerifier: verify passes and commits over a ModelRunner's model and caches.
+"""SpecScorer: score passes and commits over a ModelRunner's model and caches.
 
-verify([(seq_id, [last accepted token, d_1 .. d_k]), ...]) runs one packed pass over k+1 tokens per
+score([(seq_id, [last accepted token, d_1 .. d_k]), ...]) runs one packed pass over k+1 tokens per
 sequence at positions cached .. cached+k and returns every position's logits; commit([a_0, ...]) then
 keeps, per sequence, the last accepted token and its first a drafts (a+1 tokens): their KDA state and
 windows become the slot's, the MLA rows of the rejected positions get their old contents back, and the
-runner counts a+1 more cached tokens. Exactly one commit follows each verify. For greedy rows,
-commit_greedy decides the counts on the device and launches the commit behind the verify (no host round trip
+runner counts a+1 more cached tokens. Exactly one commit follows each score. For greedy rows,
+commit_greedy decides the counts on the device and launches the commit behind the score (no host round trip
 between them); the caller reads the argmax ids and counts back in one transfer (started before the commit's
 kernels, so the host has them while the commit runs) and hands the counts to `committed`, which does the runner's
 bookkeeping.
@@ -23,11 +23,11 @@ from k3verify.serving.batch import PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import greedy_counts
-from k3verify.serving.spec.arena import VerifyArena, VerifyPass, commit_accepted
+from k3verify.serving.spec.arena import ScoreArena, ScorePass, commit_accepted
 from k3verify.serving.staging import PinnedReadback
 
 if TYPE_CHECKING:
-    from k3verify.serving.spec.graphs import Recorder, VerifyGraphs
+    from k3verify.serving.spec.graphs import Recorder, ScoreGraphs
 
 
 @dataclass
@@ -53,66 +53,66 @@ class _Pending:
     latent_rows: torch.Tensor  # [B * n]
 
 
-class SpecVerifier:
+class SpecScorer:
     def __init__(self, runner: ModelRunner, num_draft: int, max_rows: int, *, fused: bool = False) -> None:
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1; got {num_draft}")
         model = runner.model
         self.runner, self.num_draft, self.num_positions, self.fused = runner, num_draft, num_draft + 1, fused
-        self.arena = VerifyArena(model.cfg, max_rows, num_draft + 1, model.dtype, model.device)
+        self.arena = ScoreArena(model.cfg, max_rows, num_draft + 1, model.dtype, model.device)
         self.max_rows = max_rows
         self._pending: _Pending | None = None
         self._uncounted: list[int] | None = None  # seq_ids committed by commit_greedy, not yet `committed`
         self.readback = PinnedReadback(runner.device)
 
     @property
-    def verify_pass(self) -> VerifyPass:
-        return VerifyPass(self.arena, self.num_positions, self.fused)
+    def score_pass(self) -> ScorePass:
+        return ScorePass(self.arena, self.num_positions, self.fused)
 
     @property
     def pending_latent_rows(self) -> torch.Tensor:
-        """[B * n] latent-cache rows the pending (verified, not yet committed) pass wrote."""
+        """[B * n] latent-cache rows the pending (scored, not yet committed) pass wrote."""
         if self._pending is None:
-            raise RuntimeError("no verify is pending")
+            raise RuntimeError("no score is pending")
         return self._pending.latent_rows
 
     def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None,
-                    recorder: Recorder | None = None) -> VerifyGraphs:
-        """Captured verify steps over this verifier's arena (CUDA; use_graphs=False runs the same static step;
+                    recorder: Recorder | None = None) -> ScoreGraphs:
+        """Captured score steps over this scorer's arena (CUDA; use_graphs=False runs the same static step;
         `recorder`: how a step is recorded, see serving.spec.graphs)."""
-        from k3verify.serving.spec.graphs import VerifyGraphs
+        from k3verify.serving.spec.graphs import ScoreGraphs
 
-        return VerifyGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
+        return ScoreGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
                             use_graphs=use_graphs, recorder=recorder)
 
-    def can_verify(self, seq_id: int) -> bool:
+    def can_score(self, seq_id: int) -> bool:
         """Room left in the sequence's reserved budget for k+1 more positions."""
         r = self.runner
         return 0 < r.num_cached(seq_id) and r.num_cached(seq_id) + self.num_positions <= r.budget(seq_id)
 
-    def verify(self, seqs: list[tuple[int, list[int]]], graphs: VerifyGraphs | None = None) -> torch.Tensor:
+    def score(self, seqs: list[tuple[int, list[int]]], graphs: ScoreGraphs | None = None) -> torch.Tensor:
         """[B, n, V] fp32 logits: row j of sequence b is the prediction after its token j (through `graphs`, a view
-        of the captured output: valid until the next verify)."""
+        of the captured output: valid until the next score)."""
         if self._pending is not None or self._uncounted is not None:
-            raise RuntimeError("verify called twice without a commit (and its `committed` counts) in between")
+            raise RuntimeError("score called twice without a commit (and its `committed` counts) in between")
         ids = [sid for sid, _ in seqs]
         if not seqs or len(seqs) > self.max_rows or len(set(ids)) != len(ids):
-            raise ValueError(f"verify takes 1..{self.max_rows} distinct sequences; got {ids}")
+            raise ValueError(f"score takes 1..{self.max_rows} distinct sequences; got {ids}")
         n, r = self.num_positions, self.runner
         for sid, tokens in seqs:
             if len(tokens) != n:
-                raise ValueError(f"sequence {sid}: a verify row holds {n} tokens (last + {self.num_draft} drafts); "
+                raise ValueError(f"sequence {sid}: a score row holds {n} tokens (last + {self.num_draft} drafts); "
                                  f"got {len(tokens)}")
-            if not self.can_verify(sid):
-                raise CacheError(f"sequence {sid}: {r.num_cached(sid)} cached + {n} verify positions do not fit its "
+            if not self.can_score(sid):
+                raise CacheError(f"sequence {sid}: {r.num_cached(sid)} cached + {n} score positions do not fit its "
                                  f"budget {r.budget(sid)} (or nothing is cached yet)")
         slots, tables = [r.slot_of(sid) for sid in ids], [r.kv_cache.table(sid) for sid in ids]
         starts = [r.num_cached(sid) for sid in ids]
         flat = [t for _, tokens in seqs for t in tokens]
         if graphs is not None:
-            if graphs.verify_pass.arena is not self.arena or graphs.verify_pass.fused != self.fused:
-                raise ValueError("these verify graphs were made over another arena or verify path (make_graphs)")
-            logits, slot_t, rows = graphs.verify(flat, slots, tables, starts)
+            if graphs.score_pass.arena is not self.arena or graphs.score_pass.fused != self.fused:
+                raise ValueError("these score graphs were made over another arena or score path (make_graphs)")
+            logits, slot_t, rows = graphs.score(flat, slots, tables, starts)
         else:
             model = r.model
             batch = PackedBatch.build(torch.tensor(flat, dtype=torch.long), [n] * len(seqs), start_pos=starts,
@@ -121,20 +121,20 @@ class SpecVerifier:
             assert batch.page_table is not None and batch.slots is not None
             rows = r.kv_cache.rows(batch.page_table, batch.seg_ids, batch.positions)
             self.arena.save_latents(r.kv_cache, rows)
-            logits, slot_t = model.verify(batch, self.verify_pass), batch.slots
+            logits, slot_t = model.score(batch, self.score_pass), batch.slots
         self._pending = _Pending(ids, slot_t, rows)
         return logits.view(len(seqs), n, -1)
 
     def _take_pending(self) -> _Pending:
         pending = self._pending
         if pending is None:
-            raise RuntimeError("commit without a verify")
+            raise RuntimeError("commit without a score")
         self._pending = None
         return pending
 
     def _check_counts(self, seq_ids: list[int], accepted: list[int], caller: str) -> None:
         if len(accepted) != len(seq_ids) or any(not 0 <= a <= self.num_draft for a in accepted):
-            raise ValueError(f"{caller} needs one count in 0..{self.num_draft} per verified sequence {seq_ids}; "
+            raise ValueError(f"{caller} needs one count in 0..{self.num_draft} per scored sequence {seq_ids}; "
                              f"got {accepted}")
 
     def _launch_commit(self, pending: _Pending, accepted: torch.Tensor) -> None:
@@ -155,13 +155,13 @@ class SpecVerifier:
 
     def commit_greedy(self, logits: torch.Tensor, drafts: list[list[int]], reject: torch.Tensor | None = None
                       ) -> GreedyReadback:
-        """Greedy acceptance of the pending verify on the device (acceptance.greedy_counts) and its commit launched
-        behind it. logits [B, n, V] as verify returned them, drafts [B][k]; `reject` [B] bool (device): rows that
+        """Greedy acceptance of the pending score on the device (acceptance.greedy_counts) and its commit launched
+        behind it. logits [B, n, V] as score returned them, drafts [B][k]; `reject` [B] bool (device): rows that
         accept nothing whatever their argmax (the engine's rows with non-finite logits). Returns the readback of
         [B, n + 1] int64: each row's n argmax ids, then its accepted count (then its reject flag, with `reject`);
         read it (one transfer, already under way), then `committed`."""
         if self._pending is not None and len(drafts) != len(self._pending.seq_ids):
-            raise ValueError(f"commit_greedy needs the drafts of every verified sequence {self._pending.seq_ids}; "
+            raise ValueError(f"commit_greedy needs the drafts of every scored sequence {self._pending.seq_ids}; "
                              f"got {len(drafts)} rows")
         pending = self._take_pending()
         best = logits.argmax(dim=-1)  # [B, n]

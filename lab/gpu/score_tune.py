@@ -1,15 +1,15 @@
-"""Launch configurations of the Triton KDA verify kernels, timed and held to the shipped launch bit for bit (CUDA).
+"""Launch configurations of the Triton KDA score kernels, timed and held to the shipped launch bit for bit (CUDA).
 
-The fused verify's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02): its cost
+The fused score's speed-up over the unfused path fell from 1.59x at 1 row to 0.95x at 8 (2026-12-02): its cost
 grew in whole waves. Built by Triton 3.6 for the H200 a program of either kernel held 170-200 registers, so two
 fit on an SM. This script launches the recording kernel and the fused kernel with other value blocks, warp counts
 and register caps (`maxnreg`: the compiler spills the rest) at each row count on one KDA layer of `--preset`,
 checks that every output (o, y, conv records, state records) has the shipped launch's bits, and prints the median
 microseconds per call (`--calls` back-to-back calls in one CUDA graph), the unfused path as its total (conv +
-record + norm kernels). The first launch of each list is the shipped one (verify_triton.RECORD_LAUNCH /
+record + norm kernels). The first launch of each list is the shipped one (score_launch.RECORD_LAUNCH /
 FUSED_LAUNCH).
 
-    python -m lab.gpu.verify_tune [--preset kl-48b-8l] [--rows 1,2,4,8,16]
+    python -m lab.gpu.score_tune [--preset kl-48b-8l] [--rows 1,2,4,8,16]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from k3verify.bench.timing import cuda_time
 from k3verify.gates.checks._spec_common import bits, op_case
-from k3verify.kernels.kda import verify_triton as vt
+from k3verify.kernels.kda import score_launch as vt
 from k3verify.presets import get_preset
 
 # Wider value blocks with more warps keep 32 state values per thread but run a head's q/k conv, L2 norms and gate

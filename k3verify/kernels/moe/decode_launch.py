@@ -1,8 +1,8 @@
-"""Gate and launcher of the decode-sized MoE combine (kernels/moe/decode_kernel.py): which calls it takes, its
+"""Acceptance and launcher of the decode-sized MoE combine (kernels/moe/decode_kernel.py): which calls it takes, its
 tile sizes, and a lazy import so that importing k3verify never imports triton.
 
 The CUDA combine (kernels/moe/grouped.py) sends bf16 steps of at most MAX_PAIRS (token, expert) pairs here
-(decode, speculative verify, small prefill chunks) and larger ones to the grouped GEMMs; a refusal for any
+(decode, speculative score, small prefill chunks) and larger ones to the grouped GEMMs; a refusal for any
 other reason is logged there, once per reason.
 """
 

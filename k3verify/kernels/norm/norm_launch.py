@@ -17,7 +17,7 @@ MAX_BLOCK = 8192  # wider rows loop over BLOCK-wide chunks (K3 hidden 7168 fits 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUTED_DTYPES = (torch.bfloat16, torch.float16)
 
-_kernels = lazy_module("k3verify.kernels.norm.triton_kernels", "triton norm kernels")
+_kernels = lazy_module("k3verify.kernels.norm.norm_kernel", "triton norm kernels")
 
 
 def available() -> str | None:

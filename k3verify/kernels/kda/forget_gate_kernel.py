@@ -1,11 +1,11 @@
-"""Triton kernel of the KDA forget gate and beta (kernels/kda/torch_ref.kda_gate / kda_beta) in one launch.
+"""Triton kernel of the KDA forget gate and beta (kernels/kda/torch_ref.kda_forget_gate / kda_beta) in one launch.
 
 torch makes them in six: bf16 + fp32 add, softplus, negation, multiply (or the safe gate's multiply, sigmoid,
 multiply), beta's cast and sigmoid. Program (token t, channel block): g[t, block] from f_b_proj's output and
 dt_bias with the head's decay rate A = exp(A_log); block 0 also makes beta[t, :]. The math is torch's op for op
 in fp32; exp and log are Triton's (a few ulps off torch's libm), softplus fla's form (x past 20 passes through).
 
-Imports triton at module level: import it lazily (kernels/kda/gate_triton.py); for the interpreter set
+Imports triton at module level: import it lazily (kernels/kda/forget_gate_launch.py); for the interpreter set
 TRITON_INTERPRET=1 before this module is first imported.
 """
 
@@ -23,7 +23,7 @@ def _sigmoid(x):
 
 
 @triton.jit
-def kda_gate_beta_kernel(f_ptr, dt_ptr, a_ptr, b_ptr, g_ptr, beta_ptr, lower_bound, s_f, s_b, D, DK, H,
+def kda_forget_gate_beta_kernel(f_ptr, dt_ptr, a_ptr, b_ptr, g_ptr, beta_ptr, lower_bound, s_f, s_b, D, DK, H,
                          SAFE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     """f [T, D] (row stride s_f), dt_bias [D] fp32, A [H] fp32, b [T, H] (row stride s_b) -> g [T, D] fp32 (plain:
     -A softplus(f + dt_bias); SAFE: lower_bound sigmoid(A (f + dt_bias))), beta [T, H] fp32 = sigmoid(b)."""

@@ -1,6 +1,6 @@
-"""The Triton kernel behind kernels/router/triton_impl.py: one program per token row, fp32 throughout.
+"""The Triton kernel behind kernels/router/select_launch.py: one program per token row, fp32 throughout.
 
-Imported lazily (triton_impl._kernels) so that importing k3verify never needs triton. The row's E
+Imported lazily (select_launch._kernels) so that importing k3verify never needs triton. The row's E
 experts sit in one power-of-two block padded with -inf; top-k is k rounds of "max, the lowest index
 among equal maxima, take it"; the taken ids are then emitted smallest first, so the output is ascending
 without a sort.
