@@ -261,14 +261,18 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
 
 def q8_0_round(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) rounded as llama.cpp's CPU path quantizes an activation row to Q8_0, in x's
-    dtype: per block of 32, in fp32, q = round_half_even(x · 127/max|x|) (int8) and d = fp16(max|x|/127) (the
-    AVX2 `quantize_row_q8_0`); the value is q·d. A block of zeros stays zero."""
+    dtype: per block of 32, in fp32, q = round_half_even(x · id) (int8) with id = 127/max|x| one correctly rounded
+    fp32 division, and d = fp16(max|x|/127), rounded to nearest even (the AVX2 `quantize_row_q8_0`); the value is
+    q·d. A block of zeros stays zero."""
     K = x.shape[-1]
     if K % Q8_0_BLOCK:
         raise ValueError(f"Q8_0 rounds rows in blocks of {Q8_0_BLOCK}; got a row of {K} values")
     blocks = x.float().reshape(*x.shape[:-1], K // Q8_0_BLOCK, Q8_0_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127/max|x| as one correctly rounded fp32 division, as ggml's `127.f / maxScalar`: a Python number divided by
+    # a tensor is computed as reciprocal times number (two roundings, off by one ulp for a quarter of the values),
+    # which moves a product that lands exactly on a tie in ggml off it
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv)  # torch.round is half-to-even, as _mm256_round_ps(_MM_ROUND_NEAREST)
-    d = (amax / 127.0).to(torch.float16).float()
+    d = (amax / 127.0).to(torch.float16).float()  # tensor / number is one correctly rounded division
     return (q * d).reshape(x.shape).to(x.dtype)

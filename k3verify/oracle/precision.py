@@ -1,14 +1,15 @@
 """Declared endpoint precisions: the arithmetic an endpoint says it computes in, as the oracle can reproduce it.
 
 A precision is a dtype for the oracle's "base" run, the dtype one step up for its "gold" run, and, for quantised
-arithmetic, an emulation the base run computes under (`Precision.emulated()`). The endpoint checks take their bars
-from the distance between base and gold, never from the endpoint's output.
+arithmetic, an emulation both runs compute under (`Precision.emulated()`; gates/checks/_endpoint_oracle.py). The
+endpoint checks take their bars from the distance between base and gold, never from the endpoint's output.
 
 - bfloat16, float16, float32: plain dtypes (gold fp32, fp32, fp64); no emulation.
 - w4a8-q8act: llama.cpp's CPU arithmetic for MXFP4 experts: the expert weights exactly as stored (MXFP4,
   dequantized exactly as the oracle always does) times activations rounded to Q8_0 blocks before every routed-expert
   matmul (gate/up inputs and the down input): blocks of 32 values, one fp16 scale max|x|/127, int8 values
-  (functional.q8_0_round). Everything else fp32; gold fp64 without the emulation.
+  (functional.q8_0_round, bit for bit ggml's AVX2 quantizer). Everything else fp32; gold fp64 under the same
+  emulation (each Q8_0 block rounded from its fp64 values cast to fp32).
 """
 
 from __future__ import annotations

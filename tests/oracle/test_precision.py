@@ -24,6 +24,29 @@ def test_q8_0_rounds_a_hand_computed_block_half_to_even() -> None:
     assert torch.equal(Fn.q8_0_round(x), expected)
 
 
+def test_q8_0_matches_ggml_on_ties_of_the_fp32_product_and_of_the_fp16_scale() -> None:
+    """Blocks whose rounding depends on ggml's exact fp32 steps; expected values are what llama.cpp's CPU Q8_0
+    quantizer (x86 AVX2 quantize_row_q8_0, then dequantize) returned for these very inputs.
+
+    max|x| = 3: id = fl(127/3) = 42.333332 (one correctly rounded division; reciprocal-then-multiply gives
+    42.333336), and fl(x·id) lands exactly on 2.5, 0.5 and 9.5 for the three small values, which round to even
+    (2, 0, 10) where the exact products 2.50000007, 0.50000004, 9.4999999 would give 3, 1, 9; d = fp16(3/127).
+    max|x| = 127·(1 + 2^-11) and 127·(1 + 3·2^-11): max|x|/127 is exactly an fp16 midpoint, rounded to even
+    (d = 1 and 1 + 2^-9), and every value comes back as q·d with that fp16 d."""
+    x = torch.zeros(3, 32)
+    x[0, :5] = torch.tensor([3.0, 0.05905511975288391, 0.22440944612026215, -0.05905511975288391,
+                             0.011811024509370327])
+    x[1, :2] = torch.tensor([127.0 * (1 + 2**-11), 1.0])
+    x[2, :2] = torch.tensor([-127.0 * (1 + 3 * 2**-11), 1.0])
+    d = 1548 / 2**16  # fp16(3/127): 0x260c
+    expected = torch.zeros(3, 32)
+    expected[0, :5] = torch.tensor([127 * d, 2 * d, 10 * d, -2 * d, 0.0])
+    expected[1, :2] = torch.tensor([127.0, 1.0])
+    expected[2, :2] = torch.tensor([-127.248046875, 1.001953125])
+    assert torch.equal(Fn.q8_0_round(x), expected)
+    assert torch.equal(Fn.q8_0_round(x.double()), expected.double())
+
+
 def test_q8_0_keeps_zero_blocks_and_flattens_small_values_beside_a_huge_one() -> None:
     """A block of zeros stays zero (no 0/0); in a block with 1e4, the scale is fp16(1e4/127) = 78.75, so 1e4 comes
     back as 127·78.75 = 10001.25 and ±1 round to 0; the next block keeps its own scale (and ties to even)."""
