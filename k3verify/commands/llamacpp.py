@@ -31,7 +31,8 @@ def register(subparsers: Subparsers) -> None:
     serve.add_argument("gguf", type=Path)
     serve.add_argument("--context", type=int, default=4096)
     serve.add_argument("--server-args", default="", metavar="ARGS",
-                       help="more llama-server arguments, one string (e.g. '--override-kv KEY=TYPE:VALUE')")
+                       help="more llama-server arguments, one string; write it with '=' when it starts with a dash "
+                            "(--server-args=--no-cache-prompt)")
     for q in (convert, serve):
         q.add_argument("--llamacpp", type=Path, metavar="DIR", help=f"installation (default: ${ENV_DIR})")
         q.set_defaults(func=run)

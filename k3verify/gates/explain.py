@@ -8,7 +8,8 @@ alternative is ranked by how much of the endpoint's distance it removes. Alterna
 oracle on these sequences at all are listed as not identifiable here. It only diagnoses: no verdict changes.
 
 The distance is endpoint.logprobs.topk's: the endpoint's top-k logprobs at the gold's top-k tokens, each row
-centred, relative RMS against the gold (one precision above the declared one).
+centred, relative RMS against the gold (one precision above the declared one), with the rounding near-ties that
+check excused (oracle/rounding.py) taken as it took them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from typing import Any
 import torch
 
 from k3verify.gates import fixtures as fx
+from k3verify.gates.checks._endpoint_oracle import excused_roundings
 from k3verify.gates.gate import CheckContext
+from k3verify.oracle import rounding
 from k3verify.oracle.conventions import Assignment, alternatives_for, applied
 from k3verify.oracle.precision import Precision
+from k3verify.oracle.rounding import Ledger
 
 TIE_REL = 0.10  # remaining distances within 10% of each other: the data cannot tell those alternatives apart
 MIN_EXPLAINED = 0.5  # an explanation must remove at least half of the distance to be named as one
@@ -48,6 +52,7 @@ class Explanation:
     rows: int
     seconds: float
     accepted: list[str] = field(default_factory=list)
+    excused_roundings: int = 0  # rounding near-ties the checks excused, taken as they took them
 
     def headline(self) -> str:
         if not self.groups:
@@ -63,7 +68,8 @@ class Explanation:
 
     def as_dict(self) -> dict[str, Any]:
         return {"headline": self.headline(), "baseline": self.baseline, "rows": self.rows, "seconds": self.seconds,
-                "accepted": self.accepted, "groups": [[asdict(c) for c in g] for g in self.groups],
+                "accepted": self.accepted, "excused_roundings": self.excused_roundings,
+                "groups": [[asdict(c) for c in g] for g in self.groups],
                 "unidentifiable": self.unidentifiable}
 
 
@@ -90,8 +96,10 @@ def answer_rows(answers: Sequence[Any]) -> list[Rows]:
 
 
 def _gold_rows(ctx: CheckContext, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
+    """The gold's rows at the compared positions, with the rounding near-ties the checks excused on this sequence
+    taken as they took them (oracle/rounding.py)."""
     model = fx.reference_model(ctx, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), rounding.recording(Ledger(excused_roundings(ctx, rows.seq))):
         logits = model(torch.tensor(rows.seq, device=ctx.device)).logits[rows.first - 1: len(rows.seq) - 1]
     return torch.log_softmax(logits.double().cpu(), dim=-1)[rows.positions]
 
@@ -151,4 +159,4 @@ def explain(ctx: CheckContext, answers: Sequence[Any], accepted: Sequence[Assign
         else:
             groups.append([c])
     return Explanation(baseline, groups, unmoved, sum(len(r.positions) for r in rows), time.perf_counter() - start,
-                       [a.text for a in accepted])
+                       [a.text for a in accepted], sum(len(excused_roundings(ctx, r.seq)) for r in rows))

@@ -264,6 +264,13 @@ def q8_0_round(x: torch.Tensor) -> torch.Tensor:
     dtype: per block of 32, in fp32, q = round_half_even(x · id) (int8) with id = 127/max|x| one correctly rounded
     fp32 division, and d = fp16(max|x|/127), rounded to nearest even (the AVX2 `quantize_row_q8_0`); the value is
     q·d. A block of zeros stays zero."""
+    _, q, d = q8_0_codes(x)
+    return q8_0_value(q, d, x)
+
+
+def q8_0_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q8_0_round's parts for x [..., K]: the scaled products x · id [..., K/32, 32] (fp32, before rounding), their
+    codes q (same shape) and the block scales d [..., K/32, 1]."""
     K = x.shape[-1]
     if K % Q8_0_BLOCK:
         raise ValueError(f"Q8_0 rounds rows in blocks of {Q8_0_BLOCK}; got a row of {K} values")
@@ -273,6 +280,12 @@ def q8_0_round(x: torch.Tensor) -> torch.Tensor:
     # a tensor is computed as reciprocal times number (two roundings, off by one ulp for a quarter of the values),
     # which moves a product that lands exactly on a tie in ggml off it
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv)  # torch.round is half-to-even, as _mm256_round_ps(_MM_ROUND_NEAREST)
+    scaled = blocks * inv
+    q = torch.round(scaled)  # torch.round is half-to-even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     d = (amax / 127.0).to(torch.float16).float()  # tensor / number is one correctly rounded division
-    return (q * d).reshape(x.shape).to(x.dtype)
+    return scaled, q, d
+
+
+def q8_0_value(q: torch.Tensor, d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The values codes q [..., K/32, 32] with scales d stand for, shaped and typed as `like` [..., K]."""
+    return (q * d).reshape(like.shape).to(like.dtype)

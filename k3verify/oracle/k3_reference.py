@@ -43,7 +43,7 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = WeightOnly(1, H, dtype=dtype)
         self.self_attn = KDA(cfg, dtype) if cfg.layer_kind(index) == "kda" else MLA(cfg, dtype)
         if cfg.is_moe_layer(index):
-            self.block_sparse_moe = SparseMoE(cfg, dtype)
+            self.block_sparse_moe = SparseMoE(cfg, dtype, index)
         else:
             self.mlp = GLU(cfg, H, cfg.intermediate_size, dtype)
         self.eps = eps

@@ -8,6 +8,7 @@ same run on the same ids; token differences at an oracle near-tie are excused, c
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,7 +28,14 @@ from k3verify.gates.checks._endpoint_common import (
     session,
     sizes,
 )
-from k3verify.gates.checks._endpoint_oracle import Scores, judge_tokens, rel_rms, score, shifted_control
+from k3verify.gates.checks._endpoint_oracle import (
+    Scores,
+    judge_tokens,
+    rel_rms,
+    resolve_roundings,
+    score,
+    shifted_control,
+)
 
 # No farther from the gold than this many times the oracle at the same precision. bf16/fp16: the bench's rule
 # (activation rounding dominates and is shared by every implementation). fp32: implementations differ by reduction
@@ -112,10 +120,61 @@ def _centred(rows: torch.Tensor) -> torch.Tensor:
     return rows - rows.nanmean(dim=1, keepdim=True)
 
 
-def _measured_trial(ctx: CheckContext, parts: list[Rows], notes: list[str], what: str) -> Trial:
-    """One RMS trial over all rows, each centred: the bar is BAR_FACTOR x the oracle's own dtype noise on the same
-    entries, measured the same way."""
+@dataclass
+class Answer:
+    """One scored sequence of a logprob check: the oracle runs over seq[first:] and how its Rows are built from
+    them (which positions, which token ids)."""
+
+    seq: list[int]
+    first: int
+    rows: Callable[[Scores], Rows]
+
+    def distance(self, scores: Scores) -> float:
+        return _distance(self.rows(scores))
+
+
+def _noise(parts: list[Rows]) -> float:
+    """The oracle's own rel RMS at the declared dtype from its gold over all rows, each row centred."""
+    base, gold = (_centred(torch.cat([getattr(p, name) for p in parts])) for name in ("base", "gold"))
+    return rel_rms(base, gold)
+
+
+def _distance(rows: Rows) -> float:
+    """The endpoint's rel RMS from the gold over the rows' finite entries, each row centred."""
+    cand, gold = _centred(rows.cand), _centred(rows.gold)
+    seen = cand.isfinite()
+    return rel_rms(cand[seen], gold[seen]) if bool(seen.any()) else float("inf")
+
+
+def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> tuple[list[Rows], int]:
+    """Each answer's Rows against the oracle; an answer farther from the gold than the bar (measured over all of
+    them) is given the rounding near-ties of the declared precision that explain it (resolve_roundings), each
+    named in `notes`: roundings within the bar's own factor of the oracle's noise of a boundary, the allowance the
+    bar grants the endpoint's outputs granted to the values it rounds. Returns the rows and how many roundings were
+    excused."""
+    scores = [score(ctx, a.seq, a.first) for a in answers]
+    parts = [a.rows(s) for a, s in zip(answers, scores, strict=True)]
+    if not any(s.rounded for s in scores):
+        return parts, 0
     factor = BAR_FACTOR[session(ctx).dtype]
+    bar = factor * _noise(parts)
+    excused = 0
+    for i, (answer, scored) in enumerate(zip(answers, scores, strict=True)):
+        if not scored.rounded or _distance(parts[i]) <= bar:
+            continue
+        resolved, lines = resolve_roundings(ctx, answer.seq, answer.first, scored, answer.distance, bar, factor)
+        parts[i] = answer.rows(resolved)
+        excused += len(resolved.forced)
+        label = parts[i].labels[0].rsplit(" position", 1)[0] if parts[i].labels else f"answer {i}"
+        notes += [f"{label}: {line}" for line in lines]
+    return parts, excused
+
+
+def _measured_trial(ctx: CheckContext, answers: list[Answer], notes: list[str], what: str) -> Trial:
+    """One RMS trial over all rows, each centred: the bar is BAR_FACTOR x the oracle's own dtype noise on the same
+    entries, measured the same way (after any excused rounding near-ties, forced in both oracle runs)."""
+    factor = BAR_FACTOR[session(ctx).dtype]
+    parts, excused = _scored(ctx, answers, notes)
     cand, gold, base = (_centred(torch.cat([getattr(p, name) for p in parts])) for name in ("cand", "gold", "base"))
     labels = [label for p in parts for label in p.labels]
     noise = rel_rms(base, gold)
@@ -134,7 +193,8 @@ def _measured_trial(ctx: CheckContext, parts: list[Rows], notes: list[str], what
     return Trial(reference=gold, candidate=cand, control=torch.roll(cand, 1, dims=0), position_dim=0,
                  bar=factor * noise, notes=notes,
                  metrics={"oracle_dtype_noise": noise, "bar_factor": factor, "rows": float(cand.shape[0]),
-                          "columns": float(cand.shape[1]), "worst_row": float(w)})
+                          "columns": float(cand.shape[1]), "worst_row": float(w),
+                          "excused_rounding_near_ties": float(excused)})
 
 
 @register_check(
@@ -149,19 +209,22 @@ def check_topk_logprobs(ctx: CheckContext) -> Trial:
     k = min([TOP_K, *(len(s.top) for rows in listed for _, s in rows)])
     if k == 0 or not any(listed):
         raise SkipCheck("the endpoint's logprobs list no identifiable top_logprobs alternatives")
-    parts, notes = [], []
+    scored, notes = [], []
     for i, (g, rows) in enumerate(zip(answers, listed, strict=True)):
         if not rows:
             continue
-        scores = score(ctx, g.prompt + g.tokens, len(g.prompt))
-        at = [p for p, _ in rows]
-        parts.append(_rows([s for _, s in rows], Scores(scores.gold[at], scores.base[at]), k, None, f"prompt {i}", at))
+        at, steps = [p for p, _ in rows], [s for _, s in rows]
+
+        def build(scores: Scores, at: list[int] = at, steps: list[Step] = steps, i: int = i) -> Rows:
+            return _rows(steps, Scores(scores.gold[at], scores.base[at]), k, None, f"prompt {i}", at)
+
+        scored.append(Answer(g.prompt + g.tokens, len(g.prompt), build))
         if len(rows) < len(g.tokens):
             notes.append(f"prompt {i}: {len(g.tokens) - len(rows)} of {len(g.tokens)} positions have no logprobs "
                          "entry (left out by the endpoint); not compared")
     positions = sum(len(rows) for rows in listed)
-    return _measured_trial(ctx, parts, notes, f"top-{k} logprobs of {positions} generated positions (asked for "
-                                              f"{TOP_K}), at the gold's top-{k} tokens")
+    return _measured_trial(ctx, scored, notes, f"top-{k} logprobs of {positions} generated positions (asked for "
+                                               f"{TOP_K}), at the gold's top-{k} tokens")
 
 
 @register_check(
@@ -184,12 +247,15 @@ def check_prompt_logprobs(ctx: CheckContext) -> Trial:
         wrong = [p + 1 for p, s in enumerate(steps) if s.token_id != prompt[p + 1]]
         if wrong:
             notes.append(f"prompt {i}: echoed token ids differ from the prompt at positions {wrong[:8]} (NaN there)")
-        scored.append(steps)
-    k = min([TOP_K, *(len(s.top) for steps in scored for s in steps)])
-    parts = [_rows(steps, score(ctx, prompt, 1), k, prompt[1:], f"scored prompt {i}")
-             for i, (prompt, steps) in enumerate(zip(chosen, scored, strict=True))]
-    return _measured_trial(ctx, parts, notes, f"prompt logprobs (the prompt token's, then the top-k) of {len(chosen)} "
-                                         "prompts via echo=true")
+        scored.append((prompt, steps))
+    k = min([TOP_K, *(len(s.top) for _, steps in scored for s in steps)])
+
+    def builder(prompt: list[int], steps: list[Step], i: int) -> Callable[[Scores], Rows]:
+        return lambda scores: _rows(steps, scores, k, prompt[1:], f"scored prompt {i}")
+
+    answers = [Answer(prompt, 1, builder(prompt, steps, i)) for i, (prompt, steps) in enumerate(scored)]
+    return _measured_trial(ctx, answers, notes, f"prompt logprobs (the prompt token's, then the top-k) of "
+                                                f"{len(chosen)} prompts via echo=true")
 
 
 def _load(ctx: CheckContext, answers: list[Greedy]) -> list[list[int]]:

@@ -1,0 +1,123 @@
+"""Rounding near-ties of an emulated precision (w4a8-q8act): the ledger records and forces Q8_0 codes by site, and
+the endpoint checks excuse a rounding a correct implementation may take either way, never one that is not a tie.
+
+The "endpoint" here is the oracle itself at the declared precision with one rounding taken the other way: at a
+near-tie it is a correct w4a8-q8act implementation, far from a boundary it is a one-code fault."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3verify.gates.checks._endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
+from k3verify.gates.gate import CheckContext
+from k3verify.oracle import functional as Fn
+from k3verify.oracle import rounding
+from k3verify.oracle.precision import get_precision
+from k3verify.oracle.rounding import DOWN, INPUT, Ledger, Site, near_ties
+from k3verify.target import resolve_target
+
+FACTOR = 5.1  # the fp32 logprob checks' bar factor (endpoint_tokens.BAR_FACTOR)
+
+
+def test_forced_code_changes_exactly_that_value_and_is_recorded() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    plain = Fn.q8_0_round(x)
+    assert torch.equal(rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9]), plain)  # no ledger: plain rounding
+    scaled, q, _ = Fn.q8_0_codes(x)
+    site = Site(1, 7, INPUT, -1, 40)
+    code = int(q.reshape(3, 64)[1, 40])
+    ledger = Ledger({site: code + 1, Site(1, 8, INPUT, -1, 0): 0, Site(2, 7, INPUT, -1, 40): 0})
+    with rounding.recording(ledger):
+        forced = rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9])
+    changed = (forced != plain).nonzero().tolist()
+    assert changed == [[1, 40]] and ledger.used == {site}  # other tokens and layers untouched
+    assert sorted(ledger.rows) == [(1, t, INPUT, -1) for t in (4, 7, 9)]
+    assert torch.equal(ledger.rows[(1, 7, INPUT, -1)], scaled.reshape(3, 64)[1].double())
+    with pytest.raises(ValueError, match="rows \\[2, K\\] for 2 tokens"), rounding.recording(Ledger()):
+        rounding.q8_0_round(x, 1, DOWN, 0, [1, 2])
+
+
+def test_near_ties_are_values_within_the_factor_of_the_site_noise_of_a_boundary() -> None:
+    gold_row = torch.tensor([17.5002, 3.1, -14.49995, 40.0] * 8, dtype=torch.float64)
+    noise = torch.tensor([1e-4, -1e-4] * 16, dtype=torch.float64)
+    gold, base = Ledger(), Ledger()
+    gold.rows[(1, 4, INPUT, -1)], base.rows[(1, 4, INPUT, -1)] = gold_row, gold_row + noise
+    ties = near_ties(base, gold, 2.5)  # window 2.5e-4: 17.5002 (2e-4 away) and -14.49995 (5e-5 away)
+    assert {t.site.element % 4 for t in ties} == {0, 2} and len(ties) == 16
+    assert ties[0].distance < ties[-1].distance  # the most ambiguous first
+    first = next(t for t in ties if t.site.element == 0)
+    assert (first.code, first.other) == (18, 17)
+    third = next(t for t in ties if t.site.element == 2)
+    assert (third.code, third.other) == (-14, -15)
+    assert {t.site.element % 4 for t in near_ties(base, gold, 1.0)} == {2}  # a narrower window keeps the closer
+    gold.forced = {first.site: 17}
+    assert first.site not in {t.site for t in near_ties(base, gold, 2.5)}  # a forced rounding is no longer a tie
+
+
+@pytest.fixture(scope="module")
+def ctx() -> CheckContext:
+    target = resolve_target("k3-tp4")
+    endpoint = SimpleNamespace(precision=get_precision("w4a8-q8act"), dtype=torch.float32, accepted=())
+    return CheckContext(target, torch.device("cpu"), 0, torch.Generator(), "quick", {}, endpoint)  # type: ignore[arg-type]
+
+
+SEQ = [int(t) for t in torch.randint(0, 4000, (24,), generator=torch.Generator().manual_seed(3))]
+FIRST = 4
+
+
+def _centred(rows: torch.Tensor) -> torch.Tensor:
+    return rows - rows.mean(dim=1, keepdim=True)
+
+
+def _endpoint(ctx: CheckContext, forced: dict[Site, int]) -> tuple[torch.Tensor, float]:
+    """The declared-precision oracle with `forced` roundings, and the bar over the plain runs."""
+    cand = _oracle_run(ctx, SEQ, FIRST, torch.float32, forced)[0]
+    plain = score(ctx, SEQ, FIRST)
+    return cand, FACTOR * rel_rms(_centred(plain.base), _centred(plain.gold))
+
+
+def _distance(cand: torch.Tensor) -> object:
+    return lambda s: rel_rms(_centred(cand), _centred(s.gold))
+
+
+def test_a_near_tie_taken_the_other_way_is_excused_and_named(ctx: CheckContext) -> None:
+    scores = score(ctx, SEQ, FIRST)
+    ties = scores.near_ties(FACTOR)
+    assert ties, "k3-tp4 rounds no value near a boundary on this sequence"
+    moved = []
+    for tie in ties[:8]:
+        cand, bar = _endpoint(ctx, {tie.site: tie.other})
+        moved.append((rel_rms(_centred(cand), _centred(scores.gold)) / bar, tie, cand, bar))
+    ratio, tie, cand, bar = max(moved, key=lambda m: m[0])
+    assert ratio > 1.0, f"no near-tie flip moves the rows beyond the bar ({ratio:.3g}x)"
+    resolved, notes = resolve_roundings(ctx, SEQ, FIRST, scores, _distance(cand), bar, FACTOR)  # type: ignore[arg-type]
+    assert 1 <= len(resolved.forced) <= MAX_FORCED and tie.site in resolved.forced, (resolved.forced, notes)
+    assert rel_rms(_centred(cand), _centred(resolved.gold)) <= bar
+    assert any(f"rounding near-tie excused at {tie.site.describe()}" in n for n in notes), notes
+
+
+def test_a_code_far_from_a_boundary_is_not_excused(ctx: CheckContext) -> None:
+    """The control: the same one-code step at a value far from any boundary is a fault, and stays one."""
+    scores = score(ctx, SEQ, FIRST)
+    assert scores.ledgers is not None
+    gold = scores.ledgers[1]
+    key = min(k for k in gold.rows if k[2] == INPUT)
+    row = gold.rows[key]
+    element = int(((row - row.floor() - 0.5).abs() * (row.abs() < 120)).argmax())  # a value near an integer
+    site = Site(key[0], key[1], key[2], key[3], element)
+    cand, bar = _endpoint(ctx, {site: int(row[element].round()) + 1})
+    before = rel_rms(_centred(cand), _centred(scores.gold))
+    assert before > bar, f"the one-code fault moves the rows only {before:.3g} (bar {bar:.3g})"
+    resolved, notes = resolve_roundings(ctx, SEQ, FIRST, scores, _distance(cand), bar, FACTOR)  # type: ignore[arg-type]
+    assert resolved is scores and not resolved.forced, notes
+    assert not any("excused at" in n for n in notes), notes
+
+
+def test_scores_of_plain_dtypes_round_nothing(ctx: CheckContext) -> None:
+    plain = SimpleNamespace(precision=get_precision("float32"), dtype=torch.float32, accepted=())
+    other = CheckContext(ctx.target, ctx.device, 0, torch.Generator(), "quick", {}, plain)  # type: ignore[arg-type]
+    scores = score(other, SEQ, FIRST)
+    assert not scores.rounded and scores.near_ties(FACTOR) == [] and isinstance(scores, Scores)
