@@ -206,7 +206,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def sparse_moe(x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor,
-               expert: Callable[[int, torch.Tensor], torch.Tensor], shared: Callable[[torch.Tensor], torch.Tensor],
+               expert: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+               shared: Callable[[torch.Tensor], torch.Tensor],
                latent_down: torch.Tensor | None = None, latent_norm: torch.Tensor | None = None,
                latent_up: torch.Tensor | None = None, eps: float = 0.0,
                combine_in_activation: bool = False) -> torch.Tensor:
@@ -219,7 +220,7 @@ def sparse_moe(x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor,
     slots = h.new_zeros(topk_idx.shape[1], *h.shape)  # [k, T, N]: slot k's expert output per token
     for e in topk_idx.unique().tolist():
         tokens, slot = (topk_idx == e).nonzero(as_tuple=True)  # a token picks an expert at most once
-        slots[slot, tokens] = expert(e, h[tokens])
+        slots[slot, tokens] = expert(e, h[tokens], tokens)  # expert e, its tokens' rows, their positions
     out = moe_combine(list(slots), topk_w, combine_in_activation).to(x.dtype)
     if latent_norm is not None:
         out = rms_norm(out, latent_norm, eps)

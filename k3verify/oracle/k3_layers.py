@@ -80,15 +80,16 @@ class Expert(GLU):
     def __init__(self, cfg: ModelConfig, width: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__(cfg, width, inter, dtype, names=("w1", "w3", "w2"))
 
-    def forward(self, x: torch.Tensor, site: tuple[int, int, list[int]] | None = None) -> torch.Tensor:
-        """`site`: (MoE layer index, expert index, token positions of x's rows), which names the emulated
+    def forward(self, x: torch.Tensor, site: tuple[int, int, torch.Tensor] | None = None) -> torch.Tensor:
+        """`site`: (MoE layer index, expert index, token positions of x's rows [n]), which names the emulated
         roundings (oracle/rounding.py); without it they are named as layer -1, tokens 0..n-1."""
         mode = active.current("moe.expert_activations", "exact")
         if mode == "exact":
             return super().forward(x)
         if mode != "q8_0":
             raise ValueError(f"moe.expert_activations must be 'exact' or 'q8_0'; got {mode!r}")
-        layer, expert, tokens = site if site is not None else (-1, -1, list(range(x.shape[0])))
+        layer, expert, positions = site if site is not None else (-1, -1, torch.arange(x.shape[0]))
+        tokens = positions.tolist()
         w1, w3, w2 = (getattr(self, n).weight for n in self._names)
         x = rounding.q8_0_round(x, layer, rounding.INPUT, expert, tokens)
         gate, up = Fn.linear(x, w1), Fn.linear(x, w3)
@@ -121,12 +122,6 @@ class Router(nn.Module):
                          scaling_at=active.current("router.scaling", "after_renorm"))
 
 
-def _tokens_of(topk_idx: torch.Tensor, expert: int) -> list[int]:
-    """The tokens routed to `expert`, in the order functional.sparse_moe hands their rows to it."""
-    tokens: list[int] = (topk_idx == expert).nonzero(as_tuple=True)[0].tolist()
-    return tokens
-
-
 class SparseMoE(nn.Module):
     """`block_sparse_moe`: router, routed experts (latent for K3), shared experts."""
 
@@ -149,7 +144,7 @@ class SparseMoE(nn.Module):
         weights, idx = self.gate(x)  # the router reads the hidden x, also for LatentMoE
         norm = getattr(self, "routed_expert_norm", None)
         return Fn.sparse_moe(
-            x, weights, idx, lambda e, h: self.experts[e](h, (self.layer, e, _tokens_of(idx, e))), self.shared_experts,
+            x, weights, idx, lambda e, h, tokens: self.experts[e](h, (self.layer, e, tokens)), self.shared_experts,
             latent_down=self.routed_expert_down_proj.weight if self.latent else None,
             latent_norm=norm.weight if norm is not None else None,
             latent_up=self.routed_expert_up_proj.weight if self.latent else None,

@@ -126,8 +126,9 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
     start = best = distance(scores)
     current, taken = scores, list[str]()
     gold_dtype = declared_precision(ctx).gold_dtype
-    found = len(scores.near_ties(factor))
-    while best > bar and len(taken) < MAX_FORCED and (ties := current.near_ties(factor)):
+    ties = scores.near_ties(factor)
+    found = len(ties)
+    while best > bar and len(taken) < MAX_FORCED and ties:
         trials = []
         for tie in ties[:MAX_TRIED]:
             forced = {**current.forced, tie.site: tie.other}
@@ -137,6 +138,7 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
         if d >= best:
             break
         current, best = score(ctx, seq, first, forced), d
+        ties = current.near_ties(factor)
         taken.append(f"rounding near-tie excused at {tie.describe()}; distance then {d:.3g}")
     if best > bar:
         return scores, ([f"{found} rounding near-tie(s) of the declared precision (the {min(found, MAX_TRIED)} most "
