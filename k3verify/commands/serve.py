@@ -30,7 +30,7 @@ from k3verify.commands.serve_engine import (
 )
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.report_lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
 from k3verify.server.api_process import FrontEndConfig, bind
 from k3verify.server.app import api_key_problem, create_app
 from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback
@@ -62,7 +62,11 @@ def register(subparsers: Subparsers) -> None:
                         "names and the --host value are answered, anything else gets 421 (DNS rebinding). With "
                         "--host 0.0.0.0, list the names and addresses clients use")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/* (visible in `ps`: "
+                   "prefer --api-key-file or the K3V_API_KEY environment variable)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key, read from FILE's first line")
+    p.add_argument("--max-report-age", type=float, default=DEFAULT_MAX_AGE_DAYS, metavar="DAYS",
+                   help=f"refuse a passing gate report whose run started longer ago (default {DEFAULT_MAX_AGE_DAYS:g})")
     p.add_argument("--report-key", type=Path, metavar="FILE",
                    help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
@@ -170,6 +174,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
     if not 0 <= opts.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {opts.port}")
     report_key(opts)
+    if not opts.max_report_age > 0:
+        raise UsageError(f"--max-report-age must be > 0 days; got {opts.max_report_age}")
     target = target_for(opts)
     want = gate_want(opts, target)
     found = lookup_report(opts.report_dir, want)

@@ -96,7 +96,7 @@ def gate_want(opts: ServeOptions, target: Target) -> GateWant:
     except RuntimeError as exc:
         raise UsageError(f"--device {opts.device!r}: {exc}") from exc
     return GateWant(target.digest, k3verify.__version__, device_kind, opts.dtype, source_digest(), target.preset,
-                    report_key(opts))
+                    report_key(opts), max_age_s=opts.max_report_age * 86400)
 
 
 def load_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:

@@ -96,17 +96,18 @@ def test_with_a_key_only_untouched_signed_reports_count(tmp_path: Path, tiny_dig
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """Signed → accepted; unsigned, signed with another key, or edited after signing → ignored, each named."""
     signed = sign_report(report_data(digest=tiny_digest), KEY)
-    good = write_report(tmp_path / "good", data=signed)
+    good = write_report(tmp_path / "good", data=signed, key=KEY)
     assert lookup_report(tmp_path, want(tiny_digest, key=KEY)).passing == good
     write_report(tmp_path / "unsigned", data=report_data(digest=tiny_digest))
-    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16))
+    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16), key=b"x" * 16)
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and len(found.skipped) == 2
     assert "not signed" in caplog.text and "signed with key" in caplog.text
     edited = copy.deepcopy(signed)
     edited["run"]["seed"] = 7
-    write_report(tmp_path / "edited", data=edited)  # index re-recorded: only the signature can tell
+    edited["run"]["started_at"] = ago(30)  # the newest, so it is the one looked at first
+    write_report(tmp_path / "edited", data=edited, key=KEY)  # index re-recorded: only the signature can tell
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and "edited after signing" in caplog.text
@@ -118,7 +119,7 @@ def test_serve_with_report_key_refuses_unsigned_reports(tmp_path: Path, tiny_dig
     write_report(tmp_path / "r", digest=tiny_digest)
     err = refusal(capsys, "--report-dir", str(tmp_path), "--report-key", str(key_file(tmp_path)))
     assert "1 invalid or untrusted file(s) ignored" in err
-    write_report(tmp_path / "r", data=sign_report(report_data(digest=tiny_digest), KEY))
+    write_report(tmp_path / "r", data=sign_report(report_data(digest=tiny_digest), KEY), key=KEY)
     args = serve_args("--report-dir", str(tmp_path), "--report-key", str(key_file(tmp_path)))
     assert serve.require_gate(args).report == tmp_path / "r" / "report.json"
 
