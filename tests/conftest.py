@@ -5,9 +5,30 @@ OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+CHECKOUT_REPORTS = Path(__file__).resolve().parent.parent / "reports"
+
+
+def reports_state(root: Path = CHECKOUT_REPORTS) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file under the checkout's reports/: what a user's own runs left there."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkout_reports_untouched() -> Iterator[None]:
+    """No test writes into the checkout's reports/ (a narrowed or failing run written to reports/latest would replace
+    a user's passing report, and `serve` would then refuse): every test passes --report-dir under its tmp_path."""
+    before = reports_state()
+    yield
+    after = reports_state()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test run wrote into {CHECKOUT_REPORTS}: {', '.join(changed[:10])}"
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import k3verify
-from k3verify.errors import UsageError
+from k3verify.errors import BadTargetData, UsageError
 from k3verify.gates.binding import dtypes_of_run, source_digest, verdict_from_counts
 from k3verify.gates.evaluate import evaluate_trial
 from k3verify.gates.evidence import missing_evidence
@@ -204,6 +204,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result = evaluate_trial(check, check.fn(ctx), ctx.noise)
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
+    except BadTargetData:
+        raise  # the target's stored data is bad: every check would say so; the run stops (parity: exit 2)
     except Exception as exc:
         result = bare_result(check, Status.ERROR, f"{type(exc).__name__}: {exc}")
         result.traceback = traceback.format_exc()

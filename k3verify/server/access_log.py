@@ -16,10 +16,11 @@ class DropQueryString(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        if isinstance(args, tuple) and len(args) > PATH_ARG and isinstance(args[PATH_ARG], str) \
-                and "?" in args[PATH_ARG]:
-            path = args[PATH_ARG].partition("?")[0]
-            record.args = (*args[:PATH_ARG], f"{path}?(query not logged)", *args[PATH_ARG + 1:])
+        if not isinstance(args, tuple) or len(args) <= PATH_ARG:
+            return True
+        target = args[PATH_ARG]
+        if isinstance(target, str) and "?" in target:
+            record.args = (*args[:PATH_ARG], f"{target.partition('?')[0]}?(query not logged)", *args[PATH_ARG + 1:])
         return True
 
 
