@@ -1,23 +1,15 @@
-"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent, and every
+"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent, every
 test runs with one torch thread (the models are tiny: on the shared 2-core runner two spinning
-OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us)."""
+OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us), and the test run as a whole must
+leave the checkout's reports/ as it found it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
-CHECKOUT_REPORTS = Path(__file__).resolve().parent.parent / "reports"
-
-
-def reports_state(root: Path = CHECKOUT_REPORTS) -> dict[str, tuple[int, int]]:
-    """(size, mtime_ns) of every file under the checkout's reports/: what a user's own runs left there."""
-    if not root.exists():
-        return {}
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+from reports_guard import CHECKOUT_REPORTS, reports_state
 
 
 @pytest.fixture(scope="session", autouse=True)

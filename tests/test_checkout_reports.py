@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import reports_state
+from reports_guard import reports_state
 
 
 def test_reports_state_sees_a_report_written_replaced_or_removed(tmp_path: Path) -> None:
