@@ -46,6 +46,9 @@ from k3verify.tokenizer import KimiTokenizer
 __all__ = ["GatedTarget", "build_engine", "register", "require_gate", "run_serve"]
 
 log = logging.getLogger(__name__)
+UNSIGNED_NOTE = ("Without --report-key, an edit of a report or of its index line is refused, but whoever can write "
+                 "under the report dir can still write a new, consistent report of their own, or delete a newer "
+                 "failing one with its index; --report-key stops the first (docs/serving.md, Threat model)")
 
 
 def register(subparsers: Subparsers) -> None:
@@ -188,7 +191,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
                              f"Refusing to serve; see the report under {opts.report_dir}")
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {opts.report_dir} "
-                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates")
+                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates"
+                         + ("" if opts.report_key is not None else f". {UNSIGNED_NOTE}"))
     layout = serve_parallel.layout_of(opts)
     why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
     if why is not None:

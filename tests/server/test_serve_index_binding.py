@@ -61,7 +61,7 @@ def test_rebinding_under_the_report_key_is_refused_by_serve(tmp_path: Path, tiny
     write_report(tmp_path / "kl", data=sign_report(report_data(digest=KL_DIGEST, preset="kl-tiny"), KEY), key=KEY)
     edit_index(tmp_path / "kl", checkpoint_digest=tiny_digest, preset="k3-tiny")
     err = refusal(capsys, "--report-dir", str(tmp_path), "--report-key", str(key_file))
-    assert "says checkpoint_digest" in err and KL_DIGEST in err, err
+    assert "says checkpoint_digest" in err and KL_DIGEST in err and "Without --report-key" not in err, err
     good = write_report(tmp_path / "k3", data=sign_report(report_data(digest=tiny_digest, started_at=ago(5)), KEY),
                         key=KEY)
     gated = serve.require_gate(serve_args("--report-dir", str(tmp_path), "--report-key", str(key_file)))
@@ -81,11 +81,12 @@ def test_an_index_line_edited_after_signing_does_not_count_under_the_key(tmp_pat
 def test_dtypes_widened_in_the_index_line_only_are_refused(tmp_path: Path, tiny_digest: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """A float32-only report whose index line was edited to list bfloat16 too: `serve --dtype bfloat16` refuses,
-    naming the dtypes of both."""
+    naming the dtypes of both, and (run without a key) says what a writer could still do."""
     write_report(tmp_path / "r", digest=tiny_digest, dtypes=["float32"])
     edit_index(tmp_path / "r", dtypes=["bfloat16", "float32"])
     err = refusal(capsys, "--report-dir", str(tmp_path))
     assert "says dtypes ['bfloat16', 'float32'] but report.json's run says ['float32']" in err, err
+    assert "Without --report-key, an edit of a report or of its index line is refused, but whoever can write" in err
 
 
 def test_an_index_line_edited_to_hide_a_newer_failing_run_is_refused(tmp_path: Path, tiny_digest: str) -> None:
