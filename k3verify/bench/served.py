@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from k3verify.bench import cpu_stat
-from k3verify.bench.parity import judge
+from k3verify.bench.speed_parity import judge
 from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial

@@ -3,7 +3,7 @@
 The gate is checked before any weight is loaded: no report.json under --report-dir bound to this exact
 checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
 pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
-`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
+`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/trust/lookup.py.
 The engine is then built from one in-memory snapshot of the checkpoint whose digest must be the gated one
 (commands/serve_engine.py); by default it runs in a process of its own beside the HTTP front end's, both under a
 supervisor that restarts either (server/supervisor.py).
@@ -30,7 +30,7 @@ from k3verify.commands.serve_engine import (
 )
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.trust.lookup import lookup_report
 from k3verify.server.api_process import FrontEndConfig, bind
 from k3verify.server.app import api_key_problem, create_app
 from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback

@@ -8,7 +8,7 @@ to the torch reference and they cannot matter."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 FLA = "k3verify.kernels.kda.fla_launch"
 NORM = "k3verify.kernels.norm.norm_kernel"
