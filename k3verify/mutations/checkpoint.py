@@ -74,7 +74,7 @@ MUTANTS = [
     Mutant(
         id="config.generation_eos_dropped",
         fault="the config keeps only config.json's eos id and drops generation_config.json's (163585 vs 163586)",
-        target="k3verify.config:_parse_text",
+        target="k3verify.config_json:_parse_text",
         old="eos_ids = eos_ids + tuple(e for e in generation_eos if e not in eos_ids)",
         new="eos_ids = eos_ids",
         killers=["serving.*"],
