@@ -81,8 +81,8 @@ def register(subparsers: Subparsers) -> None:
                    help="... or once the oldest has waited MS (default %(default)g)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="on CUDA, replay prefills of fresh prompts from CUDA graphs captured per bucket of (tokens, "
-                        "sequences, longest prompt), captured on a bucket's second use (default off: not yet "
-                        "measured on the H200)")
+                        "sequences, longest prompt), captured on a bucket's second use (default off: no served "
+                        "speed-up measured yet)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "

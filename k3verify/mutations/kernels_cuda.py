@@ -164,7 +164,7 @@ MUTANTS = [
         new="acc = acc.to(shared.dtype).to(tl.float32)",
         killers=["kernel.moe.*", "serving.*"],
         # K3's LatentMoE adds its shared expert after the latent norm and up-projection, outside the combine:
-        # on k3-tiny this line never runs (scored there on the H200 it survived, an equivalent pair)
+        # on k3-tiny this line never runs (scored there, it survives: an equivalent pair)
         presets=("kl-tiny",),
     ),
     Mutant(

@@ -1,6 +1,6 @@
 """report.html: one self-contained file rendered from the report dict. No scripts, no network:
 verdict banner, checks grouped by component with margin bars, error-over-depth and over-position
-charts (inline SVG), the mutation kill matrix, and the environment the run saw."""
+charts (inline SVG), the mutation kill matrix, and the environment the run ran in."""
 
 from __future__ import annotations
 

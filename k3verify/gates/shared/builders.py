@@ -32,8 +32,8 @@ SERVING_CONFIG = "serving.config"  # cache key: the config the serving stack is 
 
 
 def single_thread(fn: Callable[[CheckContext], Any]) -> Callable[[CheckContext], Any]:
-    """Run a CPU check with one torch thread (restored after). These models are tiny: on a shared 2-core
-    runner two spinning OpenMP threads make every small fp32 GEMM ~20 ms instead of ~10 us. Reference,
+    """Run a CPU check with one torch thread (restored after). These models are tiny: on a shared few-core
+    runner spinning OpenMP threads make every small fp32 GEMM orders of magnitude slower. Reference,
     candidate and control of a check all run under the same setting."""
 
     @functools.wraps(fn)

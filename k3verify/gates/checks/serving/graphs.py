@@ -50,8 +50,8 @@ def _shrunk_in_place(runner: ModelRunner, num_pages: int) -> ModelRunner:
     """A runner over the same model with `num_pages` pages whose latent cache begins at the old cache's
     address (a view of its storage) and that keeps the old KDA state pool: between the two, only the
     latent cache's shape and strides differ, so every MLA slice above the first moves. The whole old storage
-    is zeroed first: a stale graph reading the old offsets must find nothing there. (On the H200 it found the
-    capture run's latents of the same prompts, equal to the right ones, and the control passed.)"""
+    is zeroed first: a stale graph reading the old offsets must find nothing there (left in place, the capture
+    run's latents of the same prompts equal the right ones, and the control would pass)."""
     old_kv, old_pool = runner.kv_cache.data, runner.state_pool
     old_kv.zero_()
     small = ModelRunner(runner.model, num_pages=num_pages, page_size=PAGE, num_slots=old_pool.num_slots,

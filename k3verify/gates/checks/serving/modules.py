@@ -93,8 +93,7 @@ def check_kda_module_fp32(ctx: CheckContext) -> Trial:
 
 @register_check(
     id="kda.module.bf16", component="kda", level="module", kind=Kind.RMS, suites=("full",),
-    noise="the oracle's KDA layers in bf16 vs fp64, same inputs (fla's bf16 chunk_kda on the H200 measured "
-    "5.1e-3..6.1e-3 from the bf16 oracle)",
+    noise="the oracle's KDA layers in bf16 vs fp64, same inputs",
     control="beta squashed by a second sigmoid",
 )
 @builders.single_thread
@@ -141,8 +140,8 @@ def check_mla_module_fp32(ctx: CheckContext) -> Trial:
 
 
 # The module's math in the oracle's op order. On CUDA, SDPA (no bf16 rounding of scores / probabilities)
-# and the Triton norms agree with it only to rounding; the H200 showed 15% of elements beyond the bf16
-# tolerance with them routed in. They are held to their own bars by kernel.attn.sdpa_vs_torch /
+# and the Triton norms agree with it only to rounding, and many elements land beyond the bf16 tolerance with
+# them routed in. They are held to their own bars by kernel.attn.sdpa_vs_torch /
 # kernel.norm.triton_vs_torch, and run unpinned in the model-level and bench parity.
 @register_check(
     id="mla.module.bf16", component="mla", level="module", kind=Kind.BF16, suites=("full",),

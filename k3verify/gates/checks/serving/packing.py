@@ -5,8 +5,8 @@ Bit-exactness needs identical GEMM/elementwise shapes per row: sequences of 64 t
 the CPU vector width and past the small-M GEMM kernels) give that for every row-wise op, so the
 attention/KDA/conv channels are compared bit for bit there. On CUDA, cuBLAS picks its algorithm (and
 split-K) by M, so a row's bits depend on how many rows share the GEMM: the checks that rest on
-row-invariant GEMMs (equal-length packing through layer 0, FFN tiling) are CPU-only (measured on the
-H200: 80% of layer-0 FFN elements differ by an ulp), and unequal-length packing covers CUDA. MoE
+row-invariant GEMMs (equal-length packing through layer 0, FFN tiling) are CPU-only (on CUDA most layer-0 FFN
+elements differ by an ulp), and unequal-length packing covers CUDA. MoE
 expert groups change with packing, so a whole model is bit-exact only through layer 0; unequal lengths
 are compared with a measured bar.
 """
