@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from k3verify.checkpoint.buckets import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.checkpoint.hf_interop import uses_transformers_names
 from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
-from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
 from k3verify.commands import Subparsers

@@ -27,8 +27,8 @@ from k3verify.checkpoint.loader import WeightLoadError
 from k3verify.commands import serve_parallel
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.binding import read_report_key, source_digest
-from k3verify.gates.report_lookup import GateWant, lookup_report
+from k3verify.gates.core.binding import read_report_key, source_digest
+from k3verify.gates.trust.lookup import GateWant, lookup_report
 from k3verify.server.engine_link import EngineHello, EngineHost, engine_state
 from k3verify.server.metrics import EngineMetrics
 from k3verify.serving.engine import Engine

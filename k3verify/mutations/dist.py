@@ -5,7 +5,7 @@ arithmetic precision of a sum in bf16 runs and nothing in fp32 ones: only the bf
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 PRESETS = ("k3-tiny", "kl-tiny")
 

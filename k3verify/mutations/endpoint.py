@@ -4,7 +4,7 @@ mutated package's own server (`parity --endpoint self --dtype float32`)."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(

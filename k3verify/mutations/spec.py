@@ -3,7 +3,7 @@ score step."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 REF = "k3verify.kernels.kda.score_ref"
 ARENA = "k3verify.serving.spec.arena"

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import k3verify
-from k3verify.gates.binding import source_digest
-from k3verify.gates.compare import BF16_MAX_FAIL_FRACTION, Kind
-from k3verify.gates.gate import Check
-from k3verify.gates.noise import derive_bar
-from k3verify.gates.report import validate_report
-from k3verify.gates.report_index import append_entry
-from k3verify.gates.report_lookup import registered_checks
-from k3verify.gates.suite import gate_checks
+from k3verify.gates.core.binding import source_digest
+from k3verify.gates.core.check import Check
+from k3verify.gates.core.compare import BF16_MAX_FAIL_FRACTION, Kind
+from k3verify.gates.core.noise import derive_bar
+from k3verify.gates.core.suite import gate_checks
+from k3verify.gates.report.index import append_entry
+from k3verify.gates.report.json_report import validate_report
+from k3verify.gates.trust.lookup import registered_checks
 
 NOISE = {"value": 1e-6, "dtype": "float32"}  # a recorded noise a noise-barred check's bar derives from
 

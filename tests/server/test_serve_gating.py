@@ -24,8 +24,8 @@ from k3verify.cli import build_parser, main
 from k3verify.commands import serve
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.binding import source_digest
-from k3verify.gates.report_lookup import GateWant, find_passing_report, lookup_report
+from k3verify.gates.core.binding import source_digest
+from k3verify.gates.trust.lookup import GateWant, find_passing_report, lookup_report
 
 OTHER_DIGEST = "sha256:" + "0" * 64
 
@@ -121,7 +121,7 @@ def test_corrupt_report_is_ignored_with_a_warning(tmp_path: Path, tiny_digest: s
     invalid = tmp_path / "invalid" / "report.json"
     invalid.parent.mkdir()
     invalid.write_text(json.dumps({"schema_version": 1, "summary": {"verdict": "pass"}}), encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
+    with caplog.at_level(logging.WARNING, logger="k3verify.gates.trust.lookup"):
         assert lookup_report(tmp_path, want(tiny_digest)).passing is None
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert str(half) in warned and str(invalid) in warned

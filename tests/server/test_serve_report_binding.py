@@ -16,8 +16,8 @@ from test_serve_gating import refusal, serve_args, want
 
 from k3verify.commands import serve
 from k3verify.errors import UsageError
-from k3verify.gates.binding import dtypes_of_run, recompute_summary, sign_report, source_digest
-from k3verify.gates.report_lookup import lookup_report
+from k3verify.gates.core.binding import dtypes_of_run, recompute_summary, sign_report, source_digest
+from k3verify.gates.trust.lookup import lookup_report
 
 KEY = b"0123456789abcdef-test-key"
 OTHER_DIGEST = "sha256:" + "1" * 64
@@ -100,14 +100,14 @@ def test_with_a_key_only_untouched_signed_reports_count(tmp_path: Path, tiny_dig
     assert lookup_report(tmp_path, want(tiny_digest, key=KEY)).passing == good
     write_report(tmp_path / "unsigned", data=report_data(digest=tiny_digest))
     write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16))
-    with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
+    with caplog.at_level(logging.WARNING, logger="k3verify.gates.trust.lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and len(found.skipped) == 2
     assert "not signed" in caplog.text and "signed with key" in caplog.text
     edited = copy.deepcopy(signed)
     edited["run"]["seed"] = 7
     write_report(tmp_path / "edited", data=edited)  # index re-recorded: only the signature can tell
-    with caplog.at_level(logging.WARNING, logger="k3verify.gates.report_lookup"):
+    with caplog.at_level(logging.WARNING, logger="k3verify.gates.trust.lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and "edited after signing" in caplog.text
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from server_fakes import EOS, IM_END, MODEL_VOCAB, ByteTokenizer, FakeRunner, _Slot
 
-from k3verify.gates.engine_run import collect_events
+from k3verify.gates.shared.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.request import find_stop, partial_stop_len
 from k3verify.serving.sampler import SamplingParams

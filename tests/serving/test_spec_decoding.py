@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from k3verify.gates.engine_run import collect_events
+from k3verify.gates.shared.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel

@@ -7,7 +7,7 @@ moved (capture signature) re-captures, logged. `static_score` is the same step w
 
 How a step is recorded is a seam (`Recorder`): on CUDA, `cuda_graph_recorder` (warm-up, then a CUDA-graph
 capture); a recorder that replays by running the step again over the same static buffers
-(gates/replay.py) puts the static-buffer bookkeeping under test on any device.
+(gates/shared/replay.py) puts the static-buffer bookkeeping under test on any device.
 """
 
 from __future__ import annotations
