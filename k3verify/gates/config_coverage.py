@@ -21,7 +21,7 @@ from typing import Any
 from k3verify.config import ModelConfig
 
 PACKAGE = Path(__file__).resolve().parent.parent
-SERVING_SOURCES = ("serving", "kernels", "server")
+SERVING_SOURCES = ("serving", "kernels", "api")
 LOAD = ("norm.sites.fp32",)  # any check that builds the serving model sees a refused checkpoint
 TINY, KL, SKEW = ("k3-tiny",), ("kl-tiny",), ("k3-skew-10",)
 

@@ -4,7 +4,7 @@ Prompt ids in the vocabulary, prompt + max_tokens within the context and within 
 checked at submit, before anything is queued. Requests arriving together are admitted together (AdmissionHold).
 
 The limits are a few numbers fixed when the engine is built (RequestLimits), so the HTTP server checks a
-request with the engine's own rule even when it runs in a process of its own (server/engine_link.py).
+request with the engine's own rule even when it runs in a process of its own (api/engine_link.py).
 """
 
 from __future__ import annotations

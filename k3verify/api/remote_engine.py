@@ -1,5 +1,5 @@
-"""The API side of the engine link (server/engine_link.py): RemoteEngine is what the app holds instead of the Engine
-when the engine runs in another process (server/state.ServedEngine).
+"""The API side of the engine link (api/engine_link.py): RemoteEngine is what the app holds instead of the Engine
+when the engine runs in another process (api/state.ServedEngine).
 
 It checks a request with the engine's own limits before it is sent, so a refusal is the same synchronous 400 as
 in one process, and answers health from the last state the engine sent, or with why the link is gone. When the
@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from k3verify.server.engine_link import EngineHello, EngineState, Link, unpack_event
+from k3verify.api.engine_link import EngineHello, EngineState, Link, unpack_event
 from k3verify.serving.admission import RequestLimits
 from k3verify.serving.events import EngineDeadError, EngineEvent, TokenText
 from k3verify.serving.health import HealthStatus

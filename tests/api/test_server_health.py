@@ -17,7 +17,7 @@ from k3verify.serving.health import HealthPolicy
 
 @pytest.fixture(params=[False, True], ids=["in_process", "api_process"])
 def api_process(request: pytest.FixtureRequest) -> bool:
-    """Each test twice: the app in the engine's process, and in a process of its own (server/engine_link.py)."""
+    """Each test twice: the app in the engine's process, and in a process of its own (api/engine_link.py)."""
     return bool(request.param)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from k3verify.server.errors import APIError, engine_unavailable
-from k3verify.server.state import ServedEngine
+from k3verify.api.errors import APIError, engine_unavailable
+from k3verify.api.state import ServedEngine
 from k3verify.serving.engine import ContextLengthError, EngineDeadError
 from k3verify.serving.sampler import TokenLogprob
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from fastapi import Request
 
-from k3verify.server.errors import APIError
+from k3verify.api.errors import APIError
 
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 32  # a chat body nests 5 deep

@@ -16,9 +16,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from k3verify.server.errors import APIError, engine_unavailable
-from k3verify.server.render import SSE_DONE, Renderer, sse_event
-from k3verify.server.state import ServedEngine, ServerState
+from k3verify.api.errors import APIError, engine_unavailable
+from k3verify.api.render import SSE_DONE, Renderer, sse_event
+from k3verify.api.state import ServedEngine, ServerState
 from k3verify.serving.engine import ContextLengthError, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams, VocabError
 

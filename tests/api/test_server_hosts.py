@@ -11,11 +11,11 @@ import pytest
 from server_harness import TINY, RunningServer, running_server
 from test_server_errors import GOOD, assert_envelope
 
+from k3verify.api.hosts import HostNameError, allowed_hosts, check_allowed_name, host_name
 from k3verify.cli import build_parser
 from k3verify.commands import serve
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.server.hosts import HostNameError, allowed_hosts, check_allowed_name, host_name
 
 
 @pytest.mark.parametrize("host", ["evil.example.com", "evil.example.com:8000", "127.0.0.1.evil.example.com",

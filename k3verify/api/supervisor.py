@@ -1,6 +1,6 @@
 """`k3verify serve`'s supervisor: the process above the engine's process and the HTTP front end's.
 
-Why: the front end and the engine run in processes of their own (server/engine_link.py says why), and either can
+Why: the front end and the engine run in processes of their own (api/engine_link.py says why), and either can
 die (kill -9, the OOM killer, a crash in native code). The supervisor binds the listening socket once and keeps
 it, starts the engine's process (which reads the checkpoint, checks it against the gate report and builds the
 engine), then the front end, and restarts whichever dies. A restarted engine process reads and checks the
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from k3verify.server.engine_link import PACKAGE_ROOT
+from k3verify.api.engine_link import PACKAGE_ROOT
 
 CHILD_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); import importlib; "
               "m = importlib.import_module(sys.argv[2]); sys.exit(getattr(m, sys.argv[3])(*map(int, sys.argv[4:])))")

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from k3verify.server.chat_render import ChatRenderer
-from k3verify.server.render import CompletionRenderer, Renderer, sse_event
+from k3verify.api.chat_render import ChatRenderer
+from k3verify.api.render import CompletionRenderer, Renderer, sse_event
 from k3verify.serving.events import EngineEvent
 from k3verify.serving.sampler import TokenLogprob
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from k3verify.server.render import (
+from k3verify.api.render import (
     LOGPROB_FLOOR,
     AssistantMessage,
     ChatChoice,

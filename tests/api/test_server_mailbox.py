@@ -1,11 +1,11 @@
-"""Engine-thread events reach their streams in order, with one loop wake-up per burst (server/generation.Mailbox)."""
+"""Engine-thread events reach their streams in order, with one loop wake-up per burst (api/generation.Mailbox)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from k3verify.server.generation import Mailbox
+from k3verify.api.generation import Mailbox
 from k3verify.serving.events import EngineEvent
 
 

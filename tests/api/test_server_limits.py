@@ -13,9 +13,9 @@ from server_harness import TINY, RecordingRunner, RunningServer, make_tiny_runne
 from starlette.requests import Request
 from test_server_errors import assert_envelope
 
-from k3verify.server.app import create_app
-from k3verify.server.body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, read_body
-from k3verify.server.errors import APIError
+from k3verify.api.app import create_app
+from k3verify.api.body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, read_body
+from k3verify.api.errors import APIError
 
 GOOD = {"model": TINY, "prompt": "hi", "max_tokens": 4}
 JSON = {"content-type": "application/json"}

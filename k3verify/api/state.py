@@ -8,8 +8,8 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from k3verify.server.errors import APIError
-from k3verify.server.metrics import ServerMetrics
+from k3verify.api.errors import APIError
+from k3verify.api.metrics import ServerMetrics
 from k3verify.serving.admission import RequestLimits
 from k3verify.serving.events import EngineEvent, TokenText
 from k3verify.serving.health import HealthStatus
@@ -36,7 +36,7 @@ def template_chat_encoder(tokenizer: Any) -> ChatEncoder:
 
 class ServedEngine(Protocol):
     """What the HTTP layer needs of an engine: the Engine itself (serving/engine.py) in one process, or a
-    RemoteEngine (server/engine_link.py) when the engine runs in a process of its own."""
+    RemoteEngine (api/engine_link.py) when the engine runs in a process of its own."""
 
     limits: RequestLimits
     vocab_size: int

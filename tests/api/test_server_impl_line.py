@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from k3verify.server import thread
+from k3verify.api import thread
 
 
 def test_the_fast_implementation_is_named_plainly() -> None:

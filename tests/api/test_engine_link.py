@@ -1,4 +1,4 @@
-"""The HTTP server in a process of its own (server/engine_link.py): what crosses the link arrives whole and in
+"""The HTTP server in a process of its own (api/engine_link.py): what crosses the link arrives whole and in
 order, refusals on either side reach the client, /metrics joins both sides once, and neither process outlives
 the other's link; a supervised front end outlives its engine and reconnects. The shared server tests run over the
 link too (conftest's tiny_server, test_server_health)."""
@@ -16,8 +16,8 @@ import httpx
 import pytest
 from server_harness import TINY, RecordingRunner, make_tiny_runner, offline_greedy, running_server, tiny_parts
 
-from k3verify.server.engine_link import ApiProcess, EngineHello, EngineHost, api_config, engine_state
-from k3verify.server.remote_engine import RemoteEngine
+from k3verify.api.engine_link import ApiProcess, EngineHello, EngineHost, api_config, engine_state
+from k3verify.api.remote_engine import RemoteEngine
 from k3verify.serving.engine import Engine, EngineDeadError, EngineEvent
 from k3verify.serving.sampler import SamplingParams
 from k3verify.tokenizer import KimiTokenizer, default_tokenizer

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from k3verify.server.app import create_app
-from k3verify.server.engine_link import ApiProcess, api_config
-from k3verify.server.hosts import allowed_hosts as hosts_allowed
-from k3verify.server.metrics import EngineMetrics, ServerMetrics
-from k3verify.server.thread import ServerThread
+from k3verify.api.app import create_app
+from k3verify.api.engine_link import ApiProcess, api_config
+from k3verify.api.hosts import allowed_hosts as hosts_allowed
+from k3verify.api.metrics import EngineMetrics, ServerMetrics
+from k3verify.api.thread import ServerThread
 from k3verify.serving.engine import Engine
 
 TINY = "k3-tiny"

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from k3verify.server.errors import APIError, error_response
+from k3verify.api.errors import APIError, error_response
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_BINDS = ("0.0.0.0", "::", "[::]")

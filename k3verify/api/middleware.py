@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from k3verify.server.metrics import ServerMetrics
+from k3verify.api.metrics import ServerMetrics
 
 
 class CountRequests:

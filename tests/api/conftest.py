@@ -17,7 +17,7 @@ from server_harness import RunningServer, running_server  # noqa: E402
 @pytest.fixture(scope="module", params=["in_process", "api_process"])
 def tiny_server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     """Every test of the shared server runs twice: the app in the engine's process, and in a process of its own
-    linked to it (server/engine_link.py, what `serve` runs by default)."""
+    linked to it (api/engine_link.py, what `serve` runs by default)."""
     with running_server(debug=True, api_process=request.param == "api_process") as server:
         yield server
 

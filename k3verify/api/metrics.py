@@ -4,7 +4,7 @@ EngineMetrics is what the engine observes (load, TTFT, inter-token latency, rest
 `serve --speculative` the speculator's drafted / accepted tokens, score passes, auto-off and cost-policy declines), kept
 where the engine runs; ServerMetrics is what the HTTP side counts (requests, tokens), and renders both: the
 engine's from its own EngineMetrics in one process, or as text fetched from the engine's process when the HTTP
-server runs in a process of its own (server/engine_link.py).
+server runs in a process of its own (api/engine_link.py).
 """
 
 from __future__ import annotations

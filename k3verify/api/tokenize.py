@@ -14,10 +14,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from k3verify.server.body import read_json
-from k3verify.server.errors import APIError
-from k3verify.server.protocol import ChatMessage, _Strict, parse_request
-from k3verify.server.state import ServerState, state_of
+from k3verify.api.body import read_json
+from k3verify.api.errors import APIError
+from k3verify.api.protocol import ChatMessage, _Strict, parse_request
+from k3verify.api.state import ServerState, state_of
 
 
 class TokenizePrompt(_Strict):

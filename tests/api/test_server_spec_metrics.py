@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 from server_harness import make_tiny_runner, running_server
 
+from k3verify.api.metrics import SPECULATION_COUNTERS
 from k3verify.cli import build_parser
 from k3verify.commands.serve_engine import _speculator
 from k3verify.commands.serve_options import ServeOptions
-from k3verify.server.metrics import SPECULATION_COUNTERS
 from k3verify.serving.runner import generate_greedy
 from k3verify.serving.spec.drafter import ControlledDrafter
 from k3verify.serving.spec.step import SpeculativeStep

@@ -9,10 +9,10 @@ uvicorn, request parsing, prompt tokenization and SSE rendering.
 Engine side: EngineHost serves the link (submit, abort, prompt scoring, the engine's metrics) and sends the
 engine's events back batched (one message per burst: an engine step emits one event per running request) with
 the engine's load and health whenever they change; when the link ends, the requests it submitted are aborted
-(their client is gone with it). API side: RemoteEngine (server/remote_engine.py) is what the app holds instead of
-the Engine. Two ways to run them: ApiProcess starts k3verify.server.api_process's main (from this process's own
+(their client is gone with it). API side: RemoteEngine (api/remote_engine.py) is what the app holds instead of
+the Engine. Two ways to run them: ApiProcess starts k3verify.api.api_process's main (from this process's own
 package) over a socket pair and waits until it listens (tests, bench, `parity --endpoint self`); under `serve`'s
-supervisor (server/supervisor.py) the engine's process listens on a private Unix socket and the HTTP process
+supervisor (api/supervisor.py) the engine's process listens on a private Unix socket and the HTTP process
 connects to it, greeted by an EngineHello, and connects again after either side was restarted.
 
 Wire: engine -> API ("hello", EngineHello) (supervised links, first), ("events", [(rid, text, token_ids,
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 # `python -m` would put the working directory first, and a k3verify folder there (another checkout, a mutant's
 # copy) would serve requests with other code than the engine's.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-API_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from k3verify.server.api_process import main; "
+API_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from k3verify.api.api_process import main; "
             "sys.exit(main(int(sys.argv[2])))")
 STATE_POLL_S = 0.05  # how often the engine side looks for a change of load or health
 CALL_TIMEOUT_S = 120.0
@@ -97,7 +97,7 @@ class ApiConfig:
     default_max_tokens: int = 1024
     encode_chat: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
     log_level: str = "warning"
-    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and `host` (server/hosts.py)
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and `host` (api/hosts.py)
 
 
 def pack_event(rid: int, ev: EngineEvent) -> tuple[Any, ...]:
@@ -280,7 +280,7 @@ class EngineHost:
 
 class ApiProcess:
     """`with ApiProcess(engine, config, metrics_text) as api: api.url`: the app served by uvicorn in a child
-    process (python -m k3verify.server.api_process), linked to `engine` (already started) in this one."""
+    process (python -m k3verify.api.api_process), linked to `engine` (already started) in this one."""
 
     def __init__(self, engine: Engine, config: ApiConfig, metrics_text: Callable[[], bytes]) -> None:
         self.engine, self.config, self.metrics_text = engine, config, metrics_text

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP layer (FastAPI) over the Engine: completions, chat, models, health, metrics.
 
 Every error, including FastAPI's own validation/404/405 responses, leaves as the OpenAI envelope
-(k3verify.server.errors). The handlers are plain functions; what they share is `app.state.server`.
+(k3verify.api.errors). The handlers are plain functions; what they share is `app.state.server`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from k3verify.server.body import read_json
-from k3verify.server.chat_render import ChatRenderer
-from k3verify.server.errors import APIError, engine_unavailable, error_response, install_error_handlers
-from k3verify.server.generation import generate
-from k3verify.server.hosts import LOOPBACK_HOSTS, CheckHost
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.middleware import CountRequests
-from k3verify.server.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
-from k3verify.server.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
-from k3verify.server.scoring import prompt_logprobs
-from k3verify.server.state import ChatEncoder, ServedEngine, ServerState, state_of, template_chat_encoder
-from k3verify.server.tokenize import detokenize, tokenize
+from k3verify.api.body import read_json
+from k3verify.api.chat_render import ChatRenderer
+from k3verify.api.errors import APIError, engine_unavailable, error_response, install_error_handlers
+from k3verify.api.generation import generate
+from k3verify.api.hosts import LOOPBACK_HOSTS, CheckHost
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.middleware import CountRequests
+from k3verify.api.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
+from k3verify.api.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
+from k3verify.api.scoring import prompt_logprobs
+from k3verify.api.state import ChatEncoder, ServedEngine, ServerState, state_of, template_chat_encoder
+from k3verify.api.tokenize import detokenize, tokenize
 from k3verify.tokenizer.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -137,7 +137,7 @@ def create_app(engine: ServedEngine, tokenizer: Any, *, model_name: str, api_key
     """The FastAPI app; `encode_chat` defaults to the tokenizer's own chat template (k3verify.tokenizer).
     A chat request without max_tokens gets what still fits, capped at default_max_tokens: the runner reserves
     cache for prompt + max_tokens at admission, so an uncapped default would serialize all such requests.
-    Requests whose Host is not in `allowed_hosts` (normalised by server/hosts.py) get 421."""
+    Requests whose Host is not in `allowed_hosts` (normalised by api/hosts.py) get 421."""
     problem = api_key_problem(api_key)
     if problem is not None:
         raise ValueError(f"api_key {problem}")

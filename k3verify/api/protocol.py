@@ -1,5 +1,5 @@
 """OpenAI request bodies: strict request models, each error a 400 naming the field (reading and parsing the
-body under limits: server/body.py).
+body under limits: api/body.py).
 
 Requests are strict (no type coercion, no NaN/Inf, unknown fields rejected) so a client's mistake
 is a 400 naming the field, never a silently reinterpreted value or a 500.
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from k3verify.server.errors import APIError
+from k3verify.api.errors import APIError
 from k3verify.serving.sampler import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,

@@ -119,7 +119,7 @@ def settle(server: RunningServer) -> None:
 
 
 def byte_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """A toy chat encoder (server/state.py's ChatEncoder shape): the messages' repr as bytes, at most 64."""
+    """A toy chat encoder (api/state.py's ChatEncoder shape): the messages' repr as bytes, at most 64."""
     return [ord(c) % 256 for c in str(messages)][:64] or [1]
 
 

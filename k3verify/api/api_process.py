@@ -1,4 +1,4 @@
-"""The HTTP server's process: uvicorn and the app over a RemoteEngine (server/remote_engine.py). Two entry points.
+"""The HTTP server's process: uvicorn and the app over a RemoteEngine (api/remote_engine.py). Two entry points.
 
 `main(fd)` is started by engine_link.ApiProcess (tests, bench, `parity --endpoint self`): FD is this end of a
 socket pair to the engine's process, whose first message is the ApiConfig; the socket is bound here (port 0: any
@@ -6,7 +6,7 @@ free port) and its port sent back as ("ready", port) before uvicorn serves. The 
 (SIGTERM / SIGINT) or when the engine's process closes the link: an API server without its engine must not keep a
 port open.
 
-`supervised_main(fd, listen_fd)` is started by `serve`'s supervisor (server/supervisor.py): FD is its control
+`supervised_main(fd, listen_fd)` is started by `serve`'s supervisor (api/supervisor.py): FD is its control
 connection (a FrontEndConfig first; EOF or ("stop",) later means stop), LISTEN_FD the listening socket the
 supervisor bound and keeps, so a restarted front end answers on the same port and connections that arrive while
 it restarts wait in the backlog. It connects to the engine's process over a private Unix socket; the engine's
@@ -28,11 +28,11 @@ from multiprocessing.connection import Client, Connection
 
 import uvicorn
 
-from k3verify.server.app import create_app
-from k3verify.server.engine_link import START_TIMEOUT_S, ApiConfig, EngineHello
-from k3verify.server.hosts import LOOPBACK_HOSTS, allowed_hosts
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.remote_engine import RECONNECT_S, RemoteEngine
+from k3verify.api.app import create_app
+from k3verify.api.engine_link import START_TIMEOUT_S, ApiConfig, EngineHello
+from k3verify.api.hosts import LOOPBACK_HOSTS, allowed_hosts
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.remote_engine import RECONNECT_S, RemoteEngine
 
 HELLO_TIMEOUT_S = 10.0
 
@@ -86,7 +86,7 @@ class FrontEndConfig:
     authkey: bytes  # the link's handshake key, per `serve` run
     model_name: str
     api_key: str | None = None
-    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # normalised Host names (server/hosts.py)
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # normalised Host names (api/hosts.py)
     default_max_tokens: int = 1024
     log_level: str = "info"
 
