@@ -38,10 +38,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from k3verify.serving.admission import RequestLimits
 from k3verify.serving.engine import Engine
 from k3verify.serving.events import EngineDeadError, EngineEvent
 from k3verify.serving.health import HealthStatus
+from k3verify.serving.request_limits import RequestLimits
 from k3verify.serving.sampler import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from k3verify.api.engine_link import EngineHello, EngineState, Link, unpack_event
-from k3verify.serving.admission import RequestLimits
 from k3verify.serving.events import EngineDeadError, EngineEvent, TokenText
 from k3verify.serving.health import HealthStatus
+from k3verify.serving.request_limits import RequestLimits
 from k3verify.serving.sampler import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)

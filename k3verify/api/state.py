@@ -10,9 +10,9 @@ from fastapi import Request
 
 from k3verify.api.errors import APIError
 from k3verify.api.metrics import ServerMetrics
-from k3verify.serving.admission import RequestLimits
 from k3verify.serving.events import EngineEvent, TokenText
 from k3verify.serving.health import HealthStatus
+from k3verify.serving.request_limits import RequestLimits
 from k3verify.serving.sampler import SamplingParams, TokenLogprob
 from k3verify.tokenizer.tool_calls import ToolCallParser
 

@@ -69,7 +69,7 @@ MUTANTS = [
         fault="the engine goes from launch-ahead plain steps (the cost policy declining) to an in-order speculative "
               "step without reading the step in flight first: the drafter and the score see a stale last token",
         target="k3verify.serving.engine_loop:EngineLoop._step_in_order",
-        old="        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token",
+        old="        if self.in_flight is not None:  # after launch-ahead steps: the drafter needs every token",
         new="        if False:  # after launch-ahead steps: the drafter needs every token",
         killers=("spec.engine.gated_vs_plain",), presets=PRESETS,
     ),

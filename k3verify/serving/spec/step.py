@@ -1,6 +1,6 @@
 """The engine's speculative decode step (`serve --speculative ngram --num-draft K`).
 
-Engine._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
+EngineLoop._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
 drafts (the drafter proposed something), room in its budget for k+1 positions and speculation still on
 (policy.py) is scored in one packed pass, with the batch's other greedy sequences riding along on filler
 drafts (offline.filler_drafts); acceptance is greedy for greedy requests and rejection

@@ -1,7 +1,7 @@
-"""Admission: can a request ever be served, and when the waiting queue is admitted.
+"""Request limits: can a request ever be served.
 
 Prompt ids in the vocabulary, prompt + max_tokens within the context and within what the empty cache holds:
-checked at submit, before anything is queued. Requests arriving together are admitted together (AdmissionHold).
+checked at submit, before anything is queued. When the waiting queue is admitted is serving/admission_hold.py.
 
 The limits are a few numbers fixed when the engine is built (RequestLimits), so the HTTP server checks a
 request with the engine's own rule even when it runs in a process of its own (api/engine_link.py).
@@ -9,8 +9,6 @@ request with the engine's own rule even when it runs in a process of its own (ap
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from dataclasses import dataclass
 
 from k3verify.serving.events import ContextLengthError
@@ -69,43 +67,3 @@ class RequestLimits:
         """The longest completion that could ever follow a prompt_len-token prompt (0: the prompt alone is too
         long)."""
         return max(min(self.max_context, self.cache_tokens) - prompt_len, 0)
-
-
-# Admission hold: requests that arrive together are admitted together. A prefill pass has a large fixed cost that is
-# host work (kl-48b-8l on the H200: ~33 ms from launch to launch for 128 to 3k prompt tokens, where the
-# GPU needs 3-10 ms), and a burst of arrivals spread over a few tens of milliseconds was admitted over 2-3 such
-# steps, each stalling every running stream. So the waiting queue is admitted once no request has arrived for
-# ADMIT_QUIET_S, or once its oldest request has waited ADMIT_MAX_HOLD_S, or at once when the waiting requests fill
-# every free slot; running rows keep decoding meanwhile. (TGI batches prefills for the same reason with its
-# waiting_served_ratio.) A server whose last ADMIT_HISTORY admissions each took one request sees requests come one
-# at a time: it admits at once (a hold there only adds its quiet time to every request's TTFT).
-# The served bench's bursts (64 or 16 clients whose streams end together) arrived over 27-40 ms with gaps of up to
-# 3.4-4.7 ms between requests, hence 5 ms and 40 ms.
-ADMIT_QUIET_S = 0.005
-ADMIT_MAX_HOLD_S = 0.040
-ADMIT_HISTORY = 4
-
-
-class AdmissionHold:
-    """How long the waiting queue's admission should still wait for more arrivals (see ADMIT_QUIET_S)."""
-
-    def __init__(self, quiet_s: float = ADMIT_QUIET_S, max_hold_s: float = ADMIT_MAX_HOLD_S) -> None:
-        if quiet_s < 0 or max_hold_s < 0:
-            raise ValueError(f"admission hold times must be >= 0; got {quiet_s}, {max_hold_s}")
-        self.quiet_s, self.max_hold_s = quiet_s, max_hold_s
-        self.admitted_sizes: deque[int] = deque(maxlen=ADMIT_HISTORY)  # requests per recent admitting step
-
-    def record_admitted(self, num_admitted: int) -> None:
-        """One step admitted num_admitted (> 0) requests."""
-        self.admitted_sizes.append(num_admitted)
-
-    def seconds(self, num_waiting: int, room: int, oldest_arrival: float, newest_arrival: float) -> float:
-        """Seconds to wait still (0: admit now) for num_waiting requests, room of them admissible now, the oldest
-        and newest of them submitted at these monotonic times."""
-        if not num_waiting or self.quiet_s <= 0:
-            return 0.0
-        if len(self.admitted_sizes) == ADMIT_HISTORY and max(self.admitted_sizes) == 1:
-            return 0.0  # requests come one at a time
-        if num_waiting >= room:
-            return 0.0
-        return max(0.0, min(newest_arrival + self.quiet_s, oldest_arrival + self.max_hold_s) - time.monotonic())
