@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from k3verify.api.body import read_json
 from k3verify.api.chat_render import ChatRenderer
+from k3verify.api.echo import echo_logprobs
 from k3verify.api.errors import APIError, engine_unavailable, error_response, install_error_handlers
 from k3verify.api.generation import generate
 from k3verify.api.hosts import LOOPBACK_HOSTS, CheckHost
@@ -23,7 +24,6 @@ from k3verify.api.metrics import ServerMetrics
 from k3verify.api.middleware import CountRequests
 from k3verify.api.protocol import ChatCompletionRequest, CompletionRequest, check_logit_bias, parse_request
 from k3verify.api.render import CompletionRenderer, ModelCard, ModelList, make_id, unix_time
-from k3verify.api.scoring import prompt_logprobs
 from k3verify.api.state import ChatEncoder, ServedEngine, ServerState, state_of, template_chat_encoder
 from k3verify.api.tokenize import detokenize, tokenize
 from k3verify.tokenizer.tool_calls import ToolCallParser
@@ -76,10 +76,10 @@ async def completions(request: Request) -> Response:
     params = req.sampling_params(max_tokens, req.logprobs)
     check_logit_bias(params, state.engine.vocab_size)
     if req.echo:
-        scored = [] if req.logprobs is None else await prompt_logprobs(state.engine, ids, req.logprobs, max_tokens)
+        echoed = [] if req.logprobs is None else await echo_logprobs(state.engine, ids, req.logprobs, max_tokens)
         text = prompt if isinstance(prompt, str) else \
             b"".join(state.engine.token_text.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
-        renderer.echo(ids, text, scored)
+        renderer.echo(ids, text, echoed)
     return await generate(state, request, ids, params, renderer, stream=req.stream, prompt_param="prompt")
 
 

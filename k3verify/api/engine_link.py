@@ -6,7 +6,7 @@ parsed, rendered and wrote the same streams' tokens: served decode fell to 0.43x
 With the link, the engine's process runs the step loop, detokenization and stop strings; the API process runs
 uvicorn, request parsing, prompt tokenization and SSE rendering.
 
-Engine side: EngineHost serves the link (submit, abort, prompt scoring, the engine's metrics) and sends the
+Engine side: EngineHost serves the link (submit, abort, prompt logprobs, the engine's metrics) and sends the
 engine's events back batched (one message per burst: an engine step emits one event per running request) with
 the engine's load and health whenever they change; when the link ends, the requests it submitted are aborted
 (their client is gone with it). API side: RemoteEngine (api/remote_engine.py) is what the app holds instead of
@@ -267,8 +267,8 @@ class EngineHost:
 
     def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         try:
-            if name == "score_prompt":
-                value: Any = self.engine.score_prompt(*args)
+            if name == "prompt_logprobs":
+                value: Any = self.engine.prompt_logprobs(*args)
             elif name == "metrics":
                 value = self.metrics_text()
             else:

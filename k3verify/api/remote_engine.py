@@ -111,8 +111,8 @@ class RemoteEngine:
         if running:
             link.send(("abort", seq_id))
 
-    def score_prompt(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
-        result: list[TokenLogprob | None] = self.call("score_prompt", list(prompt_ids), num_top)
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
+        result: list[TokenLogprob | None] = self.call("prompt_logprobs", list(prompt_ids), num_top)
         return result
 
     def metrics_text(self) -> bytes:

@@ -9,8 +9,9 @@ from k3verify.gates.mutation import Mutant
 MUTANTS = [
     Mutant(
         id="endpoint.scoring.prompt_logprobs_off_by_one", quick=True,
-        fault="echo's prompt logprobs score token i+1 with the distribution after token i+1 instead of after token i",
-        target="k3verify.serving.scoring:score_prompt",
+        fault="echo's prompt logprobs give token i+1 its logprob under the distribution after token i+1 instead of "
+              "after token i",
+        target="k3verify.serving.prompt_logprobs:prompt_logprobs",
         old="logits.all_logits[:-1], prompt_ids[1:]",
         new="logits.all_logits[1:], prompt_ids[1:]",
         killers=["endpoint.logprobs.prompt"],

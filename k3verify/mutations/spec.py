@@ -10,7 +10,7 @@ ARENA = "k3verify.serving.spec.arena"
 ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
 KERNELS = "k3verify.kernels.kda.score_kernel"
-GRAPHS = "k3verify.serving.spec.graphs"
+GRAPHS = "k3verify.serving.spec.score_graphs"
 OFFLINE = "k3verify.serving.spec.offline"
 PRESETS = ("k3-tiny", "kl-tiny")
 

@@ -44,13 +44,13 @@ from k3verify.serving.events import (
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.health import EngineHealth, HealthPolicy, HealthStatus
 from k3verify.serving.prefill_graphs import GraphPrefill
+from k3verify.serving.prompt_logprobs import prompt_logprobs
 from k3verify.serving.request import Request
 from k3verify.serving.request_book import RequestBook
 from k3verify.serving.request_limits import RequestLimits
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
 from k3verify.serving.scheduler import Scheduler
-from k3verify.serving.scoring import score_prompt
 from k3verify.serving.step_loop import StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
@@ -223,11 +223,11 @@ class Engine:
             self.loop.commands.put(("call", fn, fut))
         return fut.result(timeout)
 
-    def score_prompt(self, prompt_ids: list[int], num_top: int, timeout: float = 60.0) -> list[TokenLogprob | None]:
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int, timeout: float = 60.0) -> list[TokenLogprob | None]:
         """Every prompt token's logprob given the tokens before it (None first), by the served model, on the engine
-        thread between steps (serving/scoring.py)."""
-        result: list[TokenLogprob | None] = self.call(functools.partial(score_prompt, self.runner.model, prompt_ids,
-                                                                         num_top), timeout)
+        thread between steps (serving/prompt_logprobs.py)."""
+        result: list[TokenLogprob | None] = self.call(
+            functools.partial(prompt_logprobs, self.runner.model, prompt_ids, num_top), timeout)
         return result
 
     def check_integrity(self, timeout: float = 60.0) -> None:

@@ -21,7 +21,7 @@ from k3verify.serving.request import Request
 from k3verify.serving.request_book import RequestBook
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.scheduler import Scheduler, StepPlan
-from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.spec.step_timer import StepTimer
 from k3verify.serving.step_loop import LaunchedStep, StepLauncher
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class EngineLoop:
             plan.decode = rest
         timed = whole and len(plan.decode) == whole and plan.num_tokens == whole  # the whole batch, no prompt
         # what a plain step of this batch costs the launch-ahead loop (the cost policy's alternative to a score pass),
-        # without this in-order step's readback and delivery (spec/timing.py)
+        # without this in-order step's readback and delivery (spec/step_timer.py)
         timer = StepTimer(self.runner.device) if timed else None
         with timer.starting_at_replay(self.launcher.graphs) if timer is not None else contextlib.nullcontext():
             launched = self.launcher.launch(plan, self.book.requests) if plan else None

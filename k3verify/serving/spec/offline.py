@@ -10,7 +10,7 @@ take one plain decode step. Greedy acceptance, then a commit of each scored row'
 max_new_tokens are dropped.
 
 With a cost policy (policy.CostPolicy), a round whose whole batch is one kind of step is timed for it: a score round
-by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time from the graph replay
+by the wall clock around it, a plain step by step_timer.StepTimer (on CUDA the device's time from the graph replay
 on, without the input fill and round trip that this in-order step pays and the launch-ahead _plain_tail it stands
 for does not).
 """
@@ -31,11 +31,11 @@ from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
 from k3verify.serving.spec.scorer import SpecScorer
-from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.spec.step_timer import StepTimer
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
-    from k3verify.serving.spec.graphs import ScoreGraphs
+    from k3verify.serving.spec.score_graphs import ScoreGraphs
 
 
 @dataclass

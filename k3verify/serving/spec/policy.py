@@ -52,7 +52,7 @@ class CostPolicy:
     score round, launch to readback: a score is always in order (acceptance needs its ids on the host before the
     next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
     launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time from right
-    before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay). On the H200
+    before the graph replay to the end of the step's launches (step_timer.StepTimer.starting_at_replay). On the H200
     (kl-48b-8l, batch 1, k=4; docs/results/ has the runs) the in-order step's wall time was 1.6 ms and events around
     its whole launch 1.4 ms, against 1.2 ms a launch-ahead step; with either of the first two the cost policy scored a
     third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.4), with the last it declines after its

@@ -103,7 +103,7 @@ class SpeculativeStep:
 
     def record_plain_step(self, batch: int, seconds: float) -> None:
         """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it) as the
-        launch-ahead loop would pay for it (timing.StepTimer): the cost policy's other half."""
+        launch-ahead loop would pay for it (step_timer.StepTimer): the cost policy's other half."""
         if self.cost_policy is not None:
             self.cost_policy.record_decode(batch, seconds)
 

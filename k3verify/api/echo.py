@@ -1,5 +1,5 @@
-"""Prompt logprobs for echo=true: every prompt token scored given the tokens before it, by the served model
-(serving/scoring.py, on the engine's thread between steps); the request itself is then generated as usual."""
+"""Prompt logprobs for echo=true: every prompt token's logprob given the tokens before it, by the served model
+(serving/prompt_logprobs.py, on the engine's thread between steps); the request itself is then generated as usual."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from k3verify.serving.engine import ContextLengthError, EngineDeadError
 from k3verify.serving.sampler import TokenLogprob
 
 
-async def prompt_logprobs(engine: ServedEngine, prompt_ids: list[int], num_top: int, max_tokens: int) -> \
+async def echo_logprobs(engine: ServedEngine, prompt_ids: list[int], num_top: int, max_tokens: int) -> \
         list[TokenLogprob | None]:
     """The prompt's logprobs for a request that the engine would accept (else the same 400 a completion gets)."""
     try:
         engine.validate(prompt_ids, max_tokens)
-        return await asyncio.to_thread(engine.score_prompt, prompt_ids, num_top)
+        return await asyncio.to_thread(engine.prompt_logprobs, prompt_ids, num_top)
     except ContextLengthError as exc:
         raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
     except EngineDeadError as exc:
