@@ -1,8 +1,8 @@
 """The HTTP server in a process of its own, linked to the engine's process by one socket.
 
-Why: in one process the engine thread and the HTTP server share one GIL. On the H200 a kl-48b-8l
-engine step of 64 running streams took 4.6 ms from launch to launch in process and twice that while uvicorn
-parsed, rendered and wrote the same streams' tokens: served decode fell to 0.43x the bench path at 64 streams.
+Why: in one process the engine thread and the HTTP server share one GIL, so the time uvicorn spends parsing,
+rendering and writing the streams' tokens is added to the engine's steps; with many streams that is as long as a
+step itself.
 With the link, the engine's process runs the step loop, detokenization and stop strings; the API process runs
 uvicorn, request parsing, prompt tokenization and SSE rendering.
 

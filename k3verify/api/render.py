@@ -212,8 +212,8 @@ class Renderer:
         """The event's chunks as server-sent events (what a stream sends). A plain text delta (plain_deltas, not
         the last event) is the same event for every token but its text: framed from a template rendered once
         through the models (`_chunk`), so its bytes are the slow path's by construction (and by test). A stream
-        sends one per token, and rendering each through pydantic and json.dumps was ~30 us of the server's ~85 us
-        per streamed token on the CPU machine: GIL time the engine thread waits for (bench --served, 64 streams)."""
+        sends one per token, and rendering each through pydantic and json.dumps is about a third of the server's
+        work per streamed token: GIL time the engine thread waits for."""
         if not self.plain_deltas() or event.logprobs or event.finished or self.finish_reason is not None:
             return [sse_event(c) for c in self.chunks(event)]
         self.add(event)

@@ -61,9 +61,9 @@ log = logging.getLogger(__name__)
 
 # The longest a thread that wants the GIL waits before the holder is made to drop it (CPython's default: 5 ms).
 # The engine thread gives the GIL up while it waits for a step's results; the HTTP thread then renders and sends
-# the previous step's tokens and, at the default, kept the engine from launching the next step for up to 5 ms
-# after the GPU was done: a kl-48b-8l step of 64 streams went from launch to launch in 8.2 ms served against
-# 4.6 ms in process (H200). Engine.start lowers the interval to this (never raises it).
+# the previous step's tokens and, at the default, can keep the engine from launching the next step for up to 5 ms
+# after the GPU is done, longer than a decode step of a large batch takes on the GPU. Engine.start lowers the
+# interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
 

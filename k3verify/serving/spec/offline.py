@@ -4,8 +4,8 @@ Each round: every live sequence whose drafter proposes something, whose policy s
 budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation) is
 scored in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
 live sequences with room ride along in it with filler drafts (filler_drafts) instead of taking a decode step of
-their own: on the H200 a kl-48b-8l batch of 16 that ran a score and a decode step in every round decoded at
-0.62x plain speed, although a score step there costs ~1.2 decode steps. Sequences without room
+their own: a round that runs both a score step and a decode step pays for two steps where one does the work.
+Sequences without room
 take one plain decode step. Greedy acceptance, then a commit of each scored row's accepted prefix. Tokens past
 max_new_tokens are dropped.
 
@@ -184,8 +184,8 @@ def _round(scorer: SpecScorer, drafter: Drafter, policy: SpecPolicy, prompts: Se
 def _plain_tail(scorer: SpecScorer, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,
                 decode_graphs: GraphDecoder | None) -> None:
     """Every live row turned speculation off: decode the rest as the plain bench path does, each step fed the
-    previous step's ids on the device, one readback at the end (a round trip per step cost the speculative run
-    19% of batch-1 decode at 0% acceptance on the H200). Rows sorted by tokens still needed, so the rows left
+    previous step's ids on the device, one readback at the end (a round trip per step is a sizeable share of a
+    batch-1 decode step). Rows sorted by tokens still needed, so the rows left
     after each step are a prefix of the batch and the next step's inputs are a slice, never an index copy."""
     runner = scorer.runner
     need = {i: max_new_tokens - len(run.tokens[i]) for i in live}

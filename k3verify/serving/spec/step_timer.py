@@ -4,18 +4,15 @@ launched ahead, not what the in-order step that measures it costs.
 The cost policy weighs a score step against the plain step that would run instead, and when it declines, plain steps
 run launch-ahead (offline._plain_tail, the engine's launch-ahead loop): step n+1 is launched before step n's ids
 are read back, so the host's round trip and bookkeeping overlap the device. The plain steps the cost policy can time run
-in order (the drafter needs their tokens on the host), and their wall time carries that round trip: on the H200
-(kl-48b-8l, batch 1) 1.6 ms a step in order against 1.19 ms launch-ahead (the spec bench's cost_gate record and
-the plain bench; docs/results/README.md lists the runs), enough for the cost policy to keep scoring at 0% acceptance.
-So on CUDA the step is timed on the device, between an event recorded before its launch and one recorded after it.
-An event recorded before the launch still counts the step's input fill and launch, which an idle device waits
-for and a launch-ahead step hides behind the step before: on the H200 that measured 1.4 ms where the
-launch-ahead step takes 1.2 (the spec bench's decode_ms), and the cost policy still
-scored a third time at 0% acceptance (1.67 tokens a row >= 2.1 / 1.4). So where the step runs through a
-GraphDecoder, `starting_at_replay` moves the start to right before the graph's replay, its inputs filled: the
-interval is then the replay's device time (plus the sampling an engine step launches behind it), which is what a
-launch-ahead step costs while the host keeps ahead of the device, as it does in the bench's steady state (GPU span
-1.197 ms of a 1.198 ms step at batch 1). Where the host falls behind, a
+in order (the drafter needs their tokens on the host), and their wall time carries that round trip: a plain step
+timed so looks costly enough for the cost policy to keep scoring at 0% acceptance. So on CUDA the step is timed on
+the device, between an event recorded before its launch and one recorded after it. An event recorded before the
+launch still counts the step's input fill and launch, which an idle device waits for and a launch-ahead step hides
+behind the step before, and that alone can still tip the cost policy into scoring at 0% acceptance. So where the
+step runs through a GraphDecoder, `starting_at_replay` moves the start to right before the graph's replay, its
+inputs filled: the interval is then the replay's device time (plus the sampling an engine step launches behind
+it), which is what a launch-ahead step costs while the host keeps ahead of the device, as it does in the bench's
+steady state (the measured times: docs/results/README.md). Where the host falls behind, a
 launch-ahead step costs more than this: the cost policy then leans towards scoring. On the CPU every launch runs to
 completion, so launch-ahead saves no time there and the wall clock around the step is what it costs.
 """
