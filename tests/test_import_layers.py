@@ -7,13 +7,13 @@ packages is not an edge: a package whose __init__ imports its submodules (kernel
 is the one circle Python resolves by design.
 
 Layer rules (RULES below, as data; each names what a layer may not import, and why):
-- oracle/: nothing it judges (serving/, kernels/, server/) and nothing of the harness or its drivers (gates/,
+- oracle/: nothing it judges (serving/, kernels/, api/) and nothing of the harness or its drivers (gates/,
   bench/, commands/, cli): a reference that saw the implementation could agree with it by construction.
-- kernels/: the lowest shipped layer (ops behind one registry): no model (serving/), no HTTP (server/), no
+- kernels/: the lowest shipped layer (ops behind one registry): no model (serving/), no HTTP (api/), no
   reference, no harness, no driver.
 - serving/: the implementation we ship imports no reference, no harness, no HTTP layer above it, no remote
   endpoint client and no driver.
-- server/: the HTTP layer over the engine ships too: no reference, no harness, no driver.
+- api/: the HTTP layer over the engine ships too: no reference, no harness, no driver.
 - gates/: the harness judges what the commands ask it to: it never imports a command, the CLI, the bench (a
   client of the gates' comparisons) or the mutation catalog (data the runner loads from a path, so that
   `mutate --catalog DIR` loads any catalog the same way).
@@ -45,10 +45,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3verify"
 HARNESS_AND_DRIVERS = ("k3verify.gates", "k3verify.bench", "k3verify.commands", "k3verify.cli")
 # layer (a module or package prefix) -> what no module below it may import
 RULES: dict[str, tuple[str, ...]] = {
-    "k3verify.oracle": ("k3verify.serving", "k3verify.kernels", "k3verify.server", *HARNESS_AND_DRIVERS),
-    "k3verify.kernels": ("k3verify.serving", "k3verify.server", "k3verify.oracle", *HARNESS_AND_DRIVERS),
-    "k3verify.serving": ("k3verify.server", "k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
-    "k3verify.server": ("k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
+    "k3verify.oracle": ("k3verify.serving", "k3verify.kernels", "k3verify.api", *HARNESS_AND_DRIVERS),
+    "k3verify.kernels": ("k3verify.serving", "k3verify.api", "k3verify.oracle", *HARNESS_AND_DRIVERS),
+    "k3verify.serving": ("k3verify.api", "k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
+    "k3verify.api": ("k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
     "k3verify.gates": ("k3verify.bench", "k3verify.commands", "k3verify.cli", "k3verify.mutations"),
     "k3verify.gates.core": ("k3verify.gates.report", "k3verify.gates.trust", "k3verify.gates.mutation",
                             "k3verify.gates.shared"),
@@ -60,7 +60,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "k3verify.gates.mutation": ("k3verify.gates.checks", "k3verify.gates.shared", "k3verify.gates.trust"),
     "k3verify.bench": ("k3verify.commands", "k3verify.cli", "k3verify.mutations"),
     "k3verify.commands": ("k3verify.cli",),
-    "k3verify.cli": ("k3verify.oracle", "k3verify.kernels", "k3verify.serving", "k3verify.server",
+    "k3verify.cli": ("k3verify.oracle", "k3verify.kernels", "k3verify.serving", "k3verify.api",
                      "k3verify.gates", "k3verify.bench", "k3verify.endpoint", "k3verify.target"),
 }
 # module or package -> the only places that may import it
@@ -230,7 +230,7 @@ def test_every_layer_imports_nothing_above_it(graph: dict[str, set[str]]) -> Non
     "from k3verify.kernels.registry import pick",
     "from k3verify import serving",
     "def f():\n    from k3verify.kernels import kda\n",
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3verify.server.app import create_app\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3verify.api.app import create_app\n",
 ])
 def test_scanner_catches_each_import_form(line: str) -> None:
     """The scanner itself bites: each spelling of a forbidden import in the oracle is reported."""

@@ -135,11 +135,7 @@ def test_detector_passes_plain_facts(line: str) -> None:
 
 # path under k3verify/ -> how many story lines it still holds, to be rewritten (the exact count: a new story line
 # fails, and so does a fixed one until its count here is lowered; an entry at 0 is deleted)
-PENDING: dict[str, int] = {
-    "server/engine_link.py": 1, "server/render.py": 1, "serving/admission.py": 4, "serving/engine.py": 2,
-    "serving/prefill_graphs.py": 2, "serving/scheduler.py": 1, "serving/spec/offline.py": 2,
-    "serving/spec/policy.py": 5, "serving/spec/timing.py": 4, "serving/warmup.py": 1,
-}
+PENDING: dict[str, int] = {}
 
 
 def test_package_code_tells_no_lab_story() -> None:

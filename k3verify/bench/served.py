@@ -2,7 +2,7 @@
 
 The engine runs over the bench's own runner (same model, same caches), decoding through CUDA graphs for
 every batch up to the largest concurrency, captured before any client connects at the bench path's decode
-context; the server is k3verify.server's app on 127.0.0.1; the clients run in a process of their own
+context; the server is k3verify.api's app on 127.0.0.1; the clients run in a process of their own
 (bench/clients.py). Token ids travel as text: the bench tokenizer renders id i as " i", so every generated
 token is one SSE chunk and the streamed text names the ids exactly.
 
@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
+from k3verify.api.app import create_app
+from k3verify.api.engine_link import ApiProcess, api_config
+from k3verify.api.metrics import EngineMetrics, ServerMetrics
+from k3verify.api.thread import ServerThread, server_impl
 from k3verify.bench import cpu_stat
 from k3verify.bench.speed_parity import judge
 from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial
-from k3verify.server.app import create_app
-from k3verify.server.engine_link import ApiProcess, api_config
-from k3verify.server.metrics import EngineMetrics, ServerMetrics
-from k3verify.server.thread import ServerThread, server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.prefill_graphs import GraphPrefill

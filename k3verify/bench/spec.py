@@ -38,9 +38,9 @@ from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
-from k3verify.serving.spec.graphs import ScoreGraphs
 from k3verify.serving.spec.offline import SpecRun, generate_speculative
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
+from k3verify.serving.spec.score_graphs import ScoreGraphs
 from k3verify.serving.spec.scorer import SpecScorer
 
 

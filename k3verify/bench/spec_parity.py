@@ -13,7 +13,7 @@ import torch
 from k3verify.bench.speed_parity import judge, judge_vs_gold
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial
-from k3verify.serving.spec.graphs import ScoreGraphs
+from k3verify.serving.spec.score_graphs import ScoreGraphs
 from k3verify.serving.spec.scorer import SpecScorer
 
 

@@ -6,7 +6,7 @@ pass (and, with --report-key, whose signature verifies) means exit 2 and a messa
 `k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/trust/lookup.py.
 The engine is then built from one in-memory snapshot of the checkpoint whose digest must be the gated one
 (commands/serve_engine.py); by default it runs in a process of its own beside the HTTP front end's, both under a
-supervisor that restarts either (server/supervisor.py).
+supervisor that restarts either (api/supervisor.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3verify.api.api_process import FrontEndConfig, bind
+from k3verify.api.app import api_key_problem, create_app
+from k3verify.api.hosts import HostNameError, allowed_hosts, only_loopback
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.supervisor import Child, ChildError, Supervisor
+from k3verify.api.thread import describe_server_impl
 from k3verify.commands import Subparsers, parity, serve_parallel
 from k3verify.commands.serve_engine import (
     GatedTarget,
@@ -31,12 +37,6 @@ from k3verify.commands.serve_engine import (
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
 from k3verify.gates.trust.lookup import lookup_report
-from k3verify.server.api_process import FrontEndConfig, bind
-from k3verify.server.app import api_key_problem, create_app
-from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.supervisor import Child, ChildError, Supervisor
-from k3verify.server.thread import describe_server_impl
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS
@@ -235,7 +235,7 @@ def serve_supervised(opts: ServeOptions, gated: GatedTarget) -> int:
     address, authkey = os.path.join(workdir, "engine.sock"), os.urandom(32)
     engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", opts, gated, address, authkey))
     front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=opts.api_key, allowed_hosts=hosts)
-    front = Child("HTTP front end", "k3verify.server.api_process", "supervised_main", ("start", front_config),
+    front = Child("HTTP front end", "k3verify.api.api_process", "supervised_main", ("start", front_config),
                   pass_fds=(sock.fileno(),))
     supervisor = Supervisor(engine, front, opts.max_restarts, opts.health_window)
     try:

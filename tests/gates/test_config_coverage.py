@@ -49,7 +49,7 @@ def _run(shared: dict[str, tuple[Target, dict[str, Any]]], preset: str, check_id
 
 
 def test_the_table_names_every_field_the_serving_stack_reads() -> None:
-    """A field read by serving/, kernels/ or server/ without an entry is untested; an entry for a field nothing
+    """A field read by serving/, kernels/ or api/ without an entry is untested; an entry for a field nothing
     reads is stale."""
     read = fields_read()
     listed = {p.field for p in PERTURBATIONS} | {i.field for i in IRRELEVANT}

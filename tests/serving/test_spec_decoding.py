@@ -20,7 +20,7 @@ from k3verify.serving.spec.offline import generate_speculative
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
 from k3verify.serving.spec.scorer import SpecScorer
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
-from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.spec.step_timer import StepTimer
 from k3verify.tokenizer import default_tokenizer
 
 K = 4

@@ -1,7 +1,7 @@
 """The maintained tools in tools/ run as their docstrings say (`python tools/X.py`, from any directory; chaos, which
 imports its siblings, as `python -m tools.chaos` from the repository root), each on a small real workload.
 Tools exercised elsewhere in the suite: build_tokenizer (tests/tokenizer), load_test, chaos and chaos_kill
-(tests/server), screenshot_report (tests/gates/test_html_render.py), size_report (test_size_report.py here),
+(tests/api), screenshot_report (tests/gates/test_html_render.py), size_report (test_size_report.py here),
 build_llamacpp.sh (.ci/run builds with it; tests/peers run what it built)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ shape weights are caught by the strict loader (the serving model refuses the che
 builds it errors, naming the tensor); fields that only change numbers are caught by the module check built
 for them. Fields that cannot matter on a preset are listed with the reason. tests/gates/test_config_coverage.py
 runs the table (only each entry's own checks, models and caches shared per preset) and checks that it names
-every field that k3verify/serving, k3verify/kernels and k3verify/server read.
+every field that k3verify/serving, k3verify/kernels and k3verify/api read.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from k3verify.config import ModelConfig
 
 PACKAGE = Path(__file__).resolve().parents[2]
-SERVING_SOURCES = ("serving", "kernels", "server")
+SERVING_SOURCES = ("serving", "kernels", "api")
 LOAD = ("norm.sites.fp32",)  # any check that builds the serving model sees a refused checkpoint
 TINY, KL, SKEW = ("k3-tiny",), ("kl-tiny",), ("k3-skew-10",)
 

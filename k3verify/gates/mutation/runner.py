@@ -29,7 +29,7 @@ from k3verify.gates.report.json_report import load_report
 
 PACKAGE_DIR = Path(k3verify.__file__).resolve().parent
 DEFAULT_CATALOG = PACKAGE_DIR / "mutations"  # shipped as part of the package
-MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.server", "k3verify.kernels", "k3verify.tokenizer",
+MUTABLE_PREFIXES = ("k3verify.serving", "k3verify.api", "k3verify.kernels", "k3verify.tokenizer",
                     "k3verify.checkpoint", "k3verify.config", "k3verify.config_json")
 RED = ("fail", "vacuous", "error")
 # parity's exit codes for a run that produced a report: pass, fail, inconclusive (a mutant child runs only the

@@ -11,7 +11,6 @@ the shipped code: the mutation catalog breaks the code itself.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ from k3verify.serving.layers.kda import KimiDeltaAttention
 from k3verify.serving.layers.mla import MultiHeadLatentAttention
 from k3verify.serving.parallel.comm import Comm, init_world, leave_world
 from k3verify.serving.parallel.launch import spawn_world
-from k3verify.serving.parallel.layers import TPKimiDeltaAttention, TPMultiHeadLatentAttention
+from k3verify.serving.parallel.layers import RowParallelLinear
 from k3verify.serving.parallel.layout import ParallelLayout, split_range
 from k3verify.serving.parallel.model import ParallelServingModel
 from k3verify.serving.parallel.moe import ParallelMoE
@@ -103,19 +102,13 @@ def splits_anything(cfg: ModelConfig, layout: ParallelLayout) -> bool:
     return layout.tp > 1 or (layout.ep > 1 and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
 
 
-def _partial_forward(m: TPKimiDeltaAttention | TPMultiHeadLatentAttention) -> Any:
-    if isinstance(m, TPKimiDeltaAttention):
-        return functools.partial(KimiDeltaAttention.forward, m)
-    return functools.partial(MultiHeadLatentAttention.forward, m)
-
-
 @contextlib.contextmanager
 def unreduced_attention(model: ParallelServingModel) -> Iterator[None]:
     """Control: TP attention returns its partial sum (the all-reduce after o_proj is missing)."""
     with contextlib.ExitStack() as stack:
         for m in model.modules():
-            if isinstance(m, TPKimiDeltaAttention | TPMultiHeadLatentAttention):
-                stack.enter_context(patched(m, "forward", _partial_forward(m)))
+            if isinstance(m, KimiDeltaAttention | MultiHeadLatentAttention) and isinstance(m.o_proj, RowParallelLinear):
+                stack.enter_context(patched(m.o_proj, "forward", m.o_proj.partial_sum))
         yield
 
 

@@ -70,7 +70,7 @@ class RerunStep:
 
 def rerun_recorder(step: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[RerunStep, tuple[torch.Tensor, torch.Tensor]]:
-    """serving.spec.graphs.Recorder that records a RerunStep (the CPU checks' and tests' graph). Its recording
+    """serving.spec.score_graphs.Recorder that records a RerunStep (the CPU checks' and tests' graph). Its recording
     run is what a CUDA recorder's warm-ups are: one step over the capture's scratch rows."""
     recorded = RerunStep(step)
     return recorded, (recorded.outputs[0], recorded.outputs[1])

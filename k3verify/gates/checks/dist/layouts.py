@@ -23,7 +23,7 @@ from k3verify.gates.shared.dist_common import (
 )
 from k3verify.gates.shared.dist_session import splits_anything
 from k3verify.serving.parallel.layout import ParallelLayout
-from k3verify.serving.parallel.reconcile import cover_size, reconcile_slices, stored_shapes
+from k3verify.serving.parallel.slice_reconcile import cover_size, reconcile_slices, stored_shapes
 
 SUITES = ("full",)
 MIS_SLICED = ("the asked layout loaded mis-sliced: every split tensor's slice moved by one row, and where experts are "
