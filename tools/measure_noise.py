@@ -1,4 +1,4 @@
-"""Measure and record the noise every noise-barred check derives its bar from (k3verify/gates/noise.json).
+"""Measure and record the noise every noise-barred check derives its bar from (k3verify/gates/core/noise.json).
 
 For each preset, every check registered with `noise=` runs once at seed 0 with the recording ignored, so it
 measures its own reference pair (the oracle at the check's precision vs fp64, on the check's inputs). The
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from k3verify.gates import noise
-from k3verify.gates.suite import load_all_checks, make_context_factory, run_check
+from k3verify.gates.core import noise
+from k3verify.gates.core.suite import load_all_checks, make_context_factory, run_check
 from k3verify.target import resolve_target
 
 PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "generated_by": "python tools/measure_noise.py",
         "rule": (f"bar = max({noise.FACTOR:g} x noise, {noise.FLOOR_ROUNDINGS} unit roundoffs of the check's dtype); "
                  "noise = relative RMS of the same reference at the check's precision vs fp64, on the check's "
-                 "inputs (gates/noise.py)"),
+                 "inputs (gates/core/noise.py)"),
         "factor": noise.FACTOR,
         "floor_roundings": noise.FLOOR_ROUNDINGS,
         "presets": dict(sorted(presets.items())),

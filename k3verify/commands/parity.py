@@ -1,6 +1,6 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
 junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error), 2 (usage or setup problem) or 4 (inconclusive: nothing
-red, but the checks that compare the model's outputs did not run, gates/evidence.py). A setup problem
+red, but the checks that compare the model's outputs did not run, gates/core/evidence.py). A setup problem
 with the target (a missing or unreadable shard, a bad config), and any run that started but could not finish (an
 endpoint that cannot be verified, a crash), still writes a report, with verdict "error": a previous verdict never
 stays in place.
@@ -24,11 +24,9 @@ from k3verify.commands.parity_endpoint import (
     select_endpoint_checks,
 )
 from k3verify.errors import UsageError
-from k3verify.gates.binding import read_report_key
-from k3verify.gates.console import print_summary, progress_hooks
-from k3verify.gates.gate import Check, CheckContext
-from k3verify.gates.report import writable_dir_problem, write_reports
-from k3verify.gates.suite import (
+from k3verify.gates.core.binding import read_report_key
+from k3verify.gates.core.check import Check, CheckContext
+from k3verify.gates.core.suite import (
     RunInfo,
     RunResult,
     check_import_errors,
@@ -39,6 +37,8 @@ from k3verify.gates.suite import (
     run_suite,
     select_checks,
 )
+from k3verify.gates.report.console import print_summary, progress_hooks
+from k3verify.gates.report.json_report import writable_dir_problem, write_reports
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout

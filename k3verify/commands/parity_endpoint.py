@@ -20,10 +20,10 @@ from k3verify.endpoint.probe import SetupError
 from k3verify.endpoint.session import EndpointSession, open_session
 from k3verify.endpoint.transfer import DEFAULT_MAX_RESPONSE_BYTES
 from k3verify.errors import UsageError
-from k3verify.gates.checks._endpoint_common import TOP_K, greedy_answers
-from k3verify.gates.explain import explain
-from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status
-from k3verify.gates.suite import ENDPOINT_PREFIX
+from k3verify.gates.core.check import Check, CheckContext, Result, SkipCheck, Status
+from k3verify.gates.core.suite import ENDPOINT_PREFIX
+from k3verify.gates.shared.endpoint_common import TOP_K, greedy_answers
+from k3verify.gates.shared.explain import explain
 from k3verify.oracle.conventions import parse_assignment
 from k3verify.target import Target, TargetError
 
@@ -119,7 +119,7 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
 
 
 def explain_endpoint(args: argparse.Namespace, results: list[Result], ctx: CheckContext) -> dict[str, Any] | None:
-    """The catalog's conventions ranked against the endpoint's answers (gates/explain.py): with --explain, or by
+    """The catalog's conventions ranked against the endpoint's answers (gates/shared/explain.py): with --explain, or by
     default when an output check failed; None when not asked or nothing can be explained."""
     failed = [r.id for r in results if r.id in OUTPUT_CHECKS and r.status in (Status.FAIL, Status.VACUOUS)]
     session = ctx.endpoint

@@ -3,10 +3,10 @@
 The gate is checked before any weight is loaded: no report.json under --report-dir bound to this exact
 checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
 pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
-`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
+`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/trust/lookup.py.
 The engine is then built from one in-memory snapshot of the checkpoint whose digest must be the gated one
 (commands/serve_engine.py); by default it runs in a process of its own beside the HTTP front end's, both under a
-supervisor that restarts either (server/supervisor.py).
+supervisor that restarts either (api/supervisor.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3verify.api.api_process import FrontEndConfig, bind
+from k3verify.api.app import api_key_problem, create_app
+from k3verify.api.hosts import HostNameError, allowed_hosts, only_loopback
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.supervisor import Child, ChildError, Supervisor
+from k3verify.api.thread import describe_server_impl
 from k3verify.commands import Subparsers, parity, serve_parallel
 from k3verify.commands.serve_engine import (
     GatedTarget,
@@ -30,13 +36,7 @@ from k3verify.commands.serve_engine import (
 )
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.report_lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
-from k3verify.server.api_process import FrontEndConfig, bind
-from k3verify.server.app import api_key_problem, create_app
-from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.supervisor import Child, ChildError, Supervisor
-from k3verify.server.thread import describe_server_impl
+from k3verify.gates.trust.lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS
@@ -88,8 +88,8 @@ def register(subparsers: Subparsers) -> None:
                    help="... or once the oldest has waited MS (default %(default)g)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="on CUDA, replay prefills of fresh prompts from CUDA graphs captured per bucket of (tokens, "
-                        "sequences, longest prompt), captured on a bucket's second use (default off: not yet "
-                        "measured on the H200)")
+                        "sequences, longest prompt), captured on a bucket's second use (default off: no served "
+                        "speed-up measured yet)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
@@ -245,7 +245,7 @@ def serve_supervised(opts: ServeOptions, gated: GatedTarget) -> int:
     address, authkey = os.path.join(workdir, "engine.sock"), os.urandom(32)
     engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", opts, gated, address, authkey))
     front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=opts.api_key, allowed_hosts=hosts)
-    front = Child("HTTP front end", "k3verify.server.api_process", "supervised_main", ("start", front_config),
+    front = Child("HTTP front end", "k3verify.api.api_process", "supervised_main", ("start", front_config),
                   pass_fds=(sock.fileno(),))
     supervisor = Supervisor(engine, front, opts.max_restarts, opts.health_window)
     try:

@@ -1,5 +1,5 @@
 """The engine side of `k3verify serve`: the checkpoint read once into memory and checked against the gate, the
-engine built from those bytes, and the engine's own process under the supervisor (server/supervisor.py).
+engine built from those bytes, and the engine's own process under the supervisor (api/supervisor.py).
 
 Hash what you load, load what you hashed: `load_served` reads every file the checkpoint digest covers into memory
 (checkpoint/snapshot.py) and compares the digest of those bytes with the one the gate report vouched for. The
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 import k3verify
+from k3verify.api.engine_link import EngineHello, EngineHost, engine_state
+from k3verify.api.metrics import EngineMetrics
 from k3verify.checkpoint.loader import WeightLoadError
 from k3verify.commands import serve_parallel
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.binding import read_report_key, source_digest
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.server.engine_link import EngineHello, EngineHost, engine_state
-from k3verify.server.metrics import EngineMetrics
+from k3verify.gates.core.binding import read_report_key, source_digest
+from k3verify.gates.trust.lookup import GateWant, lookup_report
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy

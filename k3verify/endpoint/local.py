@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from k3verify.server.engine_link import ApiProcess, api_config
-from k3verify.server.metrics import EngineMetrics
+from k3verify.api.engine_link import ApiProcess, api_config
+from k3verify.api.metrics import EngineMetrics
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.runner import build_runner

@@ -1,7 +1,7 @@
 """Declared endpoint precisions: the arithmetic an endpoint says it computes in, as the oracle can reproduce it.
 
 A precision is a dtype for the oracle's "base" run, the dtype one step up for its "gold" run, and, for quantised
-arithmetic, an emulation both runs compute under (`Precision.emulated()`; gates/checks/_endpoint_oracle.py). The
+arithmetic, an emulation both runs compute under (`Precision.emulated()`; gates/shared/endpoint_oracle.py). The
 endpoint checks take their bars from the distance between base and gold, never from the endpoint's output.
 
 - bfloat16, float16, float32: plain dtypes (gold fp32, fp32, fp64); no emulation.

@@ -87,9 +87,8 @@ class StepPlan:
 def spec_reservation(runner: ModelRunner, need: int, num_draft: int, limit: int) -> int:
     """Positions to reserve for a speculating sequence that needs `need`: k more where they fit (under `limit` and
     in the free cache), so that a row within k tokens of its end can still be scored or ride along (what a
-    score accepts past max_new_tokens is dropped). Without them every such row took a decode step of its own next
-    to the batch's score pass: a kl-48b-8l batch of 16 at 50% acceptance ran 35 decode steps beside 36 score
-    steps on the H200 although riders had landed."""
+    score accepts past max_new_tokens is dropped). Without them every such row takes a decode step of its own next
+    to the batch's score pass, riders or not: close to one decode step per score step."""
     more = need + num_draft
     return more if more <= limit and runner.can_admit(more) else need
 

@@ -31,8 +31,8 @@ from k3verify.checkpoint.synthetic_weights import synthetic_group
 from k3verify.checkpoint.writer import write_checkpoint, write_streamed_checkpoint
 from k3verify.cli import main
 from k3verify.config import ModelConfig
-from k3verify.gates import fixtures
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
+from k3verify.gates.shared import builders
 from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 from k3verify.presets import preset_hf_config
 from k3verify.tokenizer import KimiTokenizer, encode_chat
@@ -204,7 +204,7 @@ def test_real_size_chain_on_cpu_gates_layer_by_layer_and_serves(tmp_path: Path,
     built but the served one) passes parity through model.layerwise.sublayers and the transformers-gold model
     check, the whole-model checks skip naming the sizes, and serve answers a request from that report."""
     ckpt = _real_vocab_kl_tiny(tmp_path / "kl-real-vocab")
-    monkeypatch.setattr(fixtures, "WHOLE_MODEL_BYTES", 1 << 20)
+    monkeypatch.setattr(builders, "WHOLE_MODEL_BYTES", 1 << 20)
     assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "report")]) == 0
     data = _assert_green(tmp_path / "report")
     status = {r["id"]: (r["status"], r["reason"] or "") for r in data["results"]}

@@ -15,7 +15,7 @@ import pytest
 from hostile_servers import hostile
 
 from k3verify.cli import main
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 
 HANG_S = 60.0  # a run still going after this long is hung (each deadline below is 1-2 s)
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.gates.checks._endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
-from k3verify.gates.gate import CheckContext
+from k3verify.gates.core.check import CheckContext
+from k3verify.gates.shared.endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
 from k3verify.oracle import functional as Fn
 from k3verify.oracle import rounding
 from k3verify.oracle.precision import get_precision

@@ -13,7 +13,7 @@ import torch
 from k3verify.cli import main
 from k3verify.commands import parity
 from k3verify.gates import CheckContext, Kind, Registry, Trial, load_all_checks
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 from k3verify.presets import get_preset
 from k3verify.target import Target
 
@@ -149,7 +149,7 @@ def test_setup_error_exits_2_naming_the_file_and_writes_an_error_report(
 
 def test_report_key_signs_the_report(fake_target: None, tmp_path: Path) -> None:
     """--report-key FILE: report.json carries an HMAC that verifies with that key."""
-    from k3verify.gates.binding import signature_problem
+    from k3verify.gates.core.binding import signature_problem
 
     key = tmp_path / "k"
     key.write_text("a-key-of-enough-bytes\n")

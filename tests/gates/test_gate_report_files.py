@@ -14,15 +14,15 @@ import jsonschema
 import pytest
 
 from k3verify.gates import Registry
-from k3verify.gates.binding import signature_problem
-from k3verify.gates.report import (
+from k3verify.gates.core.binding import signature_problem
+from k3verify.gates.core.suite import RunResult, collect_run_info
+from k3verify.gates.report.json_report import (
     atomic_write_text,
     load_report,
     report_dict,
     write_reports,
 )
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.gates.suite import RunResult, collect_run_info
+from k3verify.gates.trust.lookup import GateWant, lookup_report
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def mixed_run(mixed_registry: Registry, run_checks: RunFactory) -> RunResult:
 
 
 def test_package_schema_and_reports_schema_are_identical() -> None:
-    package = (ROOT / "k3verify" / "gates" / "schema.json").read_bytes()
+    package = (ROOT / "k3verify" / "gates" / "report" / "schema.json").read_bytes()
     assert package == (ROOT / "reports" / "schema.json").read_bytes()
     jsonschema.Draft202012Validator.check_schema(json.loads(package))
 

@@ -15,8 +15,8 @@ from k3verify.serving.batch import PackedBatch
 from k3verify.serving.model import ServingModel
 from k3verify.serving.parallel import Comm, LayoutError, ParallelLayout, ParallelServingModel, check_layout
 from k3verify.serving.parallel.layout import split_range
-from k3verify.serving.parallel.reconcile import rank_shapes, reconcile_slices
 from k3verify.serving.parallel.shards import load_rank, read_spec
+from k3verify.serving.parallel.slice_reconcile import rank_shapes, reconcile_slices
 from k3verify.target import resolve_target
 
 

@@ -14,7 +14,7 @@ import pytest
 from hf_checkpoint import write_hf_checkpoint
 
 from k3verify.cli import main
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 from k3verify.peers.llamacpp import LlamaCpp, RunningServer, llama_server
 from k3verify.target import resolve_target
 

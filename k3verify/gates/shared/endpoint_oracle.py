@@ -1,0 +1,193 @@
+"""The oracle side of the endpoint checks: teacher-forced oracle runs over what the endpoint answered, at the
+endpoint's declared precision and one step above it, and the near-tie rule that excuses token disagreements.
+
+The endpoint's own tokens are fed back to the oracle, so every position is judged given the same history the
+endpoint had (a disagreement never cascades). `gold` is the oracle one precision above the declared one (fp32
+for bf16/fp16, fp64 for fp32); `base` is the oracle at the declared precision. Their distance is the noise a
+correct implementation at that precision shows: the logprob bars and the near-tie margins are taken from it.
+A quantised precision (oracle/precision.py, e.g. w4a8-q8act) computes both in its emulated arithmetic: an
+endpoint that computes so sits near the emulated gold, and the bar is how far that arithmetic moves when only the
+rounding underneath it changes. Conventions the user accepted (--accept-convention) apply to both runs.
+Such arithmetic has rounding near-ties too (oracle/rounding.py): a logprob check whose rows of one sequence sit
+beyond the bar looks for a few of them which, taken the other way, explain the distance (`resolve_roundings`), and
+names each one it excuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from k3verify.gates.core.check import CheckContext, SkipCheck
+from k3verify.gates.shared import builders
+from k3verify.oracle import rounding
+from k3verify.oracle.conventions import applied
+from k3verify.oracle.precision import Precision
+from k3verify.oracle.rounding import Ledger, NearTie, Site, near_ties
+
+TIE_NOISE_FACTOR = 4.0  # a flip within 4x the oracle's own dtype noise at that position is a near-tie
+TIE_FRACTION = 1e-3  # ... or within this share of the logit range (serving.greedy.vs_oracle's rule)
+NOISE_TOP = 8  # the noise at a position is measured over the gold's top tokens there
+MAX_FORCED = 4  # rounding near-ties one sequence may take the other way (resolve_roundings)
+MAX_TRIED = 16  # the most ambiguous near-ties tried at each step
+EXCUSED = "endpoint.rounding.excused"  # ctx.cache: sequence -> the roundings resolve_roundings excused on it
+
+
+@dataclass
+class Scores:
+    """Oracle log-softmax rows predicting seq[first:], [P, V] float64: gold and base (declared dtype)."""
+
+    gold: torch.Tensor
+    base: torch.Tensor
+    ledgers: tuple[Ledger, Ledger] | None = None  # (base, gold) emulated roundings (oracle/rounding.py)
+    forced: dict[Site, int] = field(default_factory=dict)  # roundings both runs took the other way
+
+    def near_ties(self, factor: float) -> list[NearTie]:
+        """Roundings within `factor` x the oracle's own noise of a boundary (none without emulated rounding)."""
+        return near_ties(*self.ledgers, factor) if self.ledgers is not None else []
+
+    @property
+    def rounded(self) -> bool:
+        """Whether the runs rounded anything in an emulated precision."""
+        return self.ledgers is not None and bool(self.ledgers[1].rows)
+
+    def noise(self, p: int) -> float:
+        """max |base - gold| over the gold's top tokens at position p."""
+        top = self.gold[p].topk(min(NOISE_TOP, self.gold.shape[-1])).indices
+        return float((self.base[p, top] - self.gold[p, top]).abs().max())
+
+    def tie_threshold(self, p: int) -> float:
+        row = self.gold[p]
+        return max(TIE_NOISE_FACTOR * self.noise(p), TIE_FRACTION * float(row.max() - row.min()))
+
+    def margin(self, p: int, token: int) -> float:
+        """How far `token` is below the gold's greedy choice at p (0 when it is the choice)."""
+        return float(self.gold[p].max() - self.gold[p, token])
+
+
+def declared_dtype(ctx: CheckContext) -> torch.dtype:
+    if ctx.endpoint is None:
+        raise SkipCheck("no endpoint under test: run `k3verify parity --endpoint URL` (or --endpoint self)")
+    return ctx.endpoint.dtype
+
+
+def _oracle_run(ctx: CheckContext, seq: list[int], first: int, dtype: torch.dtype,
+                forced: Mapping[Site, int]) -> tuple[torch.Tensor, Ledger]:
+    """Log-softmax rows predicting seq[first:] at `dtype` under the declared precision and the accepted
+    conventions, with `forced` roundings, and the ledger of its emulated roundings; cached per context."""
+    ep = ctx.endpoint
+    assert ep is not None  # declared_dtype() refused a run without an endpoint first
+    key = (f"endpoint.oracle.{dtype}.{ep.precision.name}.{first}.{hash(tuple(seq))}."
+           f"{hash(frozenset(forced.items()))}")
+    if key not in ctx.cache:
+        model = builders.reference_model(ctx, dtype)
+        ledger = Ledger(dict(forced))
+        with torch.no_grad(), applied(ep.accepted), ep.precision.emulated(), rounding.recording(ledger):
+            logits = model(torch.tensor(seq, device=ctx.device)).logits[first - 1: len(seq) - 1]
+        ctx.cache[key] = (torch.log_softmax(logits.double().cpu(), dim=-1), ledger)
+    rows: tuple[torch.Tensor, Ledger] = ctx.cache[key]
+    return rows
+
+
+def excused_roundings(ctx: CheckContext, seq: list[int]) -> dict[Site, int]:
+    """The rounding near-ties a logprob check excused on `seq` in this run (none when it excused none)."""
+    excused: dict[tuple[int, ...], dict[Site, int]] = ctx.cache.get(EXCUSED, {})
+    return dict(excused.get(tuple(seq), {}))
+
+
+def declared_precision(ctx: CheckContext) -> Precision:
+    declared_dtype(ctx)
+    assert ctx.endpoint is not None  # declared_dtype() refused a run without an endpoint
+    return ctx.endpoint.precision
+
+
+def score(ctx: CheckContext, seq: list[int], first: int, forced: Mapping[Site, int] | None = None) -> Scores:
+    """Oracle rows predicting seq[first:] (first >= 1), at the declared dtype and one precision above it, both with
+    the `forced` roundings (none by default), and the near-tie roundings of the two runs."""
+    if not 1 <= first <= len(seq):
+        raise ValueError(f"first must be in 1..{len(seq)}; got {first}")
+    forced = dict(forced or {})
+    gold, gold_ledger = _oracle_run(ctx, seq, first, declared_precision(ctx).gold_dtype, forced)
+    base, base_ledger = _oracle_run(ctx, seq, first, declared_dtype(ctx), forced)
+    return Scores(gold, base, (base_ledger, gold_ledger), forced)
+
+
+def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Scores,
+                      distance: Callable[[Scores], float], bar: float, factor: float) -> tuple[Scores, list[str]]:
+    """Rows of an endpoint sitting `distance(scores)` > `bar` from the gold may differ by rounding near-ties of
+    the declared precision (oracle/rounding.py): equally correct codes that the endpoint's arithmetic took the
+    other way: within `factor` (the check's bar factor) x the oracle's own noise of a rounding boundary.
+    Greedily, take the near-tie whose other code (forced in the gold) lowers the distance most, at most
+    MAX_FORCED of them, MAX_TRIED candidates a step. When the distance ends within `bar`: the scores with those
+    codes forced in both runs and a line per excused rounding; otherwise the scores unchanged and one line saying
+    what was tried. A fault is not a handful of one-code steps at near-ties, so it stays above the bar."""
+    start = best = distance(scores)
+    current, taken = scores, list[str]()
+    gold_dtype = declared_precision(ctx).gold_dtype
+    ties = scores.near_ties(factor)
+    found = len(ties)
+    while best > bar and len(taken) < MAX_FORCED and ties:
+        trials = []
+        for tie in ties[:MAX_TRIED]:
+            forced = {**current.forced, tie.site: tie.other}
+            gold = _oracle_run(ctx, seq, first, gold_dtype, forced)[0]
+            trials.append((distance(Scores(gold, current.base)), tie, forced))
+        d, tie, forced = min(trials, key=lambda trial: trial[0])
+        if d >= best:
+            break
+        current, best = score(ctx, seq, first, forced), d
+        ties = current.near_ties(factor)
+        taken.append(f"rounding near-tie excused at {tie.describe()}; distance then {d:.3g}")
+    if best > bar:
+        return scores, ([f"{found} rounding near-tie(s) of the declared precision (the {min(found, MAX_TRIED)} most "
+                         f"ambiguous tried, up to {MAX_FORCED} together): none brings the distance {start:.3g} "
+                         f"within the bar {bar:.3g} (best {best:.3g}); none excused"] if found else [])
+    ctx.cache.setdefault(EXCUSED, {})[tuple(seq)] = dict(current.forced)
+    return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
+                     f"precision taken the other way bring it to {best:.3g}", *taken]
+
+
+@dataclass
+class TokenVerdicts:
+    """Token-by-token judgement of an endpoint's tokens against the gold's greedy choices."""
+
+    reference: list[int]  # the gold's choice, or the endpoint's token where the disagreement is a near-tie
+    excused: list[str]
+    failures: list[str]
+    min_excused_margin: float = float("inf")
+
+
+def judge_tokens(scores: Scores, tokens: list[int], label: str) -> TokenVerdicts:
+    """The gold's greedy token at each position; a different endpoint token within the near-tie threshold is
+    excused (and counted, with the margin), any other difference is a failure naming the position."""
+    out = TokenVerdicts([], [], [])
+    for p, token in enumerate(tokens):
+        choice = int(scores.gold[p].argmax())
+        margin, threshold = scores.margin(p, token), scores.tie_threshold(p)
+        if token == choice:
+            out.reference.append(choice)
+        elif margin <= threshold:
+            out.reference.append(token)
+            out.min_excused_margin = min(out.min_excused_margin, margin)
+            out.excused.append(f"{label} position {p}: endpoint token {token}, oracle {choice}, margin {margin:.3g} "
+                               f"<= near-tie {threshold:.3g} (excused)")
+        else:
+            out.reference.append(choice)
+            out.failures.append(f"{label} position {p}: endpoint token {token} where the oracle's greedy token is "
+                                f"{choice} (margin {margin:.3g} > near-tie {threshold:.3g})")
+    return out
+
+
+def shifted_control(tokens: list[int], reference: list[int], vocab_size: int) -> list[int]:
+    """The tokens with one id shifted by one, at the middle position where they agree with the reference."""
+    agree = [p for p, (t, r) in enumerate(zip(tokens, reference, strict=True)) if t == r]
+    if not agree:
+        return [*tokens, 0]  # nothing agrees: a longer answer is wrong too
+    p = agree[len(agree) // 2]
+    return [*tokens[:p], (tokens[p] + 1) % vocab_size, *tokens[p + 1:]]
+
+
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300))
