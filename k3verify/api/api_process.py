@@ -121,7 +121,7 @@ def _lifeline(control: Connection, server: uvicorn.Server, engine: RemoteEngine)
 
 def supervised_main(fd: int, listen_fd: int) -> int:
     control = Connection(fd)
-    kind, config = control.recv()
+    kind, config, _restarts = control.recv()
     if kind != "start" or not isinstance(config, FrontEndConfig):
         control.send(("failed", f"expected the front end's config first; got {kind!r}"))
         return 2

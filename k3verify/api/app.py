@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from k3verify.api.access_log import redact_access_log
 from k3verify.api.body import read_json
 from k3verify.api.chat_render import ChatRenderer
 from k3verify.api.echo import echo_logprobs
@@ -141,6 +142,7 @@ def create_app(engine: ServedEngine, tokenizer: Any, *, model_name: str, api_key
     problem = api_key_problem(api_key)
     if problem is not None:
         raise ValueError(f"api_key {problem}")
+    redact_access_log()
     metrics = metrics or ServerMetrics()
     if encode_chat is None:
         encode_chat = template_chat_encoder(tokenizer)

@@ -9,6 +9,7 @@ names the process cannot know: the operator lists them with `serve --allowed-hos
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Collection, Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,6 +18,9 @@ from k3verify.api.errors import APIError, error_response
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_BINDS = ("0.0.0.0", "::", "[::]")
+# RFC 9110 Host: uri-host [ ":" port ]; a reg-name or IPv4 of letters, digits, '-', '.', or an IPv6 literal in
+# brackets. Userinfo ('@'), a path or a second value is not a Host a client sends: such a header is refused whole.
+_STRICT_HOST = re.compile(r"(?:[a-z0-9](?:[a-z0-9.-]*[a-z0-9.])?|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?")
 
 
 class HostNameError(ValueError):
@@ -64,9 +68,21 @@ def only_loopback(hosts: Collection[str]) -> bool:
 
 
 def misdirected(host: str | None, allowed: Collection[str]) -> APIError:
-    got = "no Host header" if host is None else f"Host {host[:100]!r}"
+    got = "no Host header" if host is None else f"Host {host[:100]!r} (one Host header, a name and a port only)"
     return APIError(421, f"this server does not answer for {got}; it answers for {', '.join(sorted(allowed))} (the "
                          "operator adds names with `k3verify serve --allowed-host NAME`)", code="misdirected_request")
+
+
+def strict_host(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
+    """(the request's Host header, its name as compared) when there is exactly one and it is a host with an optional
+    port; (what was sent, None) for none, two or more, or anything else (userinfo, a path, spaces)."""
+    values = [v.decode("latin-1") for k, v in headers if k == b"host"]
+    if len(values) != 1:
+        return (None if not values else " + ".join(values)), None
+    value = values[0]
+    if not _STRICT_HOST.fullmatch(value.lower()):
+        return value, None
+    return value, host_name(value)
 
 
 class CheckHost:
@@ -79,9 +95,8 @@ class CheckHost:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = next((v for k, v in scope["headers"] if k == b"host"), None)
-        host = None if raw is None else raw.decode("latin-1")
-        if host is None or host_name(host) not in self.allowed:
+        host, name = strict_host(scope["headers"])
+        if name is None or name not in self.allowed:
             await error_response(misdirected(host, self.allowed))(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -54,8 +54,9 @@ def describe_exit(code: int) -> str:
 
 @dataclass
 class Child:
-    """One supervised process: `module.function(control_fd, *pass_fds)` run with this package, told `payload`
-    first; it answers ("ready", pid), ("refused", why) or ("failed", why)."""
+    """One supervised process: `module.function(control_fd, *pass_fds)` run with this package, told `payload` and
+    the number of times it was restarted so far first; it answers ("ready", pid), ("refused", why) or ("failed",
+    why)."""
 
     name: str
     module: str
@@ -81,7 +82,7 @@ class Child:
         self.control = Connection(os.dup(ours.fileno()))
         ours.close()
         self.started += 1
-        self.control.send(self.payload)
+        self.control.send((*self.payload, self.started - 1))  # the payload, then how often it was restarted
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

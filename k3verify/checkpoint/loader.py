@@ -16,10 +16,15 @@ from k3verify.checkpoint import mxfp4
 from k3verify.checkpoint.names import quantized_pair, to_module_name
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, fit_a_log, shape_rule
 from k3verify.config import ModelConfig
+from k3verify.errors import BadTargetData
 
 
 class WeightLoadError(ValueError):
     """Missing, unexpected or mis-shaped weights."""
+
+
+class NonFiniteWeight(WeightLoadError, BadTargetData):
+    """A checkpoint tensor that holds NaN or Inf as stored: the checkpoint is bad, whatever code reads it."""
 
 
 def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str]) -> dict[str, list[str]]:
@@ -70,7 +75,7 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
             value = mxfp4.dequantize(tensors[sources[0]], tensors[sources[1]], torch.float32, group)
         else:
             value = tensors[sources[0]]
-        check_finite(" + ".join(sources), mod_name, value)
+        check_finite(" + ".join(sources), mod_name, value, stored=len(sources) == 1)
         if tuple(value.shape) != tuple(dest.shape):
             value = _fit_shape(cfg, sources[0], mod_name, value, tuple(dest.shape))
         if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
@@ -78,9 +83,11 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
         dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
-def check_finite(source: str, mod_name: str, value: torch.Tensor) -> None:
+def check_finite(source: str, mod_name: str, value: torch.Tensor, *, stored: bool = False) -> None:
     """WeightLoadError naming the checkpoint tensor when it holds NaN or Inf: a model built from it would fail its
-    checks (or serve NaN logits) with nothing pointing back at the tensor."""
+    checks (or serve NaN logits) with nothing pointing back at the tensor. `stored`: `value` is the tensor as the
+    checkpoint stores it (not computed from it, as a dequantized one is), so the checkpoint itself is bad:
+    NonFiniteWeight, which stops a parity run at once."""
     if not value.is_floating_point() or value.is_meta:
         return
     bad = ~torch.isfinite(value)
@@ -88,8 +95,9 @@ def check_finite(source: str, mod_name: str, value: torch.Tensor) -> None:
         return
     nan, total = int(torch.isnan(value).sum()), int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0])
-    raise WeightLoadError(f"checkpoint tensor {source} (for {mod_name}, {tuple(value.shape)} {value.dtype}) holds "
-                          f"{nan} NaN and {total - nan} Inf value(s) of {value.numel()}, the first at index {first}")
+    error = NonFiniteWeight if stored else WeightLoadError
+    raise error(f"checkpoint tensor {source} (for {mod_name}, {tuple(value.shape)} {value.dtype}) holds "
+                f"{nan} NaN and {total - nan} Inf value(s) of {value.numel()}, the first at index {first}")
 
 
 def _fit_shape(cfg: ModelConfig, source: str, mod_name: str, value: torch.Tensor,

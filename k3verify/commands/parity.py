@@ -1,7 +1,9 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
 junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error), 2 (usage or setup problem) or 4 (inconclusive: nothing
 red, but the checks that compare the model's outputs did not run, gates/core/evidence.py). A setup problem
-with the target (a missing or unreadable shard, a bad config) still writes a report, with verdict "error".
+with the target (a missing or unreadable shard, a bad config), and any run that started but could not finish (an
+endpoint that cannot be verified, a crash), still writes a report, with verdict "error": a previous verdict never
+stays in place.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from k3verify.errors import UsageError
 from k3verify.gates.core.binding import read_report_key
 from k3verify.gates.core.check import Check, CheckContext
 from k3verify.gates.core.suite import (
+    RunInfo,
     RunResult,
     check_import_errors,
     collect_run_info,
@@ -184,6 +187,25 @@ def run_parity(args: argparse.Namespace) -> int:
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
+    if args.endpoint is not None:  # marks the run as an endpoint run from its start, even if it cannot finish
+        info.endpoint = {"url": args.endpoint}
+    try:
+        run = _run_checks(args, target, device, dtype, parallel, checks, info)
+        write_reports(run, args.report_dir, key=key)
+    except BaseException as exc:
+        # A run that started always leaves its own report: a stale verdict must never stay in place.
+        reason = str(exc) if isinstance(exc, UsageError) else f"the run did not finish: {type(exc).__name__}: {exc}"
+        info.endpoint = None if args.endpoint is None else {"url": args.endpoint, "error": reason}
+        write_reports(RunResult(info, [], setup_error=reason), args.report_dir, key=key)
+        raise
+    print_summary(run, report_dir=str(args.report_dir))
+    return EXIT_CODES[run.verdict]
+
+
+def _run_checks(args: argparse.Namespace, target: Target, device: torch.device, dtype: torch.dtype,
+                parallel: tuple[int, int] | None, checks: list[Check], info: RunInfo) -> RunResult:
+    """The selected checks on the target (through the endpoint with --endpoint), the endpoint's record and
+    explanation added; run.dtypes set."""
     cache: dict[str, object] = {}
     with endpoint_session(args, target, device) as endpoint:
         factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
@@ -199,6 +221,4 @@ def run_parity(args: argparse.Namespace) -> int:
             if explanation is not None:
                 run.run.endpoint["explanation"] = explanation
     run.run.dtypes = covered_dtypes(run.results)
-    write_reports(run, args.report_dir, key=key)
-    print_summary(run, report_dir=str(args.report_dir))
-    return EXIT_CODES[run.verdict]
+    return run

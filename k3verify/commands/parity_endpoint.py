@@ -18,6 +18,7 @@ from k3verify.endpoint.client import EndpointError, Limits
 from k3verify.endpoint.local import SELF, serve_locally
 from k3verify.endpoint.probe import SetupError
 from k3verify.endpoint.session import EndpointSession, open_session
+from k3verify.endpoint.transfer import DEFAULT_MAX_RESPONSE_BYTES
 from k3verify.errors import UsageError
 from k3verify.gates.core.check import Check, CheckContext, Result, SkipCheck, Status
 from k3verify.gates.core.suite import ENDPOINT_PREFIX
@@ -42,7 +43,13 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default 4)")
     g.add_argument("--max-requests", type=int, default=400, metavar="N",
                    help="requests sent at most, retries included (default 400)")
-    g.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per request, seconds (default 120)")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="per request, seconds: the whole exchange (connect, retries, the full answer) ends by then "
+                        "(default 120)")
+    g.add_argument("--run-timeout", type=float, default=3600.0, metavar="S",
+                   help="all requests of the run end by then, seconds (default 3600)")
+    g.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES, metavar="N",
+                   help=f"an answer longer than this is refused unread (default {DEFAULT_MAX_RESPONSE_BYTES})")
     g.add_argument("--accept-convention", action="append", default=[], metavar="NAME=VALUE",
                    help="evaluate the oracle with this known alternative convention (docs/conventions.md), an "
                         "explicit acceptance the report lists first (repeatable)")
@@ -76,7 +83,8 @@ def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> lis
 
 def _limits(args: argparse.Namespace) -> Limits:
     try:
-        return Limits(concurrency=args.concurrency, max_requests=args.max_requests, timeout_s=args.timeout)
+        return Limits(concurrency=args.concurrency, max_requests=args.max_requests, timeout_s=args.timeout,
+                      run_timeout_s=args.run_timeout, max_response_bytes=args.max_response_bytes)
     except ValueError as exc:
         raise UsageError(f"endpoint limits: {exc}") from exc
 

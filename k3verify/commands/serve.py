@@ -36,7 +36,7 @@ from k3verify.commands.serve_engine import (
 )
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.trust.lookup import lookup_report
+from k3verify.gates.trust.lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.spec.step import SPEC_DRAFTERS
@@ -46,6 +46,9 @@ from k3verify.tokenizer import KimiTokenizer
 __all__ = ["GatedTarget", "build_engine", "register", "require_gate", "run_serve"]
 
 log = logging.getLogger(__name__)
+UNSIGNED_NOTE = ("Without --report-key, an edit of a report or of its index line is refused, but whoever can write "
+                 "under the report dir can still write a new, consistent report of their own, or delete a newer "
+                 "failing one with its index; --report-key stops the first (docs/serving.md, Threat model)")
 
 
 def register(subparsers: Subparsers) -> None:
@@ -62,7 +65,11 @@ def register(subparsers: Subparsers) -> None:
                         "names and the --host value are answered, anything else gets 421 (DNS rebinding). With "
                         "--host 0.0.0.0, list the names and addresses clients use")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/* (visible in `ps`: "
+                   "prefer --api-key-file or the K3V_API_KEY environment variable)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key, read from FILE's first line")
+    p.add_argument("--max-report-age", type=float, default=DEFAULT_MAX_AGE_DAYS, metavar="DAYS",
+                   help=f"refuse a passing gate report whose run started longer ago (default {DEFAULT_MAX_AGE_DAYS:g})")
     p.add_argument("--report-key", type=Path, metavar="FILE",
                    help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
@@ -170,6 +177,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
     if not 0 <= opts.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {opts.port}")
     report_key(opts)
+    if not opts.max_report_age > 0:
+        raise UsageError(f"--max-report-age must be > 0 days; got {opts.max_report_age}")
     target = target_for(opts)
     want = gate_want(opts, target)
     found = lookup_report(opts.report_dir, want)
@@ -182,7 +191,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
                              f"Refusing to serve; see the report under {opts.report_dir}")
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {opts.report_dir} "
-                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates")
+                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates"
+                         + ("" if opts.report_key is not None else f". {UNSIGNED_NOTE}"))
     layout = serve_parallel.layout_of(opts)
     why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
     if why is not None:

@@ -96,7 +96,7 @@ def gate_want(opts: ServeOptions, target: Target) -> GateWant:
     except RuntimeError as exc:
         raise UsageError(f"--device {opts.device!r}: {exc}") from exc
     return GateWant(target.digest, k3verify.__version__, device_kind, opts.dtype, source_digest(), target.preset,
-                    report_key(opts))
+                    report_key(opts), max_age_s=opts.max_report_age * 86400)
 
 
 def load_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:
@@ -202,12 +202,12 @@ def _serve_links(listener: Listener, engine: Engine, metrics: EngineMetrics, hel
 
 def engine_main(fd: int) -> int:
     """The engine's process under `serve`'s supervisor: FD is its control connection, whose first message is
-    ("start", opts, gated, address, authkey); it answers ("ready", pid), ("refused", why) (exit 2: the checkpoint
-    or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told to stop or
-    the supervisor is gone."""
+    ("start", opts, gated, address, authkey, restarts so far); it answers ("ready", pid), ("refused", why) (exit 2:
+    the checkpoint or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told
+    to stop or the supervisor is gone."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [engine %(process)d] %(name)s: %(message)s")
     control = Connection(fd)
-    _, opts, gated, address, authkey = control.recv()
+    _, opts, gated, address, authkey, restarts = control.recv()
     try:
         built = build_served(opts, gated, recheck=True)
         warm_up_if_cuda(opts, built)
@@ -220,6 +220,10 @@ def engine_main(fd: int) -> int:
         return 1
     engine, metrics = built.engine, EngineMetrics()
     engine.observer = metrics
+    if restarts:  # a process the supervisor restarted: /health and the restart counter say so
+        engine.health_tracker.record_process_restarts(restarts, "the engine's process died and the supervisor "
+                                                                "restarted it")
+        metrics.restarts.inc(restarts)
     engine.start()
     hello = EngineHello(engine.limits, engine_state(engine), built.tokenizer_bytes.load, built.target.digest)
     with contextlib.suppress(FileNotFoundError):

@@ -66,14 +66,21 @@ class LlamaCpp:
     def convert(self, checkpoint: str | Path, out: str | Path, *, outtype: str = "f32", vocab: str = "checkpoint",
                 extra: Sequence[str] = ()) -> Path:
         """The checkpoint as a GGUF file, made by llama.cpp's own converter (the vocabulary step replaced:
-        peers/llamacpp_convert.py)."""
+        peers/llamacpp_convert.py). The converter writes beside `out` under a temporary name, renamed to `out` only
+        when it succeeded: a failed conversion (a truncated shard, say) leaves no partial GGUF behind."""
         out = Path(out)
+        partial = out.with_name(f".{out.stem}.partial{out.suffix}")  # renamed to `out` only once complete
         cmd = [sys.executable, "-m", "k3verify.peers.llamacpp_convert", "--tree", str(self.tree), "--vocab", vocab,
-               "--", str(checkpoint), "--outfile", str(out), "--outtype", outtype, *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.is_file():
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
-            raise LlamaCppError(f"llama.cpp's converter failed on {checkpoint} (exit {done.returncode}):\n{tail}")
+               "--", str(checkpoint), "--outfile", str(partial), "--outtype", outtype, *extra]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0 or not partial.is_file():
+                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+                raise LlamaCppError(f"llama.cpp's converter failed on {checkpoint} (exit {done.returncode}); "
+                                    f"nothing was written to {out}:\n{tail}")
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
         return out
 
 

@@ -86,15 +86,15 @@ def report_data(*, digest: str, version: str = k3verify.__version__, device: str
     return data
 
 
-def write_report(directory: Path, *, data: dict[str, Any] | None = None, **kw: Any) -> Path:
-    """report_data(**kw) (or `data` as given) written as directory/report.json and recorded in its index, as
-    `parity` writes a report."""
+def write_report(directory: Path, *, data: dict[str, Any] | None = None, key: bytes | None = None, **kw: Any) -> Path:
+    """report_data(**kw) (or `data` as given) written as directory/report.json and recorded in its index (the line
+    signed with `key` when given), as `parity` writes a report."""
     directory.mkdir(parents=True, exist_ok=True)
     data = data if data is not None else report_data(**kw)
     text = json.dumps(data)
     path = directory / "report.json"
     path.write_text(text, encoding="utf-8")
-    append_entry(directory, text.encode("utf-8"), data["run"])
+    append_entry(directory, text.encode("utf-8"), data["run"], key)
     return path
 
 

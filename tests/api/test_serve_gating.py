@@ -82,10 +82,10 @@ def test_refuses_passing_report_for_something_else(tmp_path: Path, tiny_digest: 
 
 
 def test_passing_report_is_found_recursively(tmp_path: Path, tiny_digest: str) -> None:
-    """A passing report nested anywhere under --report-dir lets the gate open; the newest one (by the report index,
-    not by its own date) is chosen."""
-    write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at=ago(60))
-    newest = write_report(tmp_path / "c", digest=tiny_digest, started_at=ago(3600))
+    """A passing report nested anywhere under --report-dir lets the gate open; the newest one (by its run's start,
+    read from inside the hashed report, not by when the index says it was written) is chosen."""
+    newest = write_report(tmp_path / "a" / "b", digest=tiny_digest, started_at=ago(60))
+    write_report(tmp_path / "c", digest=tiny_digest, started_at=ago(3600))
     gated = serve.require_gate(serve_args("--report-dir", str(tmp_path)))
     assert gated.report == newest and gated.target.digest == tiny_digest and gated.target.name == "k3-tiny"
     assert find_passing_report(tmp_path, want(tiny_digest)) == newest
@@ -104,8 +104,8 @@ def test_run_narrowed_by_only_never_opens_the_gate(tmp_path: Path, tiny_digest: 
 
 def test_newer_failing_report_shadows_older_pass(tmp_path: Path, tiny_digest: str) -> None:
     """A regression recorded after a green run closes the gate again."""
-    write_report(tmp_path / "old", digest=tiny_digest, started_at=ago(60))
-    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at=ago(3600))
+    write_report(tmp_path / "old", digest=tiny_digest, started_at=ago(3600))
+    write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at=ago(60))
     assert find_passing_report(tmp_path, want(tiny_digest)) is None
     with pytest.raises(UsageError, match="verdict 'fail'"):
         serve.require_gate(serve_args("--report-dir", str(tmp_path)))

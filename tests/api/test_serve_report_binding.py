@@ -96,17 +96,18 @@ def test_with_a_key_only_untouched_signed_reports_count(tmp_path: Path, tiny_dig
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """Signed → accepted; unsigned, signed with another key, or edited after signing → ignored, each named."""
     signed = sign_report(report_data(digest=tiny_digest), KEY)
-    good = write_report(tmp_path / "good", data=signed)
+    good = write_report(tmp_path / "good", data=signed, key=KEY)
     assert lookup_report(tmp_path, want(tiny_digest, key=KEY)).passing == good
     write_report(tmp_path / "unsigned", data=report_data(digest=tiny_digest))
-    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16))
+    write_report(tmp_path / "other-key", data=sign_report(report_data(digest=tiny_digest), b"x" * 16), key=b"x" * 16)
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.trust.lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and len(found.skipped) == 2
     assert "not signed" in caplog.text and "signed with key" in caplog.text
     edited = copy.deepcopy(signed)
     edited["run"]["seed"] = 7
-    write_report(tmp_path / "edited", data=edited)  # index re-recorded: only the signature can tell
+    edited["run"]["started_at"] = ago(30)  # the newest, so it is the one looked at first
+    write_report(tmp_path / "edited", data=edited, key=KEY)  # index re-recorded: only the signature can tell
     with caplog.at_level(logging.WARNING, logger="k3verify.gates.trust.lookup"):
         found = lookup_report(tmp_path, want(tiny_digest, key=KEY))
     assert found.passing == good and "edited after signing" in caplog.text
@@ -118,7 +119,7 @@ def test_serve_with_report_key_refuses_unsigned_reports(tmp_path: Path, tiny_dig
     write_report(tmp_path / "r", digest=tiny_digest)
     err = refusal(capsys, "--report-dir", str(tmp_path), "--report-key", str(key_file(tmp_path)))
     assert "1 invalid or untrusted file(s) ignored" in err
-    write_report(tmp_path / "r", data=sign_report(report_data(digest=tiny_digest), KEY))
+    write_report(tmp_path / "r", data=sign_report(report_data(digest=tiny_digest), KEY), key=KEY)
     args = serve_args("--report-dir", str(tmp_path), "--report-key", str(key_file(tmp_path)))
     assert serve.require_gate(args).report == tmp_path / "r" / "report.json"
 
@@ -190,15 +191,16 @@ def test_an_fp32_only_report_with_dtypes_widened_is_refused(tmp_path: Path, tiny
 
 def test_an_old_passing_report_dated_into_the_future_loses_to_a_newer_failing_one(tmp_path: Path,
                                                                                  tiny_digest: str) -> None:
-    """An old green report re-dated past a newer red one: the index orders them (the red one decides); re-recorded
-    in the index as well, its date is after the index's write time and it is refused for that."""
+    """An old green report re-dated past a newer red one: the edit is caught by the index (the gate stays shut,
+    naming it); re-recorded in the index as well, its date is after the index's write time and it is refused for
+    that."""
     old = write_report(tmp_path / "old", digest=tiny_digest, started_at=ago(7200))
     write_report(tmp_path / "new", digest=tiny_digest, verdict="fail", started_at=ago(60))
     data = json.loads(old.read_text())
     data["run"]["started_at"] = "2099-01-01T00:00:00+00:00"
     edit_report(old, data)
     found = lookup_report(tmp_path, want(tiny_digest))
-    assert found.passing is None and found.newest == tmp_path / "new" / "report.json" and "'fail'" in found.reason
+    assert found.passing is None and found.newest == old and "it was edited after it was written" in found.reason
     write_report(tmp_path / "old", data=data)
     found = lookup_report(tmp_path, want(tiny_digest))
     assert found.passing is None and found.newest == old, found.reason

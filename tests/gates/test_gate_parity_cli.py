@@ -50,21 +50,23 @@ def test_bad_device_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--device must be cpu or cuda" in capsys.readouterr().err
 
 
-def test_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """An unknown preset is a usage error naming it and the known ones, before anything is built."""
-    assert main(["parity", "--preset", "k3-nope", "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--preset", "k3-nope", "--only", "gates.selftest", "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'k3-nope'" in err and "k3-tiny" in err
 
 
-def test_real_shape_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_real_shape_preset_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A real shape has no data to check: exit 2 saying how to get a checkpoint instead."""
-    assert main(["parity", "--preset", "kimi-linear-48b", "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--preset", "kimi-linear-48b", "--only", "gates.selftest", "--report-dir",
+                 str(tmp_path)]) == 2
     assert "checkpoint make" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_config_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["parity", "--checkpoint", str(tmp_path), "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--checkpoint", str(tmp_path), "--only", "gates.selftest", "--report-dir",
+                 str(tmp_path / "reports")]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 

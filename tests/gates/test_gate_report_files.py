@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -137,7 +138,7 @@ def test_serve_lookup_on_real_reports(mixed_registry: Registry, run_checks: RunF
     green = run_checks([passing])
     red = run_checks([passing, failing])
     want = GateWant(str(green.run.checkpoint_digest), green.run.k3verify_version, "cpu", "bfloat16",
-                    green.run.source_digest, "test", checks=lambda: [passing, failing])
+                    green.run.source_digest, "test", checks=lambda: [passing, failing], max_age_s=math.inf)
     _report_at(green, tmp_path, "a", "2026-01-01T00:00:00+00:00")
     _report_at(green, tmp_path, "other-ckpt", "2026-01-05T00:00:00+00:00", checkpoint_digest="sha256:other")
     _report_at(green, tmp_path, "other-device", "2026-01-05T00:00:00+00:00", device="cuda")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import k3verify
-from k3verify.errors import UsageError
+from k3verify.errors import BadTargetData, UsageError
 from k3verify.gates.core.binding import dtypes_of_run, source_digest, verdict_from_counts
 from k3verify.gates.core.check import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
 from k3verify.gates.core.evaluate import evaluate_trial
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 ContextFactory = Callable[[Check, torch.Generator], CheckContext]
 ENV_PREFIX = "K3V_"
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")  # K3V_ variables whose value a report never holds
 ENDPOINT_PREFIX = "endpoint."  # checks of `parity --endpoint`, which judge another server and never a gate
 
 
@@ -203,6 +204,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result = evaluate_trial(check, check.fn(ctx), ctx.noise)
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
+    except BadTargetData:
+        raise  # the target's stored data is bad: every check would say so; the run stops (parity: exit 2)
     except Exception as exc:
         result = bare_result(check, Status.ERROR, f"{type(exc).__name__}: {exc}")
         result.traceback = traceback.format_exc()
@@ -286,6 +289,12 @@ def device_name(device: str | torch.device) -> str:
     return platform.processor() or platform.machine() or dev.type
 
 
+def recorded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The K3V_ variables a report records; a secret's (K3V_API_KEY, say) value is replaced by a note."""
+    return {k: "(set; a secret, not recorded)" if any(m in k.upper() for m in SECRET_MARKERS) else v
+            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIX)}
+
+
 def collect_run_info(
     *,
     device: str | torch.device,
@@ -316,6 +325,6 @@ def collect_run_info(
         suite=suite,
         only=list(only),
         oracle=dict(oracle or {}),
-        environment={k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX)},
+        environment=recorded_environment(os.environ),
         source_digest=source_digest(),
     )

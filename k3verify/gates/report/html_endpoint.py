@@ -28,8 +28,18 @@ def accepted_section(run: Mapping[str, Any]) -> str:
             f"<th>known in</th></tr>{rows}</table></section>")
 
 
-def _share(x: float) -> str:
+def _num(value: Any, spec: str = ".3g") -> str:
+    """A number as `spec` formats it; NaN and Infinity (stored as strings in report.json) and anything that is not a
+    number are shown as they are, never formatted into a crash."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return _e(value)
+    return format(value, spec)
+
+
+def _share(x: Any) -> str:
     """A share of the distance explained; an alternative that makes it worse shows how much worse."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return _e(x)
     return "0%" if abs(x) < 0.005 else f"{x:.0%}"
 
 
@@ -41,14 +51,14 @@ def explanation_section(run: Mapping[str, Any]) -> str:
            "</b></p>"]
     groups = found.get("groups") or []
     if groups:
-        out.append(f'<p class="small">distance with the oracle as evaluated: {found["baseline"]:.3g} over '
-                   f'{found["rows"]} positions ({found["seconds"]:.1f} s); alternatives in one row cannot be told '
-                   "apart by these answers</p><table><tr><th>rank</th><th>alternative</th><th>site</th>"
+        out.append(f'<p class="small">distance with the oracle as evaluated: {_num(found["baseline"])} over '
+                   f'{_e(found["rows"])} positions ({_num(found["seconds"], ".1f")} s); alternatives in one row '
+                   "cannot be told apart by these answers</p><table><tr><th>rank</th><th>alternative</th><th>site</th>"
                    "<th>released</th><th>distance left</th><th>explained</th><th>known in</th></tr>")
         for rank, group in enumerate(groups, start=1):
             for c in group:
                 out.append(f"<tr><td>{rank}</td><td><code>{_e(c['assignment'])}</code></td><td>{_e(c['site'])}</td>"
-                           f"<td><code>{_e(c['released'])}</code></td><td class=\"num\">{c['distance']:.3g}</td>"
+                           f"<td><code>{_e(c['released'])}</code></td><td class=\"num\">{_num(c['distance'])}</td>"
                            f"<td class=\"num\">{_share(c['explained'])}</td>"
                            f'<td class="small" style="overflow-wrap:anywhere;max-width:24em">'
                            f"{_e(', '.join(c['used_by']) or 'none known')}</td></tr>")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -39,10 +40,15 @@ class IndexEntry:
     sha256: str
     written_at: str  # ISO 8601 UTC, microseconds: k3verify's clock when it appended this line
     run: dict[str, Any]  # BINDING_KEYS of the run record, plus "narrowed" and "endpoint" (booleans)
+    signature: str | None = None  # with a report key: HMAC-SHA256 over the line's other fields (line_mac)
 
     @property
     def order(self) -> tuple[str, int]:
         return self.written_at, self.seq
+
+    def fields(self) -> dict[str, Any]:
+        """The line as written, without its signature: what the signature covers."""
+        return {"seq": self.seq, "sha256": self.sha256, "written_at": self.written_at, "run": self.run}
 
 
 def content_sha256(data: bytes) -> str:
@@ -67,17 +73,36 @@ def _locked(path: Path) -> Iterator[Any]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def append_entry(directory: str | Path, report_bytes: bytes, run: Mapping[str, Any]) -> IndexEntry:
-    """Record that `report_bytes` was written as directory/report.json: the next sequence number, its sha256, now."""
+def line_mac(fields: Mapping[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 under the report key over an index line's canonical JSON (its sequence, the report's sha256, the
+    write time and the run it binds): an edited line no longer verifies."""
+    canonical = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    return hmac.new(key, b"k3verify-report-index\0" + canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def line_problem(entry: IndexEntry, key: bytes) -> str | None:
+    """Why an index line's signature does not hold under `key` (unsigned, or edited after it was written), or None."""
+    if entry.signature is None:
+        return f"its index line (write #{entry.seq}) is not signed"
+    if not hmac.compare_digest(entry.signature, line_mac(entry.fields(), key)):
+        return (f"its index line (write #{entry.seq}) does not match its signature under this key: the line was "
+                "edited after it was written, or signed with another key")
+    return None
+
+
+def append_entry(directory: str | Path, report_bytes: bytes, run: Mapping[str, Any],
+                 key: bytes | None = None) -> IndexEntry:
+    """Record that `report_bytes` was written as directory/report.json: the next sequence number, its sha256, now,
+    the run it binds (signed with `key` when given)."""
     path = Path(directory) / INDEX_FILE
     with _locked(path) as fh:
         fh.seek(0)
         entries = parse_lines(fh.read(), path)
         entry = IndexEntry(entries[-1].seq + 1 if entries else 1, content_sha256(report_bytes),
                            datetime.now(UTC).isoformat(timespec="microseconds"), binding_of(run))
+        line = entry.fields() | ({} if key is None else {"signature": line_mac(entry.fields(), key)})
         fh.seek(0, os.SEEK_END)
-        fh.write(json.dumps({"seq": entry.seq, "sha256": entry.sha256, "written_at": entry.written_at,
-                             "run": entry.run}, sort_keys=True) + "\n")
+        fh.write(json.dumps(line, sort_keys=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     return entry
@@ -89,8 +114,10 @@ def parse_lines(text: str, path: Path) -> list[IndexEntry]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         try:
             raw = json.loads(line)
-            entry = IndexEntry(int(raw["seq"]), str(raw["sha256"]), str(raw["written_at"]), dict(raw["run"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            signature = raw.get("signature")
+            entry = IndexEntry(int(raw["seq"]), str(raw["sha256"]), str(raw["written_at"]), dict(raw["run"]),
+                               None if signature is None else str(signature))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ReportIndexError(f"{path}:{lineno}: not an index entry ({type(exc).__name__}: {exc})") from None
         if entry.seq != (entries[-1].seq + 1 if entries else 1):
             raise ReportIndexError(f"{path}:{lineno}: sequence {entry.seq} does not follow "
@@ -110,6 +137,17 @@ def read_index(directory: Path) -> list[IndexEntry]:
     if not entries:
         raise ReportIndexError(f"{path} is empty: k3verify writes a line with every report")
     return entries
+
+
+def binding_problem(entry: IndexEntry, run: Mapping[str, Any]) -> str | None:
+    """Why the index line does not record the run its report.json holds, field by field (None: it does): an index
+    line edited to name another checkpoint, preset or dtypes would otherwise make a genuine report vouch for it."""
+    recorded = binding_of(run)
+    for name in sorted(set(recorded) | set(entry.run)):
+        if entry.run.get(name) != recorded.get(name):
+            return (f"its index line (write #{entry.seq}) says {name} {entry.run.get(name)!r} but report.json's run "
+                    f"says {recorded.get(name)!r}: the index was edited")
+    return None
 
 
 def content_problem(report_bytes: bytes, entries: list[IndexEntry]) -> str | None:

@@ -150,7 +150,7 @@ def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = No
         "junit.xml": render_junit(data),
     }
     written = {name: atomic_write_text(out_dir / name, text) for name, text in texts.items()}
-    append_entry(out_dir, texts["report.json"].encode("utf-8"), data["run"])  # what `serve` orders reports by
+    append_entry(out_dir, texts["report.json"].encode("utf-8"), data["run"], key)  # what `serve` binds reports by
     return written
 
 
