@@ -42,7 +42,8 @@ class Entry:
 
     def path(self) -> list[Entry]:
         """This entry and its ancestors, root first."""
-        out, e = [], self
+        out: list[Entry] = []
+        e: Entry | None = self
         while e is not None:
             out.append(e)
             e = e.parent
