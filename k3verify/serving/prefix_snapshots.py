@@ -28,6 +28,7 @@ class Snapshot:
     position: int
     tensors: dict[str, torch.Tensor]
     logits: torch.Tensor | None = None
+    cuts: tuple[int, ...] = ()  # where the prefill that made this state was cut (positions below `position`)
 
     @property
     def nbytes(self) -> int:
@@ -40,13 +41,15 @@ def snapshot_bytes(pool: KDAStatePool, vocab_size: int = 0) -> int:
     return sum(t[:, 0].numel() * t.element_size() for t in pool.tensors().values()) + 4 * vocab_size
 
 
-def take(pool: KDAStatePool, slot: int, position: int, logits: torch.Tensor | None = None) -> Snapshot:
-    """Copy slot `slot`'s state and windows (as they stand after `position` tokens) out of the pool."""
+def take(pool: KDAStatePool, slot: int, position: int, logits: torch.Tensor | None = None,
+         cuts: tuple[int, ...] = ()) -> Snapshot:
+    """Copy slot `slot`'s state and windows (as they stand after `position` tokens, made by a prefill cut at
+    `cuts`) out of the pool."""
     if slot not in pool.used_slots:
         raise ValueError(f"KDA state slot {slot} is not in use: there is no sequence state to snapshot")
     tensors = {name: t[:, slot].clone() for name, t in pool.tensors().items()}
     row = None if logits is None else logits.detach().float().reshape(-1).clone()
-    return Snapshot(position, tensors, row)
+    return Snapshot(position, tensors, row, tuple(c for c in cuts if 0 < c < position))
 
 
 def restore(snap: Snapshot, pool: KDAStatePool, slot: int) -> None:
