@@ -2,7 +2,8 @@
 
 Weights (MXFP4 experts packed), MLA latent cache, KDA state pool, the prefix cache's snapshot budget,
 block-residual buffer and the peak transients of one prefill step of --segment tokens at --context, per rank; a
-table and, with --json, the same numbers as JSON. `--measure` (GPU, one rank) runs that step and prints predicted against measured.
+table and, with --json, the same numbers as JSON. `--measure` (GPU, one rank) runs that step and prints predicted
+against measured.
 """
 
 from __future__ import annotations
