@@ -67,7 +67,7 @@ def _runner(ctx: CheckContext, prefix: bool, num_pages: int) -> ModelRunner:
 def _not_restored() -> Iterator[None]:
     """The control's wrong cache: a hit's KDA snapshot is not copied into its slot (it keeps the zero state)."""
     restore = prefix_reuse.restore
-    prefix_reuse.restore = lambda snap, pool, slot: None  # type: ignore[assignment]
+    prefix_reuse.restore = lambda snap, pool, slot: None
     try:
         yield
     finally:
