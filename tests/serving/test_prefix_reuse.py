@@ -63,7 +63,7 @@ def forced_cuts(points: list[tuple[int, ...]]) -> Iterator[None]:
 
 
 def serve(runner: ModelRunner, prompts: list[list[int]], *, together: bool = False, max_step_tokens: int = 1024,
-          speculate: bool = False) -> list[Served]:
+          speculate: bool = False, keys: list[str | None] | None = None) -> list[Served]:
     """Each prompt's greedy answer with top-3 logprobs, the cuts of its prefill and its cached prompt tokens."""
     step = build_speculative_step(runner, "ngram", 3, 4) if speculate else None
     engine = Engine(runner, default_tokenizer(), eos_token_ids=CFG.eos_token_ids, vocab_size=CFG.vocab_size,
@@ -96,8 +96,9 @@ def serve(runner: ModelRunner, prompts: list[list[int]], *, together: bool = Fal
     Scheduler._admit = admit_recording  # type: ignore[method-assign]
     try:
         for i, p in enumerate(prompts):
-            seqs[i] = engine.submit(p, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=3),
-                                    sink(i))
+            key = keys[i] if keys is not None else None
+            params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=3, cache_key=key)
+            seqs[i] = engine.submit(p, params, sink(i))
             if not together:
                 assert done[i].wait(120), f"request {i} never finished"
         assert all(d.wait(120) for d in done), "a request never finished"
@@ -197,3 +198,11 @@ def test_a_weight_written_in_place_is_never_served_from_the_cache() -> None:
         p = next(runner.model.parameters())
         p.copy_(p)
     assert serve(runner, [prompt])[0].cached == 0
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["shared", "per_key"])
+def test_entries_are_isolated_per_key_only_when_asked(per_key: bool) -> None:
+    prompt = family(6, 1)[0] + [9] * 3
+    runner = make_runner(torch.float32, prefix=PrefixSettings(grid=128, per_key=per_key))
+    got = [s.cached for s in serve(runner, [prompt] * 3, keys=["key-a", "key-b", "key-a"])]
+    assert got == ([0, 0, len(prompt)] if per_key else [0, len(prompt), len(prompt)])
