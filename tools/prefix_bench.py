@@ -69,13 +69,21 @@ def _send(engine: Engine, prompts: list[list[int]], new: int) -> tuple[list[floa
     return first, tokens, time.perf_counter() - start
 
 
-def _row(name: str, prefix: bool, ttft: list[float], tokens: int, wall: float, runner: Any) -> dict[str, Any]:
+def _counts(runner: Any) -> tuple[int, int, int]:
+    if runner.prefix is None:
+        return 0, 0, 0
+    c = runner.prefix.cache.counters
+    return c.hits, sum(c.misses.values()), c.tokens_reused
+
+
+def _row(name: str, prefix: bool, ttft: list[float], tokens: int, wall: float, runner: Any,
+         before: tuple[int, int, int]) -> dict[str, Any]:
     q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else ttft * 99
     row: dict[str, Any] = {"workload": name, "cache": "on" if prefix else "off", "requests": len(ttft),
                            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": q[98], "tokens_per_s": tokens / wall}
     if prefix:
-        c = runner.prefix.cache.counters
-        row.update(hits=c.hits, misses=sum(c.misses.values()), tokens_reused=c.tokens_reused,
+        hits, misses, reused = (a - b for a, b in zip(_counts(runner), before, strict=True))
+        row.update(hits=hits, misses=misses, tokens_reused=reused,
                    snapshots=runner.prefix.cache.num_snapshots, snapshot_mib=runner.prefix.cache.snapshot_bytes / 2**20)
     return row
 
@@ -87,26 +95,29 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return torch.randint(0, 4000, (n,), generator=g).tolist()
 
     system, own, new = int(2048 * args.scale), int(128 * args.scale), max(4, int(64 * args.scale))
-    shared = [ids(system) + ids(own) for _ in range(args.clients)]
+    common = ids(system)
+    shared = [common + ids(own) for _ in range(args.clients)]
     unique = [ids(system + own) for _ in range(args.clients)]
     turns = [ids(own)]
     rows = []
     for prefix in (False, True):
         engine, runner = _engine(args, prefix)
         try:
-            _send(engine, [shared[0][:system] + ids(own)], new)  # the system prompt, warmed
+            _send(engine, [common + ids(own)], new)  # the system prompt, warmed
+            before = _counts(runner)
             ttft, toks, wall = _send(engine, shared, new)
-            rows.append(_row("shared", prefix, ttft, sum(map(len, toks)), wall, runner))
-            chat, prompt, total, start = [], list(turns[0]), 0, time.perf_counter()
+            rows.append(_row("shared", prefix, ttft, sum(map(len, toks)), wall, runner, before))
+            chat, prompt, total, start, before = [], list(turns[0]), 0, time.perf_counter(), _counts(runner)
             gc = torch.Generator().manual_seed(1)
             for _ in range(8):
                 t, answer, _ = _send(engine, [prompt], new)
                 chat += t
                 total += len(answer[0])
                 prompt = prompt + answer[0] + torch.randint(0, 4000, (own,), generator=gc).tolist()
-            rows.append(_row("chat", prefix, chat, total, time.perf_counter() - start, runner))
+            rows.append(_row("chat", prefix, chat, total, time.perf_counter() - start, runner, before))
+            before = _counts(runner)
             ttft, toks, wall = _send(engine, unique, new)
-            rows.append(_row("unique", prefix, ttft, sum(map(len, toks)), wall, runner))
+            rows.append(_row("unique", prefix, ttft, sum(map(len, toks)), wall, runner, before))
         finally:
             engine.stop()
     return rows

@@ -85,10 +85,11 @@ class PrefixCache:
         self.blocks: Counter[bytes] = Counter()  # block hash -> entries whose prefix holds it
         self.counters = Counters()
         self._clock = itertools.count(1)
+        self._bytes = 0  # kept as entries come and go: /metrics reads it from another thread
 
     @property
     def snapshot_bytes(self) -> int:
-        return sum(e.snapshot.nbytes for e in self.entries.values())
+        return self._bytes
 
     @property
     def num_snapshots(self) -> int:
@@ -161,6 +162,7 @@ class PrefixCache:
         self.kv.hold(pages)
         entry = Entry(key, position, pages, snapshot, hashes, whole, last_used=next(self._clock))
         self.entries[key] = entry
+        self._bytes += snapshot.nbytes
         self.blocks.update(hashes)
         while self.snapshot_bytes > self.budget_bytes:
             victims = [e for e in self.entries.values() if e.pins == 0 and e is not entry]
@@ -172,6 +174,7 @@ class PrefixCache:
 
     def _drop(self, e: Entry) -> None:
         del self.entries[e.key]
+        self._bytes -= e.snapshot.nbytes
         self.blocks.subtract(e.blocks)
         for h in e.blocks:
             if self.blocks[h] <= 0:
@@ -209,6 +212,8 @@ class PrefixCache:
                 problems.append(f"entry at {e.end} holds {len(e.pages)} pages")
         if blocks != self.blocks:
             problems.append("the counted blocks differ from the entries' prefixes")
+        if self._bytes != sum(e.snapshot.nbytes for e in self.entries.values()):
+            problems.append(f"the snapshot bytes counted ({self._bytes}) differ from the entries'")
         if held != self.kv.held:
             problems.append("the pages the entries hold differ from the pages the latent cache counts as held")
         if problems:
