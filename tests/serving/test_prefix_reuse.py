@@ -144,12 +144,12 @@ def assert_same_bits(hot: list[Served], ref: list[Served]) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hits_give_the_cold_bits_in_the_same_segments(dtype: torch.dtype) -> None:
-    """24 prompts of one family, one at a time: most are hits (whole prompts too), each equals cold."""
-    prompts = family(1, 24)
+    """16 prompts of one family, one at a time: most are hits (whole prompts too), each equals cold."""
+    prompts = family(1, 16)
     runner = make_runner(dtype, prefix=PrefixSettings(grid=128))
     hot = serve(runner, prompts)
     counters = runner.prefix.cache.counters if runner.prefix is not None else None
-    assert counters is not None and counters.hits >= 12 and counters.tokens_reused > 1000, counters
+    assert counters is not None and counters.hits >= 8 and counters.tokens_reused > 800, counters
     assert any(h.cached == len(p) for h, p in zip(hot, prompts, strict=True)), "no whole-prompt hit"
     assert any(0 < h.cached < len(p) for h, p in zip(hot, prompts, strict=True)), "no block hit"
     assert_same_bits(hot, cold(dtype, prompts, hot))
