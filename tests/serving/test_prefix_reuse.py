@@ -103,6 +103,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], *, together: bool = Fal
                 assert done[i].wait(120), f"request {i} never finished"
         assert all(d.wait(120) for d in done), "a request never finished"
         engine.check_integrity()
+        assert engine.health_tracker.restarts == 0, engine.health_tracker.last_restart_reason
     finally:
         Scheduler._admit = admit  # type: ignore[method-assign]
         engine.stop()

@@ -90,6 +90,10 @@ def serve(runner: ModelRunner, tokenizer: Any, prompts: list[list[int]], params:
             if not all(d.wait(WAIT_S) for d in done):
                 raise RuntimeError(f"a request did not finish within {WAIT_S:.0f} s")
             engine.check_integrity()
+            health = engine.health_tracker
+            if health.restarts:  # the supervisor brought the loop back with fresh caches: a step failed
+                raise RuntimeError(f"the engine restarted {health.restarts} time(s) while serving the prefix family "
+                                   f"(last: {health.last_restart_reason})")
         finally:
             engine.stop()
     out = []
