@@ -8,6 +8,7 @@ advances each by one token. Token positions are tracked here; the scheduler only
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -289,6 +290,18 @@ class ModelRunner:
         owners = set(self.kv_cache.owners)
         if owners != set(self._seqs):
             raise CacheError(f"page owners {sorted(owners)} != running sequences {sorted(self._seqs)}")
+        if isinstance(self.kv_cache, SharedLatentCache):
+            self._check_write_targets(self.kv_cache)
+
+    def _check_write_targets(self, kv: SharedLatentCache) -> None:
+        """No page a sequence will still write (from the one holding its next position on) is in another
+        sequence's table: a prefix's shared pages lie wholly before the position a sequence resumed at."""
+        tables = {sid: kv.table(sid) for sid in self._seqs}
+        in_tables = Counter(p for t in tables.values() for p in t)
+        for sid, seq in self._seqs.items():
+            shared = [p for p in tables[sid][seq.cached // kv.page_size:] if in_tables[p] > 1]
+            if shared:
+                raise CacheError(f"sequence {sid} will write page(s) {shared} that another sequence holds too")
 
     def _get(self, seq_id: int) -> SequenceCache:
         if seq_id not in self._seqs:

@@ -19,6 +19,7 @@ import torch
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.presets import get_preset
 from k3verify.serving.engine import Engine, EngineEvent
+from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.prefix_reuse import PrefixSettings
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.sampler import SamplingParams
@@ -207,3 +208,18 @@ def test_entries_are_isolated_per_key_only_when_asked(per_key: bool) -> None:
     runner = make_runner(torch.float32, prefix=PrefixSettings(grid=128, per_key=per_key))
     got = [s.cached for s in serve(runner, [prompt] * 3, keys=["key-a", "key-b", "key-a"])]
     assert got == ([0, 0, len(prompt)] if per_key else [0, len(prompt), len(prompt)])
+
+
+def test_integrity_refuses_a_shared_page_a_sequence_will_write() -> None:
+    """Sharing pages that lie wholly before the resume position is fine; sharing the page a sequence writes next
+    (what skipping copy-on-write leaves) is an integrity failure naming the sequence and the page."""
+    runner = make_runner(torch.float32, prefix=PrefixSettings(grid=128))
+    runner.admit(1, 80)
+    runner.prefill([(1, list(range(1, 65)))])  # its first 4 pages written: it writes from page #4 on
+    table = runner.kv_cache.table(1)
+    runner.admit(2, 64, shared=table[:2], cached=32)
+    runner.check_integrity()
+    runner.release(2)
+    runner.admit(3, 64, shared=table[:2], cached=20)
+    with pytest.raises(CacheError, match=f"sequence 3 will write page\\(s\\) \\[{table[1]}\\] that another sequence"):
+        runner.check_integrity()

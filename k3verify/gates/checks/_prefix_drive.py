@@ -68,7 +68,8 @@ def serve(runner: ModelRunner, tokenizer: Any, prompts: list[list[int]], params:
           eos: tuple[int, ...], vocab_size: int, together: bool = False, max_step_tokens: int = 1024,
           forced: list[tuple[int, ...]] | None = None) -> list[Served]:
     """Each prompt served (one at a time unless `together`) with its SamplingParams; integrity checked after."""
-    engine = Engine(runner, tokenizer, eos_token_ids=eos, vocab_size=vocab_size, max_step_tokens=max_step_tokens)
+    engine = Engine(runner, tokenizer, eos_token_ids=eos, vocab_size=vocab_size, max_step_tokens=max_step_tokens,
+                    debug=True)  # the runner's integrity after every step: a shared page written fails there
     events: list[list[EngineEvent]] = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
     seqs: list[int] = []

@@ -3,7 +3,8 @@ served cold, and nothing cached survives a change of the weights.
 
 - serving.prefix.hit_equals_cold: prompts built to catch each wrong cache are served one at a time with the cache
   on (snapshot budget of a few entries, a page pool the cache must give back), then some together with sampling
-  seeds (two of them the same cached prompt, whose partial last page both would write); the reference serves each
+  seeds (two of them the same cached prompt, whose partial last page both would write, one steered to another
+  token); the reference serves each
   prompt alone and cold, its prefill cut where the request's was (its cached prefix's cuts included). One at a
   time: tokens and logprobs bit for bit; together: tokens (batched GEMMs of other row counts round differently).
   The family: branches of one prefix in the middle of a block and on its edge, a prompt one token off inside its
@@ -31,6 +32,7 @@ from k3verify.serving.sampler import SamplingParams
 
 NEW = 4  # generated tokens per request
 PAGE = 16
+STEER = 7  # the token the second request sent together is steered to
 SNAPSHOTS = 10  # the snapshot budget, in snapshots: small enough that the family evicts
 
 
@@ -79,7 +81,12 @@ def _greedy(n: int) -> list[SamplingParams]:
 
 
 def _sampled(n: int) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=NEW + 4, temperature=1.0, seed=101 + i, ignore_eos=True) for i in range(n)]
+    """The requests sent together: sampled with their own seeds, except the second, steered by logit_bias to
+    another token than the first's, so the two resuming from one whole-prompt entry surely write different
+    latents at its end (a toy model's distribution can be so peaked that two seeds draw the same token)."""
+    out = [SamplingParams(max_tokens=NEW + 4, temperature=1.0, seed=101 + i, ignore_eos=True) for i in range(n)]
+    out[1] = SamplingParams(max_tokens=NEW + 4, temperature=0.0, ignore_eos=True, logit_bias=((STEER, 100.0),))
+    return out
 
 
 def _run(ctx: CheckContext, alone: list[list[int]], together: list[list[int]],
