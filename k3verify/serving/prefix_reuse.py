@@ -35,10 +35,10 @@ DEFAULT_SNAPSHOTS = 64  # snapshots (of a slot's state and windows, with a logit
 
 @dataclass(frozen=True)
 class PrefixSettings:
-    """How the engine caches prefixes: on/off, the snapshot budget in bytes (None: DEFAULT_SNAPSHOTS snapshots),
+    """How the engine caches prefixes: the snapshot budget (in snapshots, or in bytes when budget_bytes is set),
     the sparse grid, and whether entries are isolated per API key."""
 
-    enabled: bool = True
+    snapshots: int = DEFAULT_SNAPSHOTS
     budget_bytes: int | None = None
     grid: int = GRID
     per_key: bool = False
@@ -76,7 +76,7 @@ class PrefixReuse:
         self.pool, self.params, self.weights, self.settings = pool, list(params), weights, settings
         self.vocab_size = vocab_size
         self.one_snapshot = snapshot_bytes(pool, vocab_size)
-        budget = settings.budget_bytes if settings.budget_bytes is not None else DEFAULT_SNAPSHOTS * self.one_snapshot
+        budget = settings.budget_bytes if settings.budget_bytes is not None else settings.snapshots * self.one_snapshot
         self.cache = PrefixCache(kv, block=BLOCK, grid=settings.grid, budget_bytes=budget)
         self._keys: dict[int, tuple[list[int], bytes, tuple[int, ...]]] = {}  # seq -> prompt, root, points
 
