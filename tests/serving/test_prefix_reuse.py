@@ -159,7 +159,7 @@ def test_hits_give_the_cold_bits_in_the_same_segments(dtype: torch.dtype) -> Non
 
 def test_hits_under_snapshot_and_page_eviction_give_the_cold_bits() -> None:
     """A budget of 3 snapshots and a page pool the cache must give back to admit: still the cold bits."""
-    prompts = family(2, 16)
+    prompts = family(2, 12)
     runner = make_runner(torch.float32, prefix=PrefixSettings(grid=128), num_pages=48)
     assert runner.prefix is not None
     runner.prefix.cache.budget_bytes = 3 * runner.prefix.one_snapshot
@@ -171,7 +171,7 @@ def test_hits_under_snapshot_and_page_eviction_give_the_cold_bits() -> None:
 
 
 def test_hits_with_speculative_decoding_give_the_cold_bits() -> None:
-    prompts = family(3, 8)
+    prompts = family(3, 6)
     runner = make_runner(torch.float32, prefix=PrefixSettings(grid=128))
     hot = serve(runner, prompts, speculate=True)
     assert runner.prefix is not None and runner.prefix.cache.counters.hits >= 3
