@@ -226,6 +226,7 @@ def serve_in_process(opts: ServeOptions, engine: Engine, tokenizer: KimiTokenize
 
     metrics = ServerMetrics()
     engine.observer = metrics
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=opts.api_key, metrics=metrics,
                      allowed_hosts=hosts_for(opts))
     print(f"k3verify serve: http://{opts.host}:{opts.port}/v1 (model {model_name!r}); {describe_server_impl()}, "

@@ -236,6 +236,7 @@ def engine_main(fd: int) -> int:
         return 1
     engine, metrics = built.engine, EngineMetrics()
     engine.observer = metrics
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     engine.start()
     hello = EngineHello(engine.limits, engine_state(engine), built.tokenizer_bytes.load, built.target.digest)
     with contextlib.suppress(FileNotFoundError):

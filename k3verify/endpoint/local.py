@@ -37,6 +37,7 @@ def serve_locally(target: Target, dtype: torch.dtype, device: torch.device, *, n
                     graphs=graphs)
     observer = EngineMetrics()
     engine.observer = observer
+    observer.watch_prefix_cache(lambda: runner.prefix)
     config = api_config(engine.start(), files.load, target.name)
     try:
         with ApiProcess(engine, config, observer.render) as api:  # the HTTP server in its own process, as serve runs
