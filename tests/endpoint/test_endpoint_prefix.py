@@ -1,12 +1,14 @@
 """endpoint.prefix.reuse: a server whose answers change once a prompt's first block was seen before (as a prefix
 cache restoring the wrong state answers) fails, naming the prompt, the request and the position; our own server
-passes it (test_endpoint_parity.py runs every endpoint check against it)."""
+passes it (test_endpoint_parity.py runs every endpoint check against it) and reports its cache in usage and on
+/metrics."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import httpx
 from endpoint_fakes import proxy_app
 from test_endpoint_parity import by_id, parity, served
 
@@ -48,3 +50,18 @@ def test_a_prefix_served_from_a_wrong_cached_state_fails_naming_prompt_and_posit
     assert any(n.startswith("request 6 (alone): prompt prefix+a") and f"at position {AT} where its first answer" in n
                for n in notes), notes
     assert not any(n.startswith(("request 1 ", "request 3 ", "request 7 ")) for n in notes), notes  # short prompts
+
+
+def test_usage_reports_cached_tokens_and_metrics_count_the_hit() -> None:
+    """Our server (prefix cache on by default): a prompt sent twice reports 0 cached prompt tokens, then all of
+    them (a whole-prompt hit); /metrics counts one hit, one miss and the reused tokens."""
+    prompt = list(range(100, 100 + BLOCK + 6))
+    body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    with served() as url:
+        answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=120).json() for _ in range(2)]
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert cached == [0, len(prompt)] and answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+    assert "k3v_prefix_cache_hits_total 1.0" in metrics, metrics
+    assert f"k3v_prefix_cache_tokens_reused_total {float(len(prompt))}" in metrics, metrics
+    assert 'k3v_prefix_cache_misses_total{reason="no_match"} 1.0' in metrics, metrics
