@@ -56,12 +56,18 @@ def _hooks(runner: ModelRunner, forced: list[tuple[int, ...]] | None) -> Iterato
         add(self, seq)
 
     setattr(runner, "release", record)  # noqa: B010 (an instance attribute shadows the method)
-    Scheduler._admit, Scheduler.add = admit_recording, add_forced  # type: ignore[method-assign]
+    _swap(admit_recording, add_forced)
     try:
         yield cuts, cached
     finally:
-        Scheduler._admit, Scheduler.add = admit, add  # type: ignore[method-assign]
+        _swap(admit, add)
         delattr(runner, "release")
+
+
+def _swap(admit: Callable[[Scheduler, ScheduledSeq], None], add: Callable[[Scheduler, ScheduledSeq], None]) -> None:
+    """The scheduler's admission and queueing, replaced for the checks' recording (restored after)."""
+    setattr(Scheduler, "_admit", admit)  # noqa: B010 (the class's methods, swapped while the driver runs)
+    setattr(Scheduler, "add", add)  # noqa: B010
 
 
 def serve(runner: ModelRunner, tokenizer: Any, prompts: list[list[int]], params: list[SamplingParams], *,
