@@ -102,13 +102,14 @@ class ApiConfig:
 
 def pack_event(rid: int, ev: EngineEvent) -> tuple[Any, ...]:
     return (rid, ev.text, ev.token_ids, ev.logprobs, ev.finish_reason, ev.error, ev.code, ev.prompt_tokens,
-            ev.completion_tokens)
+            ev.completion_tokens, ev.cached_tokens)
 
 
 def unpack_event(item: tuple[Any, ...]) -> tuple[int, EngineEvent]:
-    rid, text, ids, lps, finish, error, code, prompt_tokens, completion_tokens = item
+    rid, text, ids, lps, finish, error, code, prompt_tokens, completion_tokens, cached_tokens = item
     return rid, EngineEvent(text=text, token_ids=ids, logprobs=lps, finish_reason=finish, error=error, code=code,
-                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            cached_tokens=cached_tokens)
 
 
 def engine_state(engine: Engine) -> EngineState:

@@ -7,7 +7,9 @@ health so no client hangs on a dead engine, and the engine request is aborted ho
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import hashlib
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -134,11 +136,22 @@ def engine_error(engine: ServedEngine, event: EngineEvent) -> APIError:
     return APIError(500, str(event.error), type="server_error", code=event.code)
 
 
+def bearer_digest(request: Request) -> str | None:
+    """The prefix cache's key of a request: a digest of its bearer token (None without one). The engine keeps
+    entries apart by it only under `serve --prefix-cache-per-key`."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return hashlib.sha256(token.strip().encode()).hexdigest()
+
+
 async def generate(state: ServerState, request: Request, prompt_ids: list[int], params: SamplingParams,
                    renderer: Renderer, *, stream: bool, prompt_param: str) -> Response:
     """Run one request: an SSE stream when `stream`, else one JSON body (499 if the client left first)."""
     engine = state.engine
     events = EventStream(engine, asyncio.get_running_loop())
+    params = dataclasses.replace(params, cache_key=bearer_digest(request))
     seq_id = submit(engine, prompt_ids, params, events, prompt_param)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     if stream:

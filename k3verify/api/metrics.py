@@ -1,7 +1,8 @@
 """Prometheus metrics, on registries of their own (several servers can share a process).
 
 EngineMetrics is what the engine observes (load, TTFT, inter-token latency, restarts, non-finite failures, and with
-`serve --speculative` the speculator's drafted / accepted tokens, score passes, auto-off and cost-policy declines), kept
+`serve --speculative` the speculator's drafted / accepted tokens, score passes, auto-off and cost-policy declines, and
+the prefix cache's hits, misses, reused tokens, snapshots and evictions), kept
 where the engine runs; ServerMetrics is what the HTTP side counts (requests, tokens), and renders both: the
 engine's from its own EngineMetrics in one process, or as text fetched from the engine's process when the HTTP
 server runs in a process of its own (api/engine_link.py).
@@ -13,10 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
+    from k3verify.serving.prefix_reuse import PrefixReuse
     from k3verify.serving.spec.step import SpecCounters
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -48,6 +50,35 @@ class _SpeculationCollector:
             yield CounterMetricFamily(name, doc, value=getattr(self.counters, field))
 
 
+class _PrefixCacheCollector:
+    """The prefix cache's totals (hits, misses by reason, prompt tokens reused, evictions) and holdings (snapshots,
+    their bytes, the budget), read from the engine's cache when scraped; none while the cache is off."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], PrefixReuse | None] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        reuse = self.source() if self.source is not None else None
+        if reuse is None:
+            return
+        cache, c = reuse.cache, reuse.cache.counters
+        yield CounterMetricFamily("k3v_prefix_cache_hits", "Requests that resumed from a cached prefix", value=c.hits)
+        misses = CounterMetricFamily("k3v_prefix_cache_misses", "Requests that found no cached prefix, by reason",
+                                     labels=["reason"])
+        for reason, n in sorted(dict(c.misses).items()):
+            misses.add_metric([reason], n)
+        yield misses
+        yield CounterMetricFamily("k3v_prefix_cache_tokens_reused", "Prompt tokens served from the prefix cache",
+                                  value=c.tokens_reused)
+        yield CounterMetricFamily("k3v_prefix_cache_evictions", "Prefix-cache entries evicted (budget or pages)",
+                                  value=c.evictions)
+        yield GaugeMetricFamily("k3v_prefix_cache_snapshots", "KDA state snapshots held", value=cache.num_snapshots)
+        yield GaugeMetricFamily("k3v_prefix_cache_snapshot_bytes", "Bytes of the KDA state snapshots held",
+                                value=cache.snapshot_bytes)
+        yield GaugeMetricFamily("k3v_prefix_cache_budget_bytes", "The snapshot budget in bytes",
+                                value=cache.budget_bytes)
+
+
 class EngineMetrics:
     """Engine load, restarts, non-finite failures, TTFT and inter-token latency (the engine's Observer)."""
 
@@ -65,6 +96,8 @@ class EngineMetrics:
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self.speculation = _SpeculationCollector()
         self.registry.register(self.speculation)
+        self.prefix_cache = _PrefixCacheCollector()
+        self.registry.register(self.prefix_cache)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -84,6 +117,10 @@ class EngineMetrics:
 
     def watch_speculation(self, counters: SpecCounters) -> None:
         self.speculation.counters = counters
+
+    def watch_prefix_cache(self, source: Callable[[], PrefixReuse | None]) -> None:
+        """Where the engine's prefix cache is (the runner rebuilds it with its caches), read at every scrape."""
+        self.prefix_cache.source = source
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -133,6 +170,9 @@ class ServerMetrics:
 
     def watch_speculation(self, counters: SpecCounters) -> None:
         self._observer().watch_speculation(counters)
+
+    def watch_prefix_cache(self, source: Callable[[], PrefixReuse | None]) -> None:
+        self._observer().watch_prefix_cache(source)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -20,10 +20,15 @@ SSE_DONE = "data: [DONE]\n\n"
 _TEMPLATE_TEXT = "\x00k3v-text\x00"  # a text no JSON key or value of a chunk contains (json.dumps: "\u0000...")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (docs/prefix-caching.md)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -186,7 +191,8 @@ class Renderer:
             # The engine finishes with "stop" or "length" only (and pydantic checks it again on rendering).
             self.finish_reason = cast(FinishReason | None, event.finish_reason)
             self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                               total_tokens=event.prompt_tokens + event.completion_tokens)
+                               total_tokens=event.prompt_tokens + event.completion_tokens,
+                               prompt_tokens_details=PromptTokensDetails(cached_tokens=event.cached_tokens))
 
     def start(self) -> list[dict[str, Any]]:
         return []

@@ -39,6 +39,7 @@ from k3verify.errors import UsageError
 from k3verify.gates.trust.lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
+from k3verify.serving.prefix_reuse import DEFAULT_SNAPSHOTS
 from k3verify.serving.spec.step import SPEC_DRAFTERS
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
@@ -91,6 +92,14 @@ def register(subparsers: Subparsers) -> None:
                         "sequences, longest prompt), captured on a bucket's second use (default off: no served "
                         "speed-up measured yet)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt from token 0 (default: resume shared prompt prefixes from the prefix "
+                        "cache, docs/prefix-caching.md; one rank only)")
+    p.add_argument("--prefix-cache-per-key", action="store_true",
+                   help="keep prefix-cache entries apart per bearer token (default: shared by every request)")
+    p.add_argument("--prefix-snapshots", type=int, default=DEFAULT_SNAPSHOTS, metavar="N",
+                   help=f"the prefix cache's snapshot budget in snapshots (default {DEFAULT_SNAPSHOTS}; "
+                        "`k3verify plan --prefix-snapshots N` sizes it)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
                         "prefill sizes run before the port opens, so no first request pays Triton compiles)")
@@ -227,6 +236,7 @@ def serve_in_process(opts: ServeOptions, engine: Engine, tokenizer: KimiTokenize
 
     metrics = ServerMetrics()
     engine.observer = metrics
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=opts.api_key, metrics=metrics,
                      allowed_hosts=hosts_for(opts))
     print(f"k3verify serve: http://{opts.host}:{opts.port}/v1 (model {model_name!r}); {describe_server_impl()}, "

@@ -36,6 +36,7 @@ from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.parallel.world import ServingWorld
 from k3verify.serving.prefill_graphs import prefill_graphs_for
+from k3verify.serving.prefix_reuse import PrefixSettings
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
@@ -151,12 +152,27 @@ def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = Fals
     except WeightLoadError as exc:
         raise UsageError(f"cannot serve {target.checkpoint_dir}: {exc}") from exc
     served.snapshot.drop_shards()  # the model holds its own copy now
+    _prefix_cache(opts, runner, target, layout.world)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_step_tokens=opts.max_step_tokens, graphs=graphs, debug=opts.debug,
                     health_policy=health_policy(opts), admit_quiet_s=opts.admit_quiet_ms / 1e3,
                     admit_max_hold_s=opts.admit_max_hold_ms / 1e3,
                     speculator=_speculator(opts, runner), prefill_graphs=prefill_graphs)
     return BuiltEngine(engine, tokenizer, tokenizer_bytes, target, world)
+
+
+def _prefix_cache(opts: ServeOptions, runner: ModelRunner, target: Any, world: int) -> None:
+    """On unless --no-prefix-cache, on one rank: a parallel world's ranks do not replay the snapshots yet."""
+    if opts.no_prefix_cache:
+        return
+    if opts.prefix_snapshots < 0:
+        raise UsageError(f"--prefix-snapshots must be >= 0; got {opts.prefix_snapshots}")
+    if world > 1:
+        log.warning("prefix cache off: %d ranks do not replay its snapshots yet (serve on one rank to reuse prefixes)",
+                    world)
+        return
+    runner.enable_prefix_cache(target.digest, target.cfg.vocab_size,
+                               PrefixSettings(snapshots=opts.prefix_snapshots, per_key=opts.prefix_cache_per_key))
 
 
 def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | None:
@@ -224,6 +240,7 @@ def engine_main(fd: int) -> int:
         engine.health_tracker.record_process_restarts(restarts, "the engine's process died and the supervisor "
                                                                 "restarted it")
         metrics.restarts.inc(restarts)
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     engine.start()
     hello = EngineHello(engine.limits, engine_state(engine), built.tokenizer_bytes.load, built.target.digest)
     with contextlib.suppress(FileNotFoundError):

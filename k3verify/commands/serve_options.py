@@ -47,6 +47,9 @@ class ServeOptions:
     api_in_process: bool
     tp: int
     ep: int
+    no_prefix_cache: bool = False
+    prefix_cache_per_key: bool = False
+    prefix_snapshots: int = 64  # serving/prefix_reuse.py DEFAULT_SNAPSHOTS (serve's parser passes it)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:

@@ -23,6 +23,7 @@ from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
+from k3verify.serving.prefix_pages import SharedLatentCache
 from k3verify.serving.spec.arena import ScorePass
 from k3verify.serving.state_cache import KDAStatePool
 
@@ -86,7 +87,7 @@ class ServingModel(nn.Module):
         return self
 
     def allocate_caches(self, num_pages: int, page_size: int, num_slots: int) -> None:
-        self.kv_cache = PagedLatentCache(self.cfg, num_pages, page_size, self.dtype, self.device)
+        self.kv_cache = SharedLatentCache(self.cfg, num_pages, page_size, self.dtype, self.device)
         self.state_pool = KDAStatePool(self.cfg, num_slots, self.device)
 
     @torch.no_grad()

@@ -84,6 +84,7 @@ class RequestBook:
         self.requests.pop(req.seq_id, None)
         self.scheduler.finish(req.seq_id)
         event.completion_tokens = len(req.output_ids)
+        event.cached_tokens = req.num_cached
         self.emit(req, event)
 
     def emit(self, req: Request, event: EngineEvent) -> None:

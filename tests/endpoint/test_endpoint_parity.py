@@ -23,7 +23,8 @@ from k3verify.target import resolve_target
 
 ENDPOINT_CHECKS = {"endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt",
                    "endpoint.chat.template", "endpoint.stop.strings", "endpoint.stop.eos",
-                   "endpoint.stream.identity", "endpoint.batch.invariance", "endpoint.repeat.identity"}
+                   "endpoint.stream.identity", "endpoint.batch.invariance", "endpoint.repeat.identity",
+                   "endpoint.prefix.reuse"}
 
 
 def parity(report: Path, *args: str, preset: str = "k3-tiny") -> tuple[int, dict[str, Any]]:

@@ -110,7 +110,7 @@ def test_kimi_linear_deviation_is_named_and_passes_once_accepted(kl_server: Runn
     assert code == 0 and data["summary"]["verdict"] == "pass", data["summary"]
     for check in ("endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.stream.identity",
                   "endpoint.stop.strings", "endpoint.stop.eos", "endpoint.batch.invariance",
-                  "endpoint.repeat.identity"):
+                  "endpoint.repeat.identity", "endpoint.prefix.reuse"):
         assert results[check]["status"] == "pass", (check, results[check]["reason"])
     assert results["endpoint.logprobs.prompt"]["status"] == "skipped"  # llama-server ignores echo
     endpoint = data["run"]["endpoint"]
@@ -126,13 +126,17 @@ def test_a_repeated_short_prompt_from_the_prompt_cache_fails(llamacpp: LlamaCpp,
                                                              tmp_path: Path) -> None:
     """llama-server with its prompt cache on (its default) answers a greedy request with a prompt of three tokens
     differently the second time: its cache restores a KDA state that is not the one after the prompt. Everything
-    else passes (the deviation accepted); endpoint.repeat.identity fails and names the prompt and the position."""
+    else passes (the deviation accepted); endpoint.repeat.identity fails and names the prompt and the position, and
+    so does endpoint.prefix.reuse (the prefix check any server is held to) on its repeated 3-token prompt."""
     with llama_server(llamacpp, kl_gguf, log=tmp_path / "server.log") as server:
         code, data = parity(tmp_path / "report", server.url, *ACCEPT_L2, target=("--checkpoint", str(kl_checkpoint)))
     failed = {r["id"]: r for r in data["results"] if r["status"] == "fail"}
-    assert code == 1 and list(failed) == ["endpoint.repeat.identity"], list(failed)
+    assert code == 1 and set(failed) == {"endpoint.repeat.identity", "endpoint.prefix.reuse"}, list(failed)
     notes = failed["endpoint.repeat.identity"]["notes"]
     assert any("prompt 0 (3 tokens): the repeat answers" in n for n in notes), notes
+    notes = failed["endpoint.prefix.reuse"]["notes"]
+    assert any(n.startswith("request ") and "prompt short (3 tokens" in n and " at position " in n
+               for n in notes), notes
 
 
 def scale_tensor(src: Path, dst: Path, name: str, factor: float) -> None:
