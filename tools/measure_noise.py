@@ -38,7 +38,10 @@ def measure_preset(preset: str, device: str, only: list[str] | None = None, kept
     target = resolve_target(preset, None)
     factory = make_context_factory(target, device=device, seed=noise.RECORDED_SEED, suite="full", measure_noise=True)
     checks: dict[str, Any] = {}
-    if only and kept is not None and kept.get("digest") == target.digest:
+    if only and kept is not None and kept.get("digest") != target.digest:
+        return dict(kept), [], [f"{preset}: recorded for digest {kept.get('digest')}, this checkpoint is "
+                                f"{target.digest}: measure the whole preset (no --only)"]
+    if only and kept is not None:
         checks = {cid: v for cid, v in kept.get("checks", {}).items()
                   if not any(fnmatch.fnmatchcase(cid, pattern) for pattern in only)}
     rows: list[tuple[str, ...]] = []

@@ -17,12 +17,12 @@ import torch
 from k3verify.commands import Subparsers
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.errors import UsageError
+from k3verify.plan.device_fit import KNOWN_CARDS, device_memory_gib
 from k3verify.plan.memory import EXPERT_MODES, PlanRequest, RankPlan, plan
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 
 GIB = 2**30
-H200_GIB = 140.0  # what torch reports for one H200 (141 GB of HBM3e, less the driver's reserve)
 MEASURE_TOLERANCE = 0.10
 
 
@@ -41,7 +41,8 @@ def register(subparsers: Subparsers) -> None:
                    help="new tokens in one prefill step (default min(context, 8192))")
     p.add_argument("--experts", choices=EXPERT_MODES, default="packed",
                    help="MXFP4 experts kept packed, or with the bf16 copy the grouped-GEMM path caches")
-    p.add_argument("--gpu-memory-gib", type=float, default=H200_GIB, metavar="G")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                   help=f"one card's memory (default: read from this machine's CUDA device; {KNOWN_CARDS})")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--measure", action="store_true", help="GPU: run the step and compare with the plan")
     p.set_defaults(func=run_plan)
@@ -105,6 +106,11 @@ def run_plan(args: argparse.Namespace) -> int:
         ranks = plan(cfg, req)
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
+    if args.gpu_memory_gib is None:
+        try:
+            args.gpu_memory_gib = device_memory_gib()
+        except ValueError as exc:
+            raise UsageError(f"--gpu-memory-gib: {exc}") from None
     print(render(name, req, ranks, args.gpu_memory_gib))
     if args.json is not None:
         data: dict[str, Any] = {"model": name, "request": {**vars(req), "dtype": str(req.dtype)},

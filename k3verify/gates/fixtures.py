@@ -23,6 +23,7 @@ from k3verify.gates.route_pin import PinStats, RouteRecord, pin_routes, record_r
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
+from k3verify.plan.device_fit import device_memory_gib, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
@@ -109,6 +110,9 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
         ctx.serving_dtypes.add(_dtype_name(dtype))
     if key not in ctx.cache:
         cfg = serving_config(ctx)
+        if ctx.device.type == "cuda":  # say it before the allocator does
+            require_fit(f"a serving model in {_dtype_name(dtype)}", whole_model_bytes(cfg, dtype),
+                        device_memory_gib(ctx.device), "a card with more memory, or --dtype bfloat16")
         ctx.cache[key] = ServingModel(cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
     model.attn_res_storage = "prealloc"
