@@ -18,6 +18,7 @@ from torch import nn
 from k3verify.checkpoint.loader import load_into
 from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
+from k3verify.gates.evidence import SIZE_SKIP
 from k3verify.gates.gate import CheckContext, SkipCheck
 from k3verify.gates.route_pin import PinStats, RouteRecord, pin_routes, record_routes
 from k3verify.kernels.registry import REGISTRY, TORCH
@@ -93,7 +94,7 @@ def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> Non
     """Skip (with the sizes printed) a check that would build `what` whole in `dtype` at real size."""
     need = whole_model_bytes(ctx.cfg, dtype)
     if need > WHOLE_MODEL_BYTES:
-        raise SkipCheck(f"real size: {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
+        raise SkipCheck(f"{SIZE_SKIP} {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
                         f"{WHOLE_MODEL_BYTES / 1e9:.1f} GB a check may build whole); model.layerwise.sublayers checks "
                         "every layer against the oracle one layer at a time instead")
 
