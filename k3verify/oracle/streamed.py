@@ -73,7 +73,8 @@ class StreamedReference:
             raise ValueError(f"the streamed reference takes one sequence of ids [T]; got {tuple(input_ids.shape)}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        model, captures = self.ref.model, ({} if capture else None)
+        model = self.ref.model
+        captures: dict[str, torch.Tensor] | None = {} if capture else None
         self._load("model.embed_tokens.", model.embed_tokens)
         carry = model.start(model.embed_tokens.weight[input_ids.to(self.device)])
         self._drop(model.embed_tokens)
