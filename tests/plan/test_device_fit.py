@@ -19,7 +19,7 @@ def test_require_fit_names_need_card_and_hint() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA device")
 def test_plan_without_a_card_asks_for_its_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--preset", "kl-48b-8l"]) == 2
+    assert main(["plan", "--preset", "kl-tiny", "--context", "4096"]) == 2
     assert "no CUDA device here" in capsys.readouterr().err
-    assert main(["plan", "--preset", "kl-48b-8l", "--context", "131072", "--gpu-memory-gib", "79.1"]) == 0
+    assert main(["plan", "--preset", "kl-tiny", "--context", "4096", "--gpu-memory-gib", "79.1"]) == 0
     assert "fits 79.1 GiB" in capsys.readouterr().out
