@@ -64,10 +64,13 @@ def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str
 
 
 @torch.no_grad()
-def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors into `module` (cast to each parameter's dtype), strictly."""
-    state = module.state_dict(keep_vars=True)
-    plan = plan_sources(cfg, list(tensors.keys()), list(state.keys()))
+def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Copy checkpoint tensors into `module` (cast to each parameter's dtype), strictly. With `prefix`, only the
+    module tensors named under it and the checkpoint tensors that map there (one layer of a streamed model:
+    the whole name map is checked once by `plan_sources` over every name)."""
+    state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
+    names = list(tensors.keys()) if not prefix else [n for n in tensors.keys() if _maps_under(cfg, n, prefix)]
+    plan = plan_sources(cfg, names, list(state.keys()))
     group = cfg.quant.group_size if cfg.quant is not None else mxfp4.GROUP
     for mod_name, sources in plan.items():
         dest = state[mod_name]
@@ -81,6 +84,14 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
         if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
             raise WeightLoadError(f"{sources[0]} must be uint8 for {mod_name}; got {value.dtype}")
         dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
+def _maps_under(cfg: ModelConfig, name: str, prefix: str) -> bool:
+    try:
+        mod = to_module_name(cfg, name)
+    except KeyError:
+        return False
+    return mod is not None and mod.startswith(prefix)
 
 
 def check_finite(source: str, mod_name: str, value: torch.Tensor, *, stored: bool = False) -> None:

@@ -18,13 +18,13 @@ import torch
 from k3verify.commands import Subparsers
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.errors import UsageError
+from k3verify.plan.device_fit import KNOWN_CARDS, device_memory_gib
 from k3verify.plan.memory import EXPERT_MODES, PlanRequest, RankPlan, plan
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.serving.prefix_reuse import DEFAULT_SNAPSHOTS
 
 GIB = 2**30
-H200_GIB = 140.0  # what torch reports for one H200 (141 GB of HBM3e, less the driver's reserve)
 MEASURE_TOLERANCE = 0.10
 
 
@@ -46,7 +46,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--prefix-snapshots", type=int, default=DEFAULT_SNAPSHOTS, metavar="N",
                    help=f"the prefix cache's snapshot budget, in snapshots (serve's default {DEFAULT_SNAPSHOTS}; 0: "
                         "--no-prefix-cache)")
-    p.add_argument("--gpu-memory-gib", type=float, default=H200_GIB, metavar="G")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                   help=f"one card's memory (default: read from this machine's CUDA device; {KNOWN_CARDS})")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--measure", action="store_true", help="GPU: run the step and compare with the plan")
     p.set_defaults(func=run_plan)
@@ -113,6 +114,11 @@ def run_plan(args: argparse.Namespace) -> int:
         ranks = plan(cfg, req)
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
+    if args.gpu_memory_gib is None:
+        try:
+            args.gpu_memory_gib = device_memory_gib()
+        except ValueError as exc:
+            raise UsageError(f"--gpu-memory-gib: {exc}") from None
     print(render(name, req, ranks, args.gpu_memory_gib))
     if args.json is not None:
         data: dict[str, Any] = {"model": name, "request": {**vars(req), "dtype": str(req.dtype)},

@@ -31,6 +31,7 @@ from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
 from k3verify.gates.core.binding import read_report_key, source_digest
 from k3verify.gates.trust.lookup import GateWant, lookup_report
+from k3verify.plan.device_fit import DoesNotFit, require_plan_fits
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
@@ -144,11 +145,17 @@ def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = Fals
             world = serve_parallel.start_world(target, opts, layout)
             runner: ModelRunner = world.runner  # decodes eagerly: no graphs over collectives yet
         else:
+            context = (opts.num_pages or 256) * (opts.page_size or 16)
+            require_plan_fits(target.cfg, f"serve --dtype {opts.dtype}", context=context, batch=opts.max_batch,
+                              segment=opts.max_step_tokens, dtype=SERVING_DTYPES[opts.dtype], device=opts.device,
+                              hint="fewer --num-pages or --max-batch, --dtype bfloat16, or more GPUs (--tp/--ep)")
             runner = build_runner(target.cfg, served.weights(), dtype=SERVING_DTYPES[opts.dtype],
                                   device=torch.device(opts.device), num_slots=opts.max_batch, **cache_kw)
             graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
             if opts.prefill_graphs:
                 prefill_graphs = prefill_graphs_for(runner.model, opts.max_step_tokens, runner.state_pool.num_slots)
+    except DoesNotFit as exc:
+        raise UsageError(str(exc)) from None
     except WeightLoadError as exc:
         raise UsageError(f"cannot serve {target.checkpoint_dir}: {exc}") from exc
     served.snapshot.drop_shards()  # the model holds its own copy now

@@ -194,9 +194,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     Scores in the activation dtype, softmax in fp32 (as eager attention does), cast back.
     `softmax_in_activation` runs the softmax's exp, sum and division in the activation dtype instead."""
-    T = q.shape[1]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [h, T, T]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    h, T = q.shape[0], q.shape[1]
+    block = attention_query_block(h, T)
+    if block >= T:
+        return _attention_rows(q, k, v, 0, scale, softmax_in_activation)
+    out = q.new_empty(h, T, v.shape[-1])
+    for t0 in range(0, T, block):
+        out[:, t0:t0 + block] = _attention_rows(q[:, t0:t0 + block], k, v, t0, scale, softmax_in_activation)
+    return out
+
+
+ATTENTION_MAX_SCORES = 1 << 28  # heads x queries x keys held at once by causal_attention: 1 GiB in fp32
+ATTENTION_MAX_BLOCK = 1024
+
+
+def attention_query_block(heads: int, T: int) -> int:
+    """Queries per block of causal_attention: all T while heads x T x T scores stay within ATTENTION_MAX_SCORES,
+    else blocks of at most ATTENTION_MAX_BLOCK rows, a multiple of 64 (a CPU GEMM's rows then round as in one
+    pass; a sliver of rows would take another kernel)."""
+    most = min(ATTENTION_MAX_BLOCK, ATTENTION_MAX_SCORES // max(1, heads * T))
+    if most >= T:
+        return T
+    if most < 64:
+        return max(1, most)
+    even = -(-T // -(-T // most))
+    return -(-even // 64) * 64
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int, scale: float,
+                    softmax_in_activation: bool) -> torch.Tensor:
+    """Queries t0..t0+B-1 (q [h, B, dq]) against all T keys, the future masked -> [h, B, dv]."""
+    B, T = q.shape[1], k.shape[1]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [h, B, T]
+    future = torch.arange(T, device=q.device)[None, :] > torch.arange(t0, t0 + B, device=q.device)[:, None]
     scores = scores.masked_fill(future, float("-inf"))
     if softmax_in_activation:
         e = (scores - scores.amax(dim=-1, keepdim=True)).exp()

@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 from endpoint_fakes import proxy_app
-from k3verify.gates.checks.endpoint.prefix import BLOCK
 from test_endpoint_parity import by_id, parity, served
 
 from k3verify.api.thread import ServerThread
+from k3verify.gates.checks.endpoint.prefix import BLOCK
 
 SEEN_BLOCKS: set[tuple[int, ...]] = set()
 AT = 2  # the answer position the fake cache gets wrong

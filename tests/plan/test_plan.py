@@ -77,7 +77,7 @@ def test_cached_experts_add_the_bf16_copy() -> None:
 def test_plan_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     rc = main(["plan", "--preset", "k3-slice-4l", "--gpus", "1", "--context", "8192", "--segment", "4096",
-               "--json", str(out)])
+               "--gpu-memory-gib", "79.1", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "| ranks | weights |" in text and "k3-slice-4l: tp=1 ep=1" in text
     data = json.loads(out.read_text())

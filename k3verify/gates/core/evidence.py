@@ -11,8 +11,10 @@ its evidence must have run (passed or failed, not skipped), with enough compared
 - endpoint: in play with any `endpoint.*` check (`--endpoint`); evidence: `endpoint.greedy.tokens` over at least
   16 generated positions, and one `endpoint.logprobs.*` check.
 
-A run with no result that ran at all is inconclusive too. Works on report.json result dicts, so `serve` and every
-report consumer recompute it from the results instead of trusting a stored verdict.
+A run with no result that ran at all is inconclusive too, and so is a run in which any check skipped for size (its
+reason starts with SIZE_SKIP): at real size a check runs whole, layer-streamed or on a stated slice, or the run has
+not verified the model. Works on report.json result dicts, so `serve` and every report consumer recompute it from
+the results instead of trusting a stored verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 RAN = ("pass", "fail", "vacuous", "error")
+SIZE_SKIP = "real size:"  # the reason a check skipped because the model is too large to build whole
 MIN_ENDPOINT_POSITIONS = 16  # two quick-suite answers of 8 tokens: one short answer proves little
 
 
@@ -84,6 +87,11 @@ def missing_evidence(results: Sequence[Mapping[str, Any]]) -> list[str]:
     if not any(r["status"] in RAN for r in results):
         return ["no check ran (every selected check skipped)"]
     reasons = []
+    sized_out = [str(r["id"]) for r in results if r["status"] == "skipped" and
+                 str(r.get("reason") or "").startswith(SIZE_SKIP)]
+    if sized_out:
+        reasons.append(f"{len(sized_out)} check(s) skipped for size, a PASS needs none: {', '.join(sized_out[:6])}"
+                       + (" …" if len(sized_out) > 6 else ""))
     for family in FAMILIES:
         if not any(_matches(str(r["id"]), family.members) for r in results):
             continue

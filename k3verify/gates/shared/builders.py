@@ -19,11 +19,13 @@ from k3verify.checkpoint.loader import load_into
 from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.core.check import CheckContext, SkipCheck
+from k3verify.gates.core.evidence import SIZE_SKIP
 from k3verify.gates.shared.patch import patched
 from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, record_routes
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
+from k3verify.plan.device_fit import device_memory_gib, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
@@ -92,7 +94,7 @@ def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> Non
     """Skip (with the sizes printed) a check that would build `what` whole in `dtype` at real size."""
     need = whole_model_bytes(ctx.cfg, dtype)
     if need > WHOLE_MODEL_BYTES:
-        raise SkipCheck(f"real size: {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
+        raise SkipCheck(f"{SIZE_SKIP} {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
                         f"{WHOLE_MODEL_BYTES / 1e9:.1f} GB a check may build whole); model.layerwise.sublayers checks "
                         "every layer against the oracle one layer at a time instead")
 
@@ -109,6 +111,9 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
         ctx.serving_dtypes.add(_dtype_name(dtype))
     if key not in ctx.cache:
         cfg = serving_config(ctx)
+        if ctx.device.type == "cuda":  # say it before the allocator does
+            require_fit(f"a serving model in {_dtype_name(dtype)}", whole_model_bytes(cfg, dtype),
+                        device_memory_gib(ctx.device), "a card with more memory, or --dtype bfloat16")
         ctx.cache[key] = ServingModel(cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
     model.attn_res_storage = "prealloc"
