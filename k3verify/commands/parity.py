@@ -11,6 +11,7 @@ import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +41,7 @@ from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
 from k3verify.peers.gguf_target import GgufTarget, gguf_target
 from k3verify.peers.gguf_weights import GgufError
+from k3verify.peers.quant_report import quant_report, write_quant_report
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 
@@ -115,6 +117,22 @@ def weights_from(target: Target, gguf: Path | None, dtype_name: str) -> Target:
         return gguf_target(target, gguf)
     except GgufError as exc:
         raise UsageError(f"--weights-from {gguf}: {exc}") from exc
+
+
+def served_quantization(target: GgufTarget, cache: dict[str, object], accepted: list[Any],
+                        report_dir: Path) -> dict[str, Any] | None:
+    """The quantization report of the GGUF on the server's greedy answers (quant.json, quant.html beside the
+    report; its summary for report.json), when the endpoint checks got answers."""
+    answers = [g for g in cast(list[Any], cache.get("endpoint.greedy", [])) if g.tokens]
+    if not answers or target.base is None:
+        return None
+    sequences = [(g.prompt + g.tokens, len(g.prompt)) for g in answers]
+    server = [([s.top for s in g.answer.steps[:len(g.tokens)]], g.tokens) for g in answers]
+    report = quant_report(target.base, target, sequences, server, accepted)
+    write_quant_report(report, report_dir)
+    print(report["headline"])
+    weights = {k: v for k, v in report["weights"].items() if k != "tensors"}
+    return {**report, "weights": weights, "files": ["quant.json", "quant.html"]}
 
 
 def report_key(path: Path | None) -> bytes | None:
@@ -213,6 +231,9 @@ def run_parity(args: argparse.Namespace) -> int:
             run.run.endpoint = endpoint.record()
             if isinstance(target, GgufTarget):
                 run.run.endpoint["weights_from"] = target.describe()
+                quantization = served_quantization(target, cache, endpoint.accepted, args.report_dir)
+                if quantization is not None:
+                    run.run.endpoint["quantization"] = quantization
             explain_ctx = CheckContext(target, device, args.seed, torch.Generator().manual_seed(args.seed), args.suite,
                                        cache, endpoint, dtype=dtype)
             explanation = explain_endpoint(args, run.results, explain_ctx)

@@ -30,6 +30,7 @@ class GgufTarget(Target):
 
     gguf: Path = Path()
     tensors: GgufTensors | None = field(default=None, compare=False, repr=False)
+    base: Target | None = field(default=None, compare=False, repr=False)  # the checkpoint's own target
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         assert self.tensors is not None  # gguf_target() always reads them
@@ -72,7 +73,7 @@ def gguf_target(target: Target, gguf: str | Path) -> GgufTarget:
                 raise GgufError(f"{path}: the tensor for {name}: {_why(one)}")
     digest = hashlib.sha256(f"{target.digest}\n{file_sha256(path)}".encode()).hexdigest()
     return GgufTarget(target.cfg, target.name, target.preset, target.checkpoint_dir, digest, target.names,
-                      gguf=path, tensors=tensors)
+                      gguf=path, tensors=tensors, base=target)
 
 
 def _why(kind: str) -> str:
