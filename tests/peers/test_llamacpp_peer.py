@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_checkpoint import write_hf_checkpoint
+from gguf_helpers import gguf_module
 
 from k3verify.cli import main
 from k3verify.gates.report import load_report
@@ -28,20 +27,6 @@ def by_id(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in data["results"]}
 
 
-@pytest.fixture(scope="module")
-def kl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """transformers' save_pretrained of a tiny Kimi-Linear, one head count for KDA and MLA (llama.cpp's graph
-    assumes it), the dense MLP under the released checkpoints' name."""
-    out = tmp_path_factory.mktemp("kl") / "checkpoint"
-    write_hf_checkpoint(out, kda_heads=4, released_spelling=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def kl_gguf(llamacpp: LlamaCpp, kl_checkpoint: Path) -> Path:
-    return llamacpp.convert(kl_checkpoint, kl_checkpoint.parent / "kl-f32.gguf")
-
-
 NO_PROMPT_CACHE = ("--no-cache-prompt",)  # see test_a_repeated_short_prompt_from_the_prompt_cache_fails
 
 
@@ -49,17 +34,6 @@ NO_PROMPT_CACHE = ("--no-cache-prompt",)  # see test_a_repeated_short_prompt_fro
 def kl_server(llamacpp: LlamaCpp, kl_gguf: Path) -> Iterator[RunningServer]:
     with llama_server(llamacpp, kl_gguf, log=kl_gguf.with_suffix(".log"), extra=NO_PROMPT_CACHE) as server:
         yield server
-
-
-def gguf_module(llamacpp: LlamaCpp) -> Any:
-    """The tree's own gguf-py, imported without leaving its folder on sys.path (it holds a `tests` package)."""
-    path = str(llamacpp.tree / "gguf-py")
-    sys.path.insert(0, path)
-    try:
-        import gguf
-    finally:
-        sys.path.remove(path)
-    return gguf
 
 
 def test_vocabulary_hook_changes_only_tokenizer_keys(llamacpp: LlamaCpp, kl_checkpoint: Path, kl_gguf: Path) -> None:
