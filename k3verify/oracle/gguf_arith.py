@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from k3verify.oracle import active
+from k3verify.oracle import functional as Fn
 
 KNOB = "linear.gguf_activations"
-TAG = "k3v_activation"  # the attribute a tagged weight carries: its activation format (or {"k_b":.., "v_b":..})
+TAG = Fn.ACTIVATION_TAG  # the attribute a tagged weight carries: its activation format (or {"k_b":.., "v_b":..})
 Q8_K_BLOCK = 256
 
 _Q8_0_WEIGHTS = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")
@@ -112,8 +113,6 @@ def _value(q: torch.Tensor, d: torch.Tensor, like: torch.Tensor) -> torch.Tensor
 
 def round_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x rounded to activation format `fmt` (from fp32, as ggml converts the fp32 row), in x's dtype."""
-    from k3verify.oracle import functional as Fn
-
     if fmt == "f32":
         return x
     if fmt == "f16":
@@ -145,8 +144,6 @@ def mla_absorbed(x: torch.Tensor, q: torch.Tensor, *, heads: int, qk_nope: int, 
     q_lat = q_nope · k_b (k_b = kv_b's k rows, q_nope rounded for k_b's type), scores = q_lat · c + q_rot · k_rot
     over the normed latent c, softmax, out_lat = p · c, out = out_lat · v_bᵀ (out_lat rounded for v_b's type).
     Returns the heads' outputs [T, heads·v_dim] (before the output gate and o_proj)."""
-    from k3verify.oracle import functional as Fn
-
     fmt = format_of(kv_b_proj)
     if not isinstance(fmt, Mapping):
         raise ValueError("absorbed MLA needs kv_b_proj tagged with the k_b and v_b formats")
@@ -169,3 +166,6 @@ def mla_absorbed(x: torch.Tensor, q: torch.Tensor, *, heads: int, qk_nope: int, 
     out_lat = probs @ c  # [h, T, lora]
     out = round_activation(out_lat, fmt["v_b"]) @ v_b.transpose(1, 2)  # [h, T, v]
     return out.transpose(0, 1).reshape(T, heads * v_dim)
+
+
+Fn.GGUF_HOOKS.update(linear_input=linear_input, on=on, mla_absorbed=mla_absorbed)
