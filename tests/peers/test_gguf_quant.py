@@ -98,9 +98,9 @@ def _rows() -> torch.Tensor:
     """Random rows, and rows built so that scaled products land exactly on rounding ties."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 2, 64)[:, None]
-    ties = torch.randint(-254, 255, (16, 512), generator=g).float() / 2  # halves: ties after scaling by 127/127
-    ties[:, ::256] = 127.0
-    ties[8:, ::256] = -127.0
+    ties = torch.randint(-254, 255, (16, 512), generator=g).float() / 2  # halves: each block's scale is 1 ...
+    ties[:, ::32] = 127.0  # ... with 127 leading every block (Q8_0: 32 values, Q8_K: 256)
+    ties[8:, ::32] = -127.0  # Q8_K's sign rule: the first value of largest magnitude is negative
     return torch.cat([x, ties, torch.zeros(1, 512)])
 
 
