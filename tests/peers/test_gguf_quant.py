@@ -94,14 +94,37 @@ def _ggml_quantizer(llamacpp: LlamaCpp, type_id: int) -> Any:
     return fn(cpu.ggml_get_type_traits_cpu(type_id).contents.from_float)
 
 
+def _exact_ties(g: np.random.Generator, rows: int) -> np.ndarray:
+    """Rows of 512 whose scaled products land exactly on a tie (k + 1/2) under ggml's scale 127/max computed as
+    one fp32 division, with a max for which 127 x (1/max) is another fp32 number: a quantizer that scales any
+    other way, or rounds ties any other way, gets other codes. Every 32-block starts with the max."""
+    out = np.zeros((rows, 512), dtype=np.float32)
+    for r in range(rows):
+        while True:
+            peak = np.float32(g.uniform(1, 2) * 2.0 ** g.integers(-8, 8))
+            iscale = np.float32(127) / peak
+            if iscale != np.float32(127) * (np.float32(1) / peak):
+                break
+        for j in range(512):
+            if j % 32 == 0:
+                out[r, j] = peak
+                continue
+            k = int(g.integers(-126, 126)) + 0.5
+            x = np.float32(k / float(iscale))
+            for _ in range(8):  # the fp32 neighbours of k / iscale: one of them usually scales to k + 1/2 exactly
+                if np.float32(x * iscale) == k:
+                    break
+                x = np.nextafter(x, np.float32(np.inf if np.float32(x * iscale) < k else -np.inf))
+            out[r, j] = x
+    return out
+
+
 def _rows() -> torch.Tensor:
-    """Random rows, and rows built so that scaled products land exactly on rounding ties."""
+    """Random rows of many magnitudes, rows of exact ties, a row of zeros."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 2, 64)[:, None]
-    ties = torch.randint(-254, 255, (16, 512), generator=g).float() / 2  # halves: each block's scale is 1 ...
-    ties[:, ::32] = 127.0  # ... with 127 leading every block (Q8_0: 32 values, Q8_K: 256)
-    ties[8:, ::32] = -127.0  # Q8_K's sign rule: the first value of largest magnitude is negative
-    return torch.cat([x, ties, torch.zeros(1, 512)])
+    ties = torch.from_numpy(_exact_ties(np.random.default_rng(3), 16))
+    return torch.cat([x, ties, -ties, torch.zeros(1, 512)])
 
 
 def test_activation_quantizers_are_ggml_s_bit_for_bit(llamacpp: LlamaCpp) -> None:
