@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-PRIVATE_TOPK_NOTE = "over the server's top-k tokens only (the endpoint sends top-k logprobs, not the distribution)"
+PRIVATE_TOPK_NOTE = ("over the server's top-k tokens only, both distributions renormalised over them (the endpoint "
+                     "sends top-k logprobs, not the distribution)")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
@@ -87,12 +88,16 @@ def kl_rows(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
 
 
 def topk_kl(p_log: torch.Tensor, tops: Sequence[Mapping[int, float]]) -> torch.Tensor:
-    """Σ over each row's listed top-k tokens of p · (log p - logprob listed): KL restricted to the top-k."""
+    """KL(p || server) over each row's listed top-k tokens, both renormalised over them (so never negative)."""
     values = []
     for row, top in zip(p_log.double(), tops, strict=True):
+        if not top:
+            values.append(float("nan"))
+            continue
         ids = torch.tensor(list(top), dtype=torch.long)
-        listed = torch.tensor(list(top.values()), dtype=torch.float64)
-        values.append(float((row[ids].exp() * (row[ids] - listed)).sum()) if len(top) else float("nan"))
+        p = torch.log_softmax(row[ids], dim=0)
+        q = torch.log_softmax(torch.tensor(list(top.values()), dtype=torch.float64), dim=0)
+        values.append(float((p.exp() * (p - q)).sum()))
     return torch.tensor(values, dtype=torch.float64)
 
 
