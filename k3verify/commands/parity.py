@@ -13,6 +13,7 @@ import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +42,9 @@ from k3verify.gates.report.console import print_summary, progress_hooks
 from k3verify.gates.report.json_report import writable_dir_problem, write_reports
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
+from k3verify.peers.gguf_target import GgufTarget, gguf_target
+from k3verify.peers.gguf_weights import GgufError
+from k3verify.peers.quant_report import quant_report, write_quant_report
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 
@@ -68,6 +72,10 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--weights-from", type=Path, metavar="GGUF",
+                   help="the oracle (and our serving model) run on this GGUF file's weights, dequantized by gguf-py "
+                        "and mapped back to the checkpoint's names; --dtype w-gguf-a8 adds llama.cpp's CPU "
+                        "rounding of every matmul input for its weight types")
     p.add_argument("--report-key", type=Path, metavar="FILE",
                    help="sign report.json with this local key (HMAC-SHA256); `serve --report-key FILE` verifies")
     register_endpoint_args(p)
@@ -102,6 +110,34 @@ def target_for(preset: str | None, checkpoint: Path | None) -> Target:
     except TargetError as exc:
         flag = f"--checkpoint {checkpoint}" if checkpoint is not None else f"--preset {preset or DEFAULT_PRESET}"
         raise UsageError(f"{flag}: {exc}") from exc
+def weights_from(target: Target, gguf: Path | None, dtype_name: str) -> Target:
+    """`target` with its weights from `gguf` (--weights-from), or unchanged; every problem a UsageError (exit 2)."""
+    if gguf is None:
+        if dtype_name == "w-gguf-a8":
+            raise UsageError("--dtype w-gguf-a8 is the arithmetic of a GGUF's weight types: give --weights-from GGUF")
+        return target
+    try:
+        return gguf_target(target, gguf)
+    except GgufError as exc:
+        raise UsageError(f"--weights-from {gguf}: {exc}") from exc
+
+
+def served_quantization(target: GgufTarget, cache: dict[str, object], accepted: list[Any],
+                        report_dir: Path) -> dict[str, Any] | None:
+    """The quantization report of the GGUF on the server's greedy answers (quant.json, quant.html beside the
+    report; its summary for report.json), when the endpoint checks got answers."""
+    answers = [g for g in cast(list[Any], cache.get("endpoint.greedy", [])) if g.tokens]
+    if not answers or target.base is None:
+        return None
+    sequences = [(g.prompt + g.tokens, len(g.prompt)) for g in answers]
+    server = [([s.top for s in g.answer.steps[:len(g.tokens)]], g.tokens) for g in answers]
+    report = quant_report(target.base, target, sequences, server, accepted)
+    write_quant_report(report, report_dir)
+    print(report["headline"])
+    weights = {k: v for k, v in report["weights"].items() if k != "tensors"}
+    return {**report, "weights": weights, "files": ["quant.json", "quant.html"]}
+
+
 def report_key(path: Path | None) -> bytes | None:
     if path is None:
         return None
@@ -180,7 +216,7 @@ def run_parity(args: argparse.Namespace) -> int:
     if unwritable is not None:
         raise UsageError(f"--report-dir: {unwritable}; nothing was run")
     try:
-        target = target_for(args.preset, args.checkpoint)
+        target = weights_from(target_for(args.preset, args.checkpoint), args.weights_from, dtype_name)
     except UsageError as exc:
         write_setup_error_report(args, device, str(exc), key)
         raise
@@ -215,6 +251,11 @@ def _run_checks(args: argparse.Namespace, target: Target, device: torch.device, 
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
         if endpoint is not None:
             run.run.endpoint = endpoint.record()
+            if isinstance(target, GgufTarget):
+                run.run.endpoint["weights_from"] = target.describe()
+                quantization = served_quantization(target, cache, endpoint.accepted, args.report_dir)
+                if quantization is not None:
+                    run.run.endpoint["quantization"] = quantization
             explain_ctx = CheckContext(target, device, args.seed, torch.Generator().manual_seed(args.seed), args.suite,
                                        cache, endpoint, dtype=dtype)
             explanation = explain_endpoint(args, run.results, explain_ctx)

@@ -53,6 +53,10 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accept-convention", action="append", default=[], metavar="NAME=VALUE",
                    help="evaluate the oracle with this known alternative convention (docs/conventions.md), an "
                         "explicit acceptance the report lists first (repeatable)")
+    g.add_argument("--excuse-rounding-ties", action="store_true",
+                   help="let the logprob checks excuse up to 4 rounding near-ties of an emulated precision per "
+                        "sequence (docs/conventions.md), each named: an explicit acceptance like "
+                        "--accept-convention, off by default because a small real deviation can hide behind it")
     g.add_argument("--explain", action=argparse.BooleanOptionalAction, default=None,
                    help="rank the catalog's conventions by how much of the endpoint's distance each explains "
                         "(default: when an output check fails)")
@@ -111,7 +115,8 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
             session = open_session(url, vocab=tokenizer, probe_prompt=[(97 * k + 11) % plain for k in range(1, 6)],
                                    eos_token=min(target.cfg.eos_token_ids), dtype=dtype, model=args.model,
                                    api_key=args.api_key, limits=_limits(args), note=note,
-                                   accepted=[parse_assignment(a, target.cfg) for a in args.accept_convention])
+                                   accepted=[parse_assignment(a, target.cfg) for a in args.accept_convention],
+                                   excuse_roundings=args.excuse_rounding_ties)
         except (SetupError, EndpointError, TargetError, ValueError) as exc:
             raise UsageError(f"--endpoint {args.endpoint}: {exc}") from exc
         stack.callback(session.client.close)

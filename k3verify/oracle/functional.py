@@ -8,6 +8,7 @@ Nothing here imports serving/ or kernels/ (tests/oracle/test_oracle_isolation.py
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,23 @@ MLA_LORA_EPS = 1e-6  # the two MLA LoRA norms, whatever rms_norm_eps says (SPEC 
 Q8_0_BLOCK = 32  # llama.cpp's Q8_0: 32 values share one fp16 scale max|x|/127
 
 
+# A weight tagged with this attribute (oracle/gguf_arith.py's `tag`) computes in a GGUF's llama.cpp arithmetic
+# while that module's knob is on; the module registers how here when it is imported (a hook: this module imports
+# nothing of the oracle above it). Untagged weights never consult it.
+ACTIVATION_TAG = "k3v_activation"
+GGUF_HOOKS: dict[str, Callable[..., Any]] = {}
+
+
 def hi(x: torch.Tensor) -> torch.Tensor:
     """x in the spec's "fp32" precision: fp32, or fp64 when x is already fp64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]ᵀ -> [..., out] in x's dtype (the weight is cast at the call site)."""
+    """x [..., in] @ weight[out, in]ᵀ -> [..., out] in x's dtype (the weight is cast at the call site). A weight
+    tagged with a GGUF activation format rounds x first while that arithmetic is on (oracle/gguf_arith.py)."""
+    if getattr(weight, ACTIVATION_TAG, None) is not None:
+        x = GGUF_HOOKS["linear_input"](x, weight)
     return x @ weight.to(x.dtype).t()
 
 
@@ -272,12 +283,21 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
     scale (qk_nope + qk_rope)^-0.5; causal softmax; out *= sigmoid(g_proj(x)) when gated; o_proj.
     Both LoRA norms use eps 1e-6 (q_a_eps, kv_a_eps) whatever the layer eps is."""
     T = x.shape[0]
+    absorbed = getattr(kv_b_proj, ACTIVATION_TAG, None) is not None and GGUF_HOOKS["on"]()
     if q_proj is not None:
         q = linear(x, q_proj)
     elif q_a_proj is not None and q_a_norm is not None and q_b_proj is not None:
         q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, q_a_eps), q_b_proj)
     else:
         raise ValueError("mla needs q_proj, or q_a_proj, q_a_norm and q_b_proj")
+    if absorbed:
+        out = GGUF_HOOKS["mla_absorbed"](x, q, heads=heads, qk_nope=qk_nope, qk_rope=qk_rope, v_dim=v_dim,
+                                         kv_lora_rank=kv_lora_rank, kv_a_proj=kv_a_proj, kv_a_norm=kv_a_norm,
+                                         kv_b_proj=kv_b_proj, kv_a_eps=kv_a_eps,
+                                         softmax_in_activation=softmax_in_activation)
+        if g_proj is not None:
+            out = out * torch.sigmoid(linear(x, g_proj))
+        return linear(out, o_proj)
     q = q.view(T, heads, qk_nope + qk_rope).transpose(0, 1)  # [h, T, dq]
     c, k_rot = linear(x, kv_a_proj).split([kv_lora_rank, qk_rope], dim=-1)
     kv = linear(rms_norm(c, kv_a_norm, kv_a_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)

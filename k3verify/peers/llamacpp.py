@@ -39,6 +39,11 @@ class LlamaCpp:
     tree: Path
     server: Path
 
+    @property
+    def quantizer(self) -> Path:
+        """llama-quantize, built beside the server (tools/build_llamacpp.sh builds both)."""
+        return self.server.parent / "llama-quantize"
+
     @classmethod
     def at(cls, root: str | Path) -> LlamaCpp:
         root = Path(root).resolve()
@@ -81,6 +86,19 @@ class LlamaCpp:
             os.replace(partial, out)
         finally:
             partial.unlink(missing_ok=True)
+        return out
+
+
+    def quantize(self, source: str | Path, out: str | Path, file_type: str, extra: Sequence[str] = ()) -> Path:
+        """`source` (a GGUF) re-quantized by llama-quantize to `file_type` (Q8_0, Q4_K_M, ...), one thread."""
+        if not os.access(self.quantizer, os.X_OK):
+            raise LlamaCppError(f"no llama-quantize build at {self.quantizer}; tools/build_llamacpp.sh builds it")
+        out = Path(out)
+        cmd = [str(self.quantizer), *extra, str(source), str(out), file_type, "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.is_file():
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+            raise LlamaCppError(f"llama-quantize {file_type} failed on {source} (exit {done.returncode}):\n{tail}")
         return out
 
 

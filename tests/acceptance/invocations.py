@@ -90,4 +90,11 @@ MANUAL = (
            "rounding near-tie excused (MoE layer 1's expert input, token 4, element 32: 2.0e-4 from the boundary, "
            "window 2.3e-4); without the near-tie 0.0125. With only the MLA eps accepted: FAIL, 5.13e-5 against "
            "3.98e-5 (the KDA L2-norm eps); float32 declared: FAIL, 0.066"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --weights-from KL_Q8_0_GGUF "
+           "--dtype w-gguf-a8 --accept-convention kda.l2norm_eps=rms_norm_eps",
+           "against llama-server on llama-quantize's Q8_0 of a transformers-written Kimi-Linear (tests/peers, run in "
+           "CI): PASS 8 pass, endpoint.logprobs.prompt skipped; endpoint.logprobs.topk 0.0354 against a bar of "
+           "0.0511, no rounding excused; the quantization costs mean KL 0.0131 (p99 0.0684), top-1 79.2% against "
+           "the checkpoint, the server adds top-k KL 3.6e-5. A copy with one block's scale negated: FAIL (0.807 "
+           "against 5.7e-6); the Q4_K_M of kl-256: INCONCLUSIVE (top-k skipped, the oracle's own distance 0.871)"),
 )

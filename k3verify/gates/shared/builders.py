@@ -25,6 +25,7 @@ from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, r
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
+from k3verify.peers.gguf_target import tag_model
 from k3verify.plan.device_fit import device_memory_gib, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
@@ -133,6 +134,7 @@ def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3
     def build() -> K3Reference:
         ref = K3Reference(ctx.cfg, dtype)
         load_into(ref, ctx.cfg, checkpoint_tensors(ctx))
+        tag_model(ref, ctx.target)  # a GGUF's weight types, for its arithmetic (peers/gguf_target.py)
         return ref.to(ctx.device)
     return _cached(ctx, f"oracle.k3.{_dtype_name(dtype)}", build)
 

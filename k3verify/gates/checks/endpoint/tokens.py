@@ -162,6 +162,10 @@ def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> tuple
     for i, (answer, scored) in enumerate(zip(answers, scores, strict=True)):
         if not scored.rounded or _distance(parts[i]) <= bar:
             continue
+        if not session(ctx).excuse_roundings:
+            notes.append(f"answer {i}: beyond the bar {bar:.3g}; rounding near-ties are not excused (the excuse is "
+                         "off unless --excuse-rounding-ties accepts it)")
+            continue
         resolved, lines = resolve_roundings(ctx, answer.seq, answer.first, scored, answer.distance, bar, factor)
         parts[i] = answer.rows(resolved)
         excused += len(resolved.forced)
