@@ -152,8 +152,9 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
     logprobs differ from the first differing positions on, which the report names; the explanation ranks the MLA
     LoRA norms' eps (rms_norm_eps instead of 1e-6) first. Declared as w4a8-q8act (its CPU arithmetic for MXFP4
     experts) the eps is still named first and still fails unaccepted; with it accepted, the KDA L2-norm eps
-    (llama.cpp's other deviation) still fails the run and is named first; with both accepted and the near-tie excuse accepted (--excuse-rounding-ties) the run passes, the
-    one Q8_0 rounding near-tie that llama.cpp took the other way named as excused. The same deployment with one
+    (llama.cpp's other deviation) still fails the run and is named first; with both accepted and the near-tie
+    excuse accepted (--excuse-rounding-ties) the run passes, the one Q8_0 rounding near-tie that llama.cpp took the
+    other way named as excused. The same deployment with one
     tensor scaled by 1.01 fails with both accepted: a fault is not a few near-tie roundings."""
     target = resolve_target("k3-tp4")
     gguf = llamacpp.convert(target.checkpoint_dir, tmp_path / "k3-tp4.gguf")
