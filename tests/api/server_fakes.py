@@ -65,6 +65,7 @@ class FakeRunner:
     """ModelRunner protocol over toy_logits, with pages of `page_size` tokens and `max_slots` slots."""
 
     device = torch.device("cpu")
+    prefix = None  # no prefix cache: every prompt is prefilled from its first token
 
     def __init__(self, *, max_context: int = 512, num_pages: int = 96, page_size: int = 16, max_slots: int = 8,
                  eos_bias: float = 0.0) -> None:
