@@ -153,8 +153,8 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
     LoRA norms' eps (rms_norm_eps instead of 1e-6) first. Declared as w4a8-q8act (its CPU arithmetic for MXFP4
     experts) the eps is still named first and still fails unaccepted; with it accepted, the KDA L2-norm eps
     (llama.cpp's other deviation) still fails the run and is named first; with both accepted and the near-tie
-    excuse accepted (--excuse-rounding-ties) the run passes, the one Q8_0 rounding near-tie that llama.cpp took the
-    other way named as excused. The same deployment with one
+    excuse accepted (--excuse-rounding-ties) the run passes, any Q8_0 rounding near-tie that llama.cpp took the
+    other way (at most 4) named as excused. The same deployment with one
     tensor scaled by 1.01 fails with both accepted: a fault is not a few near-tie roundings."""
     target = resolve_target("k3-tp4")
     gguf = llamacpp.convert(target.checkpoint_dir, tmp_path / "k3-tp4.gguf")
@@ -182,8 +182,12 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
         accepted = [a["convention"] for a in data["run"]["endpoint"]["accepted_conventions"]]
         assert accepted == ["mla.lora_norm_eps", "kda.l2norm_eps"], accepted
         topk = by_id(data)["endpoint.logprobs.topk"]
-        assert 1 <= topk["metrics"]["excused_rounding_near_ties"] <= 4, topk["metrics"]
-        assert any("rounding near-tie excused at layer" in n for n in topk["notes"]), topk["notes"]
+        # whether llama.cpp's arithmetic lands on the other side of a near-tie depends on the CPU it was built for
+        # (one x86 build needed one excused rounding, another none): at most 4, each named
+        excused = topk["metrics"]["excused_rounding_near_ties"]
+        assert 0 <= excused <= 4, topk["metrics"]
+        named = sum("rounding near-tie excused at layer" in n for n in topk["notes"])
+        assert named == excused, topk["notes"]
     scale_tensor(target.checkpoint_dir, tmp_path / "scaled", "language_model.model.layers.3.self_attn.o_proj.weight",
                  1.01)
     scaled = llamacpp.convert(tmp_path / "scaled", tmp_path / "scaled.gguf")
