@@ -83,8 +83,13 @@ MANUAL = (
            "the same llama-server started with --no-cache-prompt: PASS 8 pass, endpoint.logprobs.prompt skipped "
            "(llama-server ignores echo), the accepted deviation listed first; with its prompt cache on (its default), "
            "endpoint.repeat.identity fails: a repeated 3-token prompt is answered from a wrong cached state"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset kl-tiny --timeout 1.5 --run-timeou"
+           "t 60 --max-response-bytes 8388608",
+           "against a server that sends one byte every 5 s (tests/endpoint/test_endpoint_hostile.py): exit 2 wit"
+           "hin about 2.5 s naming the deadline, a report marked error written"),
     Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset k3-tp4 --dtype w4a8-q8act "
-           "--accept-convention mla.lora_norm_eps=rms_norm_eps --accept-convention kda.l2norm_eps=rms_norm_eps",
+           "--accept-convention mla.lora_norm_eps=rms_norm_eps --accept-convention kda.l2norm_eps=rms_norm_eps "
+           "--excuse-rounding-ties",
            "against llama-server on k3-tp4 (MXFP4 experts; tests/peers, run in CI): PASS 8 pass, "
            "endpoint.logprobs.prompt skipped; endpoint.logprobs.topk 3.72e-6 against a bar of 5.33e-5 after one Q8_0 "
            "rounding near-tie excused (MoE layer 1's expert input, token 4, element 32: 2.0e-4 from the boundary, "
