@@ -23,7 +23,7 @@ import pytest
 import torch
 from hf_checkpoint import write_hf_checkpoint
 
-from k3verify import config as config_mod
+from k3verify import config_json as config_mod
 from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.checkpoint.synthetic import TOKENIZER_ASSETS, _tokenizer_writer, make_synthetic_checkpoint
