@@ -84,17 +84,24 @@ class PagedLatentCache:
         if len(set(owned)) != len(owned):
             dup = sorted({p for p in owned if owned.count(p) > 1})
             problems.append(f"page(s) {dup} owned more than once")
-        if len(set(free)) != len(free):
-            problems.append("free list holds duplicates")
-        if set(owned) & set(free):
-            problems.append(f"page(s) {sorted(set(owned) & set(free))} both free and owned")
-        if SCRATCH in owned or SCRATCH in free:
-            problems.append(f"scratch page {SCRATCH} was handed out")
-        if set(owned) | set(free) != set(range(1, self.num_pages)):
-            lost = sorted(set(range(1, self.num_pages)) - set(owned) - set(free))
-            problems.append(f"page(s) lost or out of range: missing {lost}")
+        problems += self._free_list_problems(set(owned), free)
         if problems:
             raise CacheError("latent cache integrity: " + "; ".join(problems))
+
+    def _free_list_problems(self, held: set[int], free: list[int]) -> list[str]:
+        """What is wrong between the pages held and the free list: duplicates, a page both free and held, the
+        scratch page handed out, a page neither free nor held (lost) or out of range."""
+        problems = []
+        if len(set(free)) != len(free):
+            problems.append("free list holds duplicates")
+        if held & set(free):
+            problems.append(f"page(s) {sorted(held & set(free))[:8]} both free and held")
+        if SCRATCH in held or SCRATCH in free:
+            problems.append(f"scratch page {SCRATCH} was handed out")
+        if held | set(free) != set(range(1, self.num_pages)):
+            lost = sorted(set(range(1, self.num_pages)) - held - set(free))
+            problems.append(f"page(s) lost or out of range: missing {lost[:8]}")
+        return problems
 
     # ---- data (device side) ----
     def layer(self, layer: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ from collections import Counter
 import torch
 
 from k3verify.config import ModelConfig
-from k3verify.serving.batch import SCRATCH
 from k3verify.serving.kv_cache import CacheError, PagedLatentCache
 
 
@@ -113,14 +112,6 @@ class SharedLatentCache(PagedLatentCache):
             problems.append(f"page reference counts disagree with the holders at page(s) {wrong[:8]}")
         if any(len(set(t)) != len(t) for t in self._tables.values()):
             problems.append("a sequence holds a page twice")
-        if len(set(free)) != len(free):
-            problems.append("free list holds duplicates")
-        if set(counted) & set(free):
-            problems.append(f"page(s) {sorted(set(counted) & set(free))[:8]} both free and held")
-        if SCRATCH in counted or SCRATCH in free:
-            problems.append(f"scratch page {SCRATCH} was handed out")
-        if set(counted) | set(free) != set(range(1, self.num_pages)):
-            lost = sorted(set(range(1, self.num_pages)) - set(counted) - set(free))
-            problems.append(f"page(s) lost or out of range: missing {lost[:8]}")
+        problems += self._free_list_problems(set(counted), free)
         if problems:
             raise CacheError("latent cache integrity: " + "; ".join(problems))
