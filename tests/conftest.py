@@ -43,7 +43,23 @@ def cuda_moe_combine() -> Iterator[None]:
     REGISTRY.force(COMBINE, None)
 
 
+# Tests run on two pytest-xdist workers (pyproject's addopts): with one torch thread a test, a serial run leaves the
+# second core idle. A file's tests stay on one worker (its module fixtures are built once); folders whose files share
+# session fixtures (a llama.cpp conversion, a checkpoint) stay together as one group; a module that sets
+# XDIST_SPREAD = True (a few long, independent tests) has its tests handed out one by one.
+SHARED_SESSION_FOLDERS = ("peers", "checkpoint")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        rel = item.path.relative_to(root) if item.path.is_relative_to(root) else item.path
+        folder = rel.parts[1] if len(rel.parts) > 2 and rel.parts[0] == "tests" else ""
+        if getattr(getattr(item, "module", None), "XDIST_SPREAD", False):
+            continue
+        group = folder if folder in SHARED_SESSION_FOLDERS else rel.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine (run on the H200 with `pytest -m gpu`)")

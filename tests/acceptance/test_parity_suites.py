@@ -14,6 +14,8 @@ from invocations import CELLS, Cell
 from k3verify.cli import main
 from k3verify.gates.report.json_report import load_report
 
+XDIST_SPREAD = True  # sixteen long parity runs: handed to the workers one by one (tests/conftest.py)
+
 
 def _assert_green(report_dir: Path) -> dict:
     data = load_report(report_dir)  # schema-validated
