@@ -131,3 +131,14 @@ def test_catalog_entries_apply_to_the_current_code() -> None:
     assert len(mutants) >= 40
     stale = {m.id: stale_reason(m) for m in mutants}
     assert {k: v for k, v in stale.items() if v} == {}
+
+
+def test_a_quick_mutant_is_judged_by_its_quick_suite_killers_where_it_has_any() -> None:
+    """`mutate --suite quick` (CI) runs a mutant's quick-suite killers, not its full-suite ones (the long-context
+    and whole-suite checks); a mutant whose killers are all full-suite keeps them rather than running nothing."""
+    from k3verify.commands.mutate import quick_killers, registered_check_ids
+
+    quick, full = set(registered_check_ids("quick")), set(registered_check_ids("full"))
+    assert "serving.decode.vs_full" in quick and "serving.long_context.logits" in full - quick
+    assert quick_killers(["serving.decode.vs_full", "serving.long_context.logits"], quick) == ["serving.decode.vs_full"]
+    assert quick_killers(["mla.decode.bf16"], quick) == ["mla.decode.bf16"]
