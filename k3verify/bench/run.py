@@ -76,6 +76,8 @@ class BenchPlan:
     served_concurrency: tuple[int, ...] = ()  # () = no served phase; each must be a benchmarked batch
     served_requests_per_client: int = 3
     prefill_graphs: bool = False  # prefills of fresh prompts replayed from CUDA graphs (bench path and engine)
+    card_gib: float | None = None  # the card's memory (None: read from the CUDA device; off CUDA nothing is checked)
+    streamed_gold: bool | None = None  # the K3 reference streamed as the gold (None: where transformers fp32 fails)
 
     def __post_init__(self) -> None:
         extra = sorted(set(self.served_concurrency) - set(self.batches))
@@ -111,11 +113,24 @@ def setup(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: to
           result: BenchResult) -> Setup:
     """Weights, the gold and baseline logits, our model, a runner and graphs sized for the workload."""
     from k3verify.bench.k3_gold import k3_gold_and_baseline
+    from k3verify.bench.memory_fit import (
+        LazySynthetic,
+        bench_peak,
+        fp32_whole_fits,
+        require_bench_fits,
+        streamed_gold_logits,
+    )
     from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+    from k3verify.plan.device_fit import device_memory_gib
     from k3verify.serving.model import ServingModel
 
     max_b = max(plan.batches)
     ctx = max(plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8, 2 * plan.decode_parity_steps)
+    card_gib = plan.card_gib if plan.card_gib is not None or device.type != "cuda" else device_memory_gib(device)
+    if card_gib is not None:  # say it before the allocator does
+        require_bench_fits(bench_peak(cfg, context=max(ctx, *plan.prefill_lens, plan.parity_len), batch=max_b,
+                                      segment=max(*plan.prefill_lens, plan.parity_len)),
+                           card_gib)
     progress(f"generating {plan.preset} weights on {device}")
     tensors = synthetic_tensors(cfg, plan.seed, device=device)
     parity_ids = random_prompt(1, plan.parity_len, cfg.vocab_size, plan.seed + 7, device)[0]
@@ -126,6 +141,14 @@ def setup(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: to
         result.notes.append("transformers has no K3: the gold is the K3 reference in fp32, the parity baseline the "
                             "same reference in bf16; speeds are compared with our own eager decode")
         gold, theirs = k3_gold_and_baseline(cfg, tensors, parity_ids, device)
+    elif plan.baseline and (plan.streamed_gold if plan.streamed_gold is not None else
+                            card_gib is not None and not fp32_whole_fits(cfg, card_gib)):
+        progress("fp32 gold (the K3 reference, streamed) and bf16 baseline (transformers+fla)")
+        gold, note = streamed_gold_logits(cfg, tensors, parity_ids, device)
+        result.notes.append(note)
+        hf = load_baseline(cfg, hf_dict, tensors, device)
+        with torch.no_grad():
+            theirs = hf(input_ids=parity_ids[None], use_cache=False).logits[0].float()
     elif plan.baseline:
         progress("fp32 gold (transformers+fla)")
         gold = gold_logits(cfg, hf_dict, tensors, parity_ids, device)
@@ -133,10 +156,10 @@ def setup(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: to
         with torch.no_grad():
             theirs = hf(input_ids=parity_ids[None], use_cache=False).logits[0].float()
     progress("loading our model")
-    model = ServingModel(cfg, torch.bfloat16, device).load(tensors)
-    del tensors
+    del tensors  # our model reads the same values drawn again one tensor at a time: never beside all of them
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    model = ServingModel(cfg, torch.bfloat16, device).load(LazySynthetic(cfg, plan.seed, device))
     page = 64
     runner = ModelRunner(model, num_pages=max_b * (-(-ctx // page)) + 8, page_size=page, num_slots=max_b + 1,
                          max_context=max(ctx, *plan.prefill_lens, plan.parity_len))

@@ -40,6 +40,7 @@ from k3verify.gates.core.suite import (
 )
 from k3verify.gates.report.console import print_summary, progress_hooks
 from k3verify.gates.report.json_report import writable_dir_problem, write_reports
+from k3verify.gates.shared.slice import slice_context
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
 from k3verify.peers.gguf_target import GgufTarget, gguf_target
@@ -245,7 +246,8 @@ def _run_checks(args: argparse.Namespace, target: Target, device: torch.device, 
     cache: dict[str, object] = {}
     with endpoint_session(args, target, device) as endpoint:
         factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
-                                       cache=cache, endpoint=endpoint, parallel=parallel)
+                                       cache=cache, endpoint=endpoint, parallel=parallel,
+                                       slicer=None if isinstance(target, GgufTarget) else slice_context)
         with progress_hooks(len(checks)) as hooks:
             run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)

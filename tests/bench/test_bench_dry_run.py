@@ -11,6 +11,8 @@ from k3verify.bench.run import BenchPlan, run_bench
 from k3verify.cli import main
 from k3verify.presets import get_preset, preset_hf_config
 
+CARD_GIB = 0.007  # a fake card just above the planned peak: the fit check passes
+
 
 @pytest.fixture(scope="module")
 def dry_run():  # type: ignore[no-untyped-def]
@@ -18,7 +20,8 @@ def dry_run():  # type: ignore[no-untyped-def]
 
     plan = BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1, 3), new_tokens=4, prompt_len=8, parity_len=64,
                      profile_batches=(3,), profile_prefill_lens=(48,), served_concurrency=(1, 3),
-                     served_requests_per_client=2)
+                     served_requests_per_client=2, card_gib=CARD_GIB,
+                     streamed_gold=True)
     with torch_kda_paths(torch.device("cpu")):
         return run_bench(plan, get_preset("kl-tiny"), preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
 
@@ -33,6 +36,7 @@ def test_bench_gates_before_timing_and_reports_ratios(dry_run) -> None:  # type:
         assert parity["control_metric"] > parity["metric"]
         assert parity["bar"] is None if parity["kind"] == "bitexact" else parity["metric"] <= parity["bar"]
     assert dry_run.speeds_reported
+    assert any(n.startswith("gold: the K3 reference in fp32, streamed") for n in dry_run.notes)
     assert [r["tokens"] for r in dry_run.prefill] == [64]
     assert [r["batch"] for r in dry_run.decode] == [1, 3]
     for row in dry_run.prefill + dry_run.decode:
@@ -148,3 +152,30 @@ def test_prefill_graph_rows_fail_when_nothing_replays() -> None:
                                        for w in ("replay_vs_static", "vs_eager")]
     assert all(r["status"] == "fail" and "not replayed" in r["notes"][-1] for r in rows)
     assert not result.speeds_reported and result.prefill == []
+
+
+def test_bench_refuses_before_allocating_on_a_card_too_small() -> None:
+    """kl-48b-8l's bench plan (weights + our model, caches, transients) fits an 80 GB H100 and not a 40 GiB card,
+    which is told in sizes before anything is allocated; the fp32 transformers gold fits neither."""
+    from k3verify.bench.memory_fit import bench_peak, fp32_whole_fits, require_bench_fits
+    from k3verify.plan.device_fit import DoesNotFit
+
+    cfg = get_preset("kl-48b-8l")
+    peak = bench_peak(cfg, context=8192 + 256, batch=64, segment=8192)
+    require_bench_fits(peak, 79.1)
+    with pytest.raises(DoesNotFit, match=r"bench .* needs 5\d\.\d GiB, this card has 40\.0 GiB; try "):
+        require_bench_fits(peak, 40.0)
+    assert not fp32_whole_fits(cfg, 79.1) and fp32_whole_fits(get_preset("kl-tiny"), 0.006)
+    with pytest.raises(DoesNotFit):
+        run_bench(BenchPlan("kl-tiny", prefill_lens=(64,), batches=(1,), card_gib=0.001), get_preset("kl-tiny"),
+                  preset_hf_config("kl-tiny"), torch.device("cpu"), 1e10)
+
+
+def test_lazy_synthetic_weights_equal_the_generated_ones() -> None:
+    """Our model's weights drawn again one at a time are the tensors the golds were built from."""
+    from k3verify.bench.memory_fit import LazySynthetic
+    from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+
+    cfg = get_preset("kl-tiny")
+    whole, lazy = synthetic_tensors(cfg, 3), LazySynthetic(cfg, 3, torch.device("cpu"))
+    assert list(lazy) == list(whole) and all(torch.equal(lazy[n], t) for n, t in whole.items())

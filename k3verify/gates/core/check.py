@@ -87,6 +87,9 @@ class CheckContext:
     parallel: tuple[int, int] | None = None  # (tp, ep) the dist.* checks run; None: their default world
     noise: NoiseLookup | None = None  # the recorded noise of a noise-barred check (gates/core/noise.py)
     serving_dtypes: set[str] = field(default_factory=set)  # dtypes this check built the served model in (builders)
+    run_notes: list[str] = field(default_factory=list)  # how the check ran (a streamed oracle, a slice): its notes
+    # the same check on a slice of the model (gates/shared/slice.py), for the runner when the check skips for size
+    slicer: Callable[[CheckContext], tuple[CheckContext, str]] | None = None
 
     @property
     def needs_noise(self) -> bool:

@@ -28,7 +28,7 @@ from k3verify.errors import BadTargetData, UsageError
 from k3verify.gates.core.binding import dtypes_of_run, source_digest, verdict_from_counts
 from k3verify.gates.core.check import REGISTRY, Check, CheckContext, Result, SkipCheck, Status
 from k3verify.gates.core.evaluate import evaluate_trial
-from k3verify.gates.core.evidence import missing_evidence
+from k3verify.gates.core.evidence import SIZE_SKIP, missing_evidence
 from k3verify.gates.core.noise import NoiseLookup
 from k3verify.gates.core.noise import lookup as noise_lookup
 
@@ -165,10 +165,12 @@ def gate_checks(checks: Iterable[Check], suite: str) -> list[Check]:
 def make_context_factory(target: Target, *, device: str | torch.device, seed: int, suite: str,
                          dtype: torch.dtype = torch.bfloat16, cache: dict[str, Any] | None = None,
                          endpoint: EndpointSession | None = None,
-                         parallel: tuple[int, int] | None = None, measure_noise: bool = False) -> ContextFactory:
+                         parallel: tuple[int, int] | None = None, measure_noise: bool = False,
+                         slicer: Callable[[CheckContext], tuple[CheckContext, str]] | None = None) -> ContextFactory:
     """The hook `parity` uses: one shared cache per run (pass `cache` to read coverage after the run), a fresh
     generator per check; `parallel` is the (tp, ep) layout the dist.* checks run; each noise-barred check gets its
-    recorded noise (`measure_noise` ignores the recording: tools/measure_noise.py regenerates it)."""
+    recorded noise (`measure_noise` ignores the recording: tools/measure_noise.py regenerates it); `slicer` runs a
+    check that skipped for size again on a slice of the model (gates/shared/slice.py)."""
     shared: dict[str, Any] = {} if cache is None else cache
     dev = torch.device(device)
 
@@ -178,7 +180,7 @@ def make_context_factory(target: Target, *, device: str | torch.device, seed: in
             found = (NoiseLookup(None, None, "noise measured on request (--measure-noise)") if measure_noise
                      else noise_lookup(target, dev.type, seed, check.id))
         return CheckContext(target, dev, seed, generator, suite, shared, endpoint, dtype=dtype, level=check.level,
-                            parallel=parallel, noise=found)
+                            parallel=parallel, noise=found, slicer=slicer)
 
     return factory
 
@@ -201,7 +203,13 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         torch.manual_seed(check_seed)
         generator = torch.Generator().manual_seed(check_seed)
         ctx = ctx_factory(check, generator)
-        result = evaluate_trial(check, check.fn(ctx), ctx.noise)
+        try:
+            result = evaluate_trial(check, check.fn(ctx), ctx.noise)
+        except SkipCheck as exc:
+            if ctx.slicer is None or not exc.reason.startswith(SIZE_SKIP):
+                raise
+            result = _run_on_slice(check, ctx, exc.reason, check_seed)
+        result.notes.extend(ctx.run_notes)
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
     except BadTargetData:
@@ -212,6 +220,27 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
     result.seed = check_seed
     result.duration_s = time.perf_counter() - start
     result.serving_dtypes = [] if ctx is None else sorted(ctx.serving_dtypes)
+    return result
+
+
+def _run_on_slice(check: Check, ctx: CheckContext, why: str, check_seed: int) -> Result:
+    """The check again on a slice of the model (ctx.slicer) after it skipped for size `why`: its result says
+    so in its first note; a slice that still does not fit skips for size, naming both."""
+    assert ctx.slicer is not None
+    try:
+        sliced, described = ctx.slicer(ctx)
+        torch.manual_seed(check_seed)
+        sliced.generator = torch.Generator().manual_seed(check_seed)
+        try:
+            result = evaluate_trial(check, check.fn(sliced), sliced.noise)
+        finally:
+            ctx.serving_dtypes |= sliced.serving_dtypes
+    except SkipCheck as exc:
+        if not exc.reason.startswith(SIZE_SKIP):
+            raise
+        raise SkipCheck(f"{why}; on a slice: {exc.reason.removeprefix(SIZE_SKIP).strip()}") from None
+    result.notes[:0] = [f"ran on a slice of the model, {described} (whole: {why.removeprefix(SIZE_SKIP).strip()})"]
+    result.notes.extend(sliced.run_notes)
     return result
 
 

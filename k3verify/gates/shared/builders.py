@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, r
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
+from k3verify.oracle.streamed import StreamedReference
 from k3verify.peers.gguf_target import tag_model
 from k3verify.plan.device_fit import device_memory_gib, require_fit
 from k3verify.serving.batch import PackedBatch
@@ -72,8 +74,25 @@ def serving_config(ctx: CheckContext) -> ModelConfig:
 
 
 # A whole model above this is not built for a check: a real-size target (kl-48b-8l: 27.7 GB in bf16) builds only
-# its served model; the oracle runs one layer at a time (model.layerwise.*) and the gold comes from transformers.
+# its served model whole; the oracle runs one decoder layer at a time (oracle/streamed.py) and a check that needs
+# another whole model runs on a slice (gates/shared/slice.py). K3V_WHOLE_MODEL_GIB overrides it (recorded in the
+# report with every K3V_ variable): tests set it low so the tiny presets take the streamed and sliced paths.
 WHOLE_MODEL_BYTES = 16 << 30
+WHOLE_MODEL_ENV = "K3V_WHOLE_MODEL_GIB"
+
+
+def whole_model_limit() -> int:
+    """Bytes a check may build whole: $K3V_WHOLE_MODEL_GIB when set, else WHOLE_MODEL_BYTES."""
+    text = os.environ.get(WHOLE_MODEL_ENV)
+    if text is None:
+        return WHOLE_MODEL_BYTES
+    try:
+        gib = float(text)
+    except ValueError:
+        raise ValueError(f"{WHOLE_MODEL_ENV} must be a number of GiB; got {text!r}") from None
+    if gib < 0:
+        raise ValueError(f"{WHOLE_MODEL_ENV} must be >= 0; got {text!r}")
+    return int(gib * 2**30)
 
 
 @functools.cache
@@ -91,13 +110,18 @@ def whole_model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
 
 
+def fits_whole(ctx: CheckContext, dtype: torch.dtype) -> bool:
+    """Whether a whole model of ctx.cfg in `dtype` may be built for a check (whole_model_limit)."""
+    return whole_model_bytes(ctx.cfg, dtype) <= whole_model_limit()
+
+
 def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> None:
-    """Skip (with the sizes printed) a check that would build `what` whole in `dtype` at real size."""
-    need = whole_model_bytes(ctx.cfg, dtype)
-    if need > WHOLE_MODEL_BYTES:
-        raise SkipCheck(f"{SIZE_SKIP} {what} in {_dtype_name(dtype)} would hold {need / 1e9:.1f} GB (more than the "
-                        f"{WHOLE_MODEL_BYTES / 1e9:.1f} GB a check may build whole); model.layerwise.sublayers checks "
-                        "every layer against the oracle one layer at a time instead")
+    """Skip (with the sizes printed) a check that would build `what` whole in `dtype` at real size; the suite
+    then runs the check again on a slice of the model (gates/shared/slice.py) where it can."""
+    need, limit = whole_model_bytes(ctx.cfg, dtype), whole_model_limit()
+    if need > limit:
+        raise SkipCheck(f"{SIZE_SKIP} {what} in {_dtype_name(dtype)} would hold {need / 1e9:.3g} GB (more than the "
+                        f"{limit / 1e9:.3g} GB a check may build whole)")
 
 
 def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
@@ -164,13 +188,105 @@ def prompt(ctx: CheckContext, length: int, salt: int = 0) -> torch.Tensor:
     return torch.randint(0, ctx.cfg.vocab_size, (length,), generator=g)
 
 
+STREAMED_NOTE = "oracle/streamed.py"  # a result whose oracle ran streamed carries a note naming it
+STREAMED_ORDER = "oracle.streamed.layer_order"  # cache key: a layer order for the streamed oracle (a test's fault)
+
+
+def oracle_runner(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Reference | StreamedReference:
+    """The oracle in `dtype` as a callable ids [T] -> ReferenceOutput: the whole K3Reference where it may be built
+    (reference_model), else the streamed reference over the same checkpoint (one decoder layer at a time,
+    bit-identical where both fit). A check that used the streamed one says so (streamed_notes)."""
+    if fits_whole(ctx, dtype):
+        return reference_model(ctx, dtype)
+    note_streamed(ctx, dtype)
+
+    def build() -> StreamedReference:
+        order = ctx.cache.get(STREAMED_ORDER)
+        return StreamedReference(ctx.cfg, checkpoint_tensors(ctx), dtype, ctx.device,
+                                 **({} if order is None else {"layer_order": order}))
+    streamed: StreamedReference = _cached(ctx, f"oracle.k3.streamed.{_dtype_name(dtype)}", build)
+    return streamed
+
+
+def oracle_modules(runner: K3Reference | StreamedReference) -> nn.Module:
+    """The module tree whose routers record_routes / pin_routes hook (the streamed one's meta-built reference)."""
+    return runner.ref if isinstance(runner, StreamedReference) else runner
+
+
+def pin_reference(ctx: CheckContext) -> nn.Module:
+    """The fp32 oracle's routers, what pin_routes measures drift against: the whole reference where it fits, else
+    a meta-built K3Reference with only its MoE routers materialised (a few MB at real size)."""
+    if fits_whole(ctx, torch.float32):
+        return reference_model(ctx)
+
+    def build() -> K3Reference:
+        with torch.device("meta"):
+            ref = K3Reference(ctx.cfg, torch.float32)
+        for i, layer in enumerate(ref.model.layers):
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None:
+                moe.gate.to_empty(device=ctx.device)
+                load_into(ref, ctx.cfg, checkpoint_tensors(ctx), f"model.layers.{i}.block_sparse_moe.gate.")
+        return ref
+    return _cached(ctx, "oracle.k3.routers", build)
+
+
+class StreamedLayers:
+    """The decoder layers of a meta-built K3Reference in one dtype, each materialised from the checkpoint when
+    indexed and the one indexed before it dropped: one layer's weights at a time, the same modules and values as
+    the whole reference's layers."""
+
+    def __init__(self, ctx: CheckContext, dtype: torch.dtype) -> None:
+        with torch.device("meta"):
+            self.ref = K3Reference(ctx.cfg, dtype)
+        self.cfg, self.tensors, self.device = ctx.cfg, checkpoint_tensors(ctx), ctx.device
+        self.loaded: int | None = None
+
+    def __getitem__(self, i: int) -> Any:  # a decoder layer: which sub-modules it has depends on its kind
+        layer: nn.Module = self.ref.model.layers[i]
+        if self.loaded != i:
+            if self.loaded is not None:
+                self.ref.model.layers[self.loaded].to(device="meta")
+            layer.to_empty(device=self.device)
+            load_into(self.ref, self.cfg, self.tensors, f"model.layers.{i}.")
+            self.loaded = i
+        return layer
+
+
+def reference_layers(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> list[Any] | StreamedLayers:
+    """The oracle's decoder layers in `dtype` (index them): the whole reference's where it may be built, else
+    materialised one at a time (StreamedLayers), which the check's result then says."""
+    if fits_whole(ctx, dtype):
+        return layers(reference_model(ctx, dtype))
+    note = (f"the {_dtype_name(dtype)} oracle's layers were built one at a time from the checkpoint: the whole "
+            f"model in {_dtype_name(dtype)} would hold {whole_model_bytes(ctx.cfg, dtype) / 1e9:.3g} GB")
+    if note not in ctx.run_notes:
+        ctx.run_notes.append(note)
+    streamed: StreamedLayers = _cached(ctx, f"oracle.k3.layers.{_dtype_name(dtype)}",
+                                       lambda: StreamedLayers(ctx, dtype))
+    return streamed
+
+
+def note_streamed(ctx: CheckContext, dtype: torch.dtype) -> None:
+    """Say in the running check's result that its oracle in `dtype` ran streamed (no-op where it runs whole)."""
+    if fits_whole(ctx, dtype):
+        return
+    note = (f"the {_dtype_name(dtype)} oracle ran streamed, one decoder layer at a time ({STREAMED_NOTE}): whole it "
+            f"would hold {whole_model_bytes(ctx.cfg, dtype) / 1e9:.3g} GB, over the {whole_model_limit() / 1e9:.3g} GB "
+            "a check may build whole")
+    if note not in ctx.run_notes:
+        ctx.run_notes.append(note)
+
+
 def reference_forward(ctx: CheckContext, ids: torch.Tensor,
                       dtype: torch.dtype = torch.float32) -> tuple[Any, RouteRecord]:
-    """The oracle's forward (with captures) on `ids` and its router decisions, cached per run."""
+    """The oracle's forward (with captures) on `ids` and its router decisions, cached per run; streamed where the
+    whole oracle may not be built (oracle_runner)."""
     key = f"serving.oracle_run.{str(dtype).removeprefix('torch.')}.{hash(tuple(ids.tolist()))}"
+    note_streamed(ctx, dtype)
     if key not in ctx.cache:
-        ref = reference_model(ctx, dtype)
-        with record_routes(ref) as routes:
+        ref = oracle_runner(ctx, dtype)
+        with record_routes(oracle_modules(ref)) as routes:
             out = ref(ids.to(ctx.device), capture=True)
         ctx.cache[key] = (out, routes)
     return ctx.cache[key]
@@ -179,12 +295,14 @@ def reference_forward(ctx: CheckContext, ids: torch.Tensor,
 def reference_gold(ctx: CheckContext, ids: torch.Tensor) -> Any:
     """The oracle in fp64 on `ids` (with captures), its routing pinned to the fp32 oracle's choices where a
     flip is a near-tie explained by drift: the same pinning the model checks apply to the candidate, so the
-    fp32-vs-fp64 noise of a whole model is not dominated by one token's expert flip. Cached per run."""
+    fp32-vs-fp64 noise of a whole model is not dominated by one token's expert flip. Cached per run; streamed
+    where the whole fp64 oracle may not be built."""
     key = f"serving.oracle_gold.{hash(tuple(ids.tolist()))}"
+    note_streamed(ctx, torch.float64)
     if key not in ctx.cache:
         _, routes = reference_forward(ctx, ids)
-        gold_model, stats = reference_model(ctx, torch.float64), PinStats()
-        with pin_routes(gold_model, routes, reference_model(ctx), ctx.cfg, stats):
+        gold_model, stats = oracle_runner(ctx, torch.float64), PinStats()
+        with pin_routes(oracle_modules(gold_model), routes, pin_reference(ctx), ctx.cfg, stats):
             ctx.cache[key] = gold_model(ids.to(ctx.device), capture=True)
         ctx.cache[key + ".pins"] = stats
     return ctx.cache[key]

@@ -1,5 +1,6 @@
 """The long-context oracle run every long check shares: one prompt of LONG_TOKENS tokens, run once per run
-through the fp32 oracle (with its router decisions), cached in ctx.cache under the prompt's ids.
+through the fp32 oracle (with its router decisions; streamed where the whole oracle may not be built), cached in
+ctx.cache under the prompt's ids.
 
 A fault that shows only in long sequences (a page index that wraps past 64 pages, an expert that drops tokens
 past a capacity, a prefill segment that starts one position off, a query block of the attention at the wrong
@@ -42,9 +43,10 @@ def long_oracle(ctx: CheckContext) -> tuple[Any, RouteRecord]:
     run once per run, shared by every check that asks."""
     ids = long_prompt(ctx)
     key = f"long_context.oracle.{hash(tuple(ids.tolist()))}"
+    builders.note_streamed(ctx, torch.float32)
     if key not in ctx.cache:
-        ref = builders.reference_model(ctx)
-        with record_routes(ref) as routes:
+        ref = builders.oracle_runner(ctx)
+        with record_routes(builders.oracle_modules(ref)) as routes:
             ctx.cache[key] = (ref(ids.to(ctx.device)), routes)
     out: tuple[Any, RouteRecord] = ctx.cache[key]
     return out
@@ -55,10 +57,11 @@ def long_gold(ctx: CheckContext) -> torch.Tensor:
     long check: only measured where noise.json holds no recording for this run). Cached per run."""
     ids = long_prompt(ctx)
     key = f"long_context.gold.{hash(tuple(ids.tolist()))}"
+    builders.note_streamed(ctx, torch.float64)
     if key not in ctx.cache:
         _, routes = long_oracle(ctx)
-        gold = builders.reference_model(ctx, torch.float64)
-        with pin_routes(gold, routes, builders.reference_model(ctx), ctx.cfg, PinStats()):
+        gold = builders.oracle_runner(ctx, torch.float64)
+        with pin_routes(builders.oracle_modules(gold), routes, builders.pin_reference(ctx), ctx.cfg, PinStats()):
             ctx.cache[key] = gold(ids.to(ctx.device)).logits
     logits: torch.Tensor = ctx.cache[key]
     return logits

@@ -123,8 +123,8 @@ def check_moe_packed(ctx: CheckContext) -> Trial:
     backend = TRITON if ctx.device.type == "cuda" else TORCH
     ref, cand, ctrl, low, high = {}, {}, {}, {}, {}
     reference_layers = _moe_layers(cached)
-    oracle = builders.layers(builders.reference_model(ctx, torch.bfloat16))
-    oracle64 = builders.layers(builders.reference_model(ctx, torch.float64))
+    oracle = builders.reference_layers(ctx, torch.bfloat16)
+    oracle64 = builders.reference_layers(ctx, torch.float64)
     for i, (_, moe) in _moe_layers(packed).items():
         norm, reference = reference_layers[i]
         x = norm(builders.layer_inputs(ctx, 80, torch.bfloat16))

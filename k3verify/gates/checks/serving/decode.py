@@ -195,7 +195,7 @@ def _oracle_last_rows(ctx: CheckContext, layer: int, x_pre: torch.Tensor, x: tor
     for j, n in enumerate(lens):
         seq = torch.cat([x_pre[start:start + n], x[j:j + 1]])
         for dtype in rows:
-            attn = builders.layers(builders.reference_model(ctx, dtype))[layer].self_attn
+            attn = builders.reference_layers(ctx, dtype)[layer].self_attn
             rows[dtype].append(attn(seq.to(dtype))[-1])
         start += n
     return torch.stack(rows[torch.float32]), torch.stack(rows[torch.float64])

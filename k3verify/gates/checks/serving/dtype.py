@@ -121,15 +121,16 @@ def _usable(ctx: CheckContext) -> None:
 def check_served_vs_gold(ctx: CheckContext) -> Trial:
     _usable(ctx)
     ids = builders.prompt(ctx, sum(_lengths(ctx)), salt=11)
-    gold_model = builders.reference_model(ctx, torch.float64)
-    with record_routes(gold_model) as routes:
+    gold_model = builders.oracle_runner(ctx, torch.float64)
+    with record_routes(builders.oracle_modules(gold_model)) as routes:
         gold = gold_model(ids.to(ctx.device)).logits
 
     def pin(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-        return pin_routes(model, routes, gold_model, ctx.cfg, PinStats())
+        # the fp32 routers hold the same stored values as the fp64 gold's: the same choice scores in fp64
+        return pin_routes(model, routes, builders.pin_reference(ctx), ctx.cfg, PinStats())
 
-    oracle = builders.reference_model(ctx, ctx.dtype)
-    with pin(oracle):
+    oracle = builders.oracle_runner(ctx, ctx.dtype)
+    with pin(builders.oracle_modules(oracle)):
         base = oracle(ids.to(ctx.device)).logits.float()
     _skip_if_chaotic(ctx.dtype, gold, base, "the K3 reference")
     return _judge(ctx, ids, gold, base, builders.served_model(ctx), pin, "K3 reference fp64 (router near-ties pinned)")
@@ -152,6 +153,7 @@ def check_served_vs_transformers(ctx: CheckContext) -> Trial:
     if ctx.cfg.is_k3:
         raise SkipCheck("transformers' KimiLinear has no K3 features: no transformers gold for a K3 model")
     ids = builders.prompt(ctx, sum(_lengths(ctx)), salt=17).to(ctx.device)
+    builders.require_whole_model(ctx, "transformers' model", torch.float32)  # else the suite runs it on a slice
     hf = load_baseline(ctx.cfg, ctx.target.hf_config(), builders.checkpoint_tensors(ctx), ctx.device, torch.float32)
     gold = hf_forward(hf, ids)[0].float()
     _narrow(hf, ctx.dtype)

@@ -90,7 +90,7 @@ def check_long_context_logits(ctx: CheckContext) -> Trial:
         segments.pop()
     segments.append(T - DECODE_TAIL - sum(segments))
     ref, routes = long_oracle(ctx)
-    model, oracle = builders.serving_model(ctx), builders.reference_model(ctx)
+    model, oracle = builders.serving_model(ctx), builders.pin_reference(ctx)
     stats = PinStats()
     with pin_routes(model, routes, oracle, ctx.cfg, stats):
         cand = served_logits(model, ids, segments, DECODE_TAIL)

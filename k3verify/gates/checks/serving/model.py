@@ -55,7 +55,7 @@ def _serving_logits(model: ServingModel, ids: torch.Tensor, device: torch.device
 def check_model_logits(ctx: CheckContext) -> Trial:
     ids = builders.prompt(ctx, T_MODEL)
     ref, routes = builders.reference_forward(ctx, ids)
-    model, oracle = builders.serving_model(ctx), builders.reference_model(ctx)
+    model, oracle = builders.serving_model(ctx), builders.pin_reference(ctx)
     stats = PinStats()
     with pin_routes(model, routes, oracle, ctx.cfg, stats):
         cand = _serving_logits(model, ids, ctx.device)
@@ -65,7 +65,8 @@ def check_model_logits(ctx: CheckContext) -> Trial:
     return Trial(reference=ref.logits.float(), candidate=cand.all_logits, control=ctrl.all_logits, gold=gold,
                  noise=None if gold is None else (ref.logits, gold),
                  position_dim=0, layers=_capture_layers(ref.captures, cand.captures), metrics=stats.as_metrics(),
-                 notes=[f"one sequence of {T_MODEL} tokens; K3Reference fp32 (fla naive recurrent KDA)",
+                 notes=[f"one sequence of {T_MODEL} tokens; K3Reference fp32 (fla naive recurrent KDA)"
+                        + ("" if builders.fits_whole(ctx, torch.float32) else ", streamed"),
                         f"router near-ties: {stats.pinned} of {stats.flips} flipped token choices were explained by "
                         "drift (reference boundary gap <= 2x score drift <= 1e-2) and pinned to the reference"]
                  + ([f"smallest pinned boundary gap {stats.min_gap:.3g}"] if stats.pinned else []))
@@ -96,7 +97,7 @@ def check_model_logits_hf(ctx: CheckContext) -> Trial:
 
 def _oracle_greedy(ctx: CheckContext, prompt: list[int], steps: int) -> tuple[list[int], list[float], list[float]]:
     """Full recompute each step: tokens, top-2 gaps and logit ranges of the oracle."""
-    ref = builders.reference_model(ctx)
+    ref = builders.oracle_runner(ctx)
     seq, toks, gaps, ranges = list(prompt), [], [], []
     for _ in range(steps):
         logits = ref(torch.tensor(seq, device=ctx.device)).logits[-1].float()

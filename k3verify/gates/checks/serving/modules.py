@@ -55,7 +55,7 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: Fault, 
     if not layers:
         raise SkipCheck(f"preset has no {kind.upper()} layers")
     ref, model = builders.reference_model(ctx, dtype), builders.serving_model(ctx, dtype)
-    ref64 = builders.reference_model(ctx, torch.float64) if gold else None
+    ref64 = builders.reference_layers(ctx, torch.float64) if gold else None
     out: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "cand": {}, "ctrl": {}, "gold": {}}
     pass_ctx = builders.single_pass(builders.dummy_ids(T_MODULE), ctx.device)
     for i in layers:
@@ -67,7 +67,7 @@ def _attn_trial(ctx: CheckContext, kind: str, dtype: torch.dtype, fault: Fault, 
         with fault(serving):
             out["ctrl"][key] = serving(x, pass_ctx)
         if ref64 is not None:
-            out["gold"][key] = builders.layers(ref64)[i].self_attn(x.double())
+            out["gold"][key] = ref64[i].self_attn(x.double())
     fp64 = out["gold"] or None
     return Trial(reference=out["ref"], candidate=out["cand"], control=out["ctrl"], gold=fp64, position_dim=0,
                  noise=None if fp64 is None else (out["ref"], fp64),
