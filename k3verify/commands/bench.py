@@ -61,6 +61,16 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--kda-fused-score", "--kda-fused-verify", action="store_true",
                    help="speed rows use the one-launch KDA score pass")
     p.add_argument("--spec-layer-rows", default="1,2,4,8", help="rows for the per-KDA-layer score pass cost")
+    p.add_argument("--context", default=None, metavar="N1,N2",
+                   help="long context instead: per N one prompt prefilled as the engine chunks it (--segment), "
+                        "tok/s, CUDA peak vs `plan --context N`, a decode step, parity vs the streamed fp32 gold "
+                        "and the memory audit per layer kind (docs/long-context.md)")
+    p.add_argument("--segment", type=int, default=8192, metavar="S",
+                   help="--context: prefill chunk tokens (the engine's --max-step-tokens)")
+    p.add_argument("--decode-steps", type=int, default=16, metavar="K", help="--context: decode steps timed")
+    p.add_argument("--parity-base", type=int, default=1024, metavar="N",
+                   help="--context: the short context whose bf16-vs-fp32 distance sets the parity bar")
+    p.add_argument("--device", default=None, help="--context: cuda (default) or cpu (a tiny preset: the logic)")
     p.set_defaults(func=run)
 
 
@@ -121,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--prefill-graphs runs with the plain bench's CUDA graphs only (not with --no-graphs, --mxfp4 "
                          "or --speculative)")
     shape = bench_shape(args)  # before the CUDA check: a wrong name is reported on any machine
+    if args.context is not None:
+        return _run_long_context(args, shape)
+    if args.device is not None:
+        raise UsageError("--device applies to --context only: bench measures speeds on the GPU")
     if not torch.cuda.is_available():
         raise UsageError("bench needs a CUDA device; none is visible (speeds are measured on the GPU only)")
     prefill_lens = _ints(args.prefill or ("8192" if args.mxfp4 else "1024,8192"), "--prefill")
@@ -172,6 +186,41 @@ def _run_mxfp4(args: argparse.Namespace, shape: ModelShape, prefill_lens: list[i
     if args.json is not None:
         _write_json(data, args.json)
     return 0 if result.speeds_reported else 1
+
+
+def _run_long_context(args: argparse.Namespace, shape: ModelShape) -> int:
+    import torch
+
+    from k3verify.bench.long_context import LongContextPlan, require_long_context_fits, run_long_context, table
+    from k3verify.plan.device_fit import DoesNotFit, device_memory_gib
+
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("bench --context runs on a CUDA device by default and none is visible; --device cpu runs "
+                         "the logic on a tiny preset")
+    try:
+        plan = LongContextPlan(shape.name, tuple(_ints(args.context, "--context")), args.segment, args.decode_steps,
+                               args.parity_base, args.seed)
+    except ValueError as exc:
+        raise UsageError(f"--context: {exc}") from None
+    card = device_memory_gib(device) if device.type == "cuda" else None
+    bandwidth = None
+    try:
+        if card is not None:  # before the bandwidth probe allocates anything
+            from k3verify.bench.floor import measure_copy_bandwidth
+
+            require_long_context_fits(shape.cfg, plan, device, card)
+            bandwidth = measure_copy_bandwidth(device)
+        result = run_long_context(plan, shape.cfg, device, card, bandwidth,
+                                  lambda s: print(s, file=sys.stderr, flush=True))
+    except DoesNotFit as exc:
+        raise UsageError(str(exc)) from None
+    result.notes.extend(_weights_note(shape, args.seed))
+    data = result.to_dict()
+    print(table(data))
+    if args.json is not None:
+        _write_json(data, args.json)
+    return 0 if result.passed else 1
 
 
 def _floats(text: str, flag: str) -> list[float]:

@@ -67,8 +67,10 @@ class StreamedReference:
             m.to(device="meta")
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, capture: bool = False) -> ReferenceOutput:
-        """ids [T] -> logits [T, V] in the reference dtype (captures per sublayer when asked), as K3Reference."""
+    def __call__(self, input_ids: torch.Tensor, capture: bool = False,
+                 positions: torch.Tensor | None = None) -> ReferenceOutput:
+        """ids [T] -> logits [T, V] in the reference dtype (captures per sublayer when asked), as K3Reference; with
+        `positions` [P] the logits [P, V] of those rows only (at long context [T, V] would not fit)."""
         if input_ids.dim() != 1:
             raise ValueError(f"the streamed reference takes one sequence of ids [T]; got {tuple(input_ids.shape)}")
         if self.device.type == "cuda":
@@ -89,6 +91,8 @@ class StreamedReference:
             load_into(self.ref, self.cfg, self.tensors, "model.output_attn_res_")
         hidden = model.finish(carry, captures)
         self._drop(*tail)
+        if positions is not None:
+            hidden = hidden[positions.to(hidden.device)]
         self._load("lm_head.", self.ref.lm_head)
         logits = Fn.linear(hidden, self.ref.lm_head.weight)
         self._drop(self.ref.lm_head)

@@ -34,7 +34,7 @@ def _kind_of(name: str, module: torch.nn.Module, cfg: ModelConfig) -> str | None
     return {"mlp": "dense_mlp", "block_sparse_moe": "moe"}.get(parts[3])
 
 
-def _hook_kinds(model: torch.nn.Module, cfg: ModelConfig, peaks: dict[str, int]) -> list[Any]:
+def hook_kinds(model: torch.nn.Module, cfg: ModelConfig, peaks: dict[str, int]) -> list[Any]:
     handles = []
     for name, module in model.named_modules():
         kind = _kind_of(name, module, cfg)
@@ -90,7 +90,7 @@ def measure(cfg: ModelConfig, req: PlanRequest, device: torch.device, seed: int 
     _prefill_all(runner, 1, ids, req.segment, lambda: None)
     peak = torch.cuda.max_memory_allocated(device)
     kinds: dict[str, int] = {}
-    handles = _hook_kinds(model, cfg, kinds)
+    handles = hook_kinds(model, cfg, kinds)
     _prefill_all(runner, 2, ids, req.segment, lambda: None)
     for h in handles:
         h.remove()

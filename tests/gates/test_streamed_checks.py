@@ -67,3 +67,13 @@ def test_the_slice_holds_first_last_and_every_layer_kind() -> None:
     sliced = SlicedTensors(tensors, [0, 3])
     assert sorted(sliced) == ["lm_head.weight", "model.layers.0.w", "model.layers.1.w"]
     assert torch.equal(sliced["model.layers.1.w"], tensors["model.layers.3.w"])
+
+
+def test_attn_res_mix_runs_with_its_fp64_oracle_built_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_res.module.fp32 at "real size" on k3-tiny: its fp64 gold does not fit even on the slice, so the oracle's
+    layers and output mix are built one at a time; it passes against the same bar as whole, its control fails."""
+    monkeypatch.setenv(builders.WHOLE_MODEL_ENV, str(LIMITS["k3-tiny"]))
+    result = _run("k3-tiny", "attn_res.module.fp32")
+    assert result.status == "pass", (result.reason, result.notes)
+    assert result.control is not None and result.control.status == "fail"
+    assert any(n.startswith("the float64 oracle's layers were built one at a time") for n in result.notes)

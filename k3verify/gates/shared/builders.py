@@ -267,6 +267,25 @@ def reference_layers(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> l
     return streamed
 
 
+def reference_tail(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Reference:
+    """The oracle in `dtype` for what follows the decoder layers (final norm, the output mix of Block Attention
+    Residuals): the whole reference where it may be built, else a meta-built one with only those materialised."""
+    if fits_whole(ctx, dtype):
+        return reference_model(ctx, dtype)
+
+    def build() -> K3Reference:
+        with torch.device("meta"):
+            ref = K3Reference(ctx.cfg, dtype)
+        for name, module in ref.model.named_children():
+            if name not in ("embed_tokens", "layers"):
+                module.to_empty(device=ctx.device)
+        load_into(ref, ctx.cfg, checkpoint_tensors(ctx), "model.norm.")
+        if ctx.cfg.uses_attn_res:
+            load_into(ref, ctx.cfg, checkpoint_tensors(ctx), "model.output_attn_res_")
+        return ref
+    return _cached(ctx, f"oracle.k3.tail.{_dtype_name(dtype)}", build)
+
+
 def note_streamed(ctx: CheckContext, dtype: torch.dtype) -> None:
     """Say in the running check's result that its oracle in `dtype` ran streamed (no-op where it runs whole)."""
     if fits_whole(ctx, dtype):

@@ -116,13 +116,15 @@ def _serving_mixes(model: Any) -> list[tuple[str, MixFn, torch.Tensor]]:
     return sites
 
 
-def _oracle_mixes(ref: Any) -> list[MixFn]:
-    """The oracle's mix at the same sites, in _serving_mixes' order, with the oracle's own eps."""
+def _oracle_mixes(ctx: CheckContext, dtype: torch.dtype) -> list[MixFn]:
+    """The oracle's mix at the same sites, in _serving_mixes' order, with the oracle's own eps; its layers indexed
+    when a mix runs (builders.reference_layers: one layer at a time where the whole oracle may not be built)."""
+    layers, tail = builders.reference_layers(ctx, dtype), builders.reference_tail(ctx, dtype)
     out: list[MixFn] = []
-    for layer in builders.layers(ref):
+    for i in range(ctx.cfg.num_hidden_layers):
         for pair in ("self_attention_res", "mlp_res"):
-            out.append(_oracle_layer_mix(layer, pair))
-    out.append(lambda p, b: _oracle_finish(ref, p, list(b)))
+            out.append(_oracle_layer_mix(layers, i, pair))
+    out.append(lambda p, b: _oracle_finish(tail, p, list(b)))
     return out
 
 
@@ -133,9 +135,9 @@ def _layer_mix(layer: Any, pair: str) -> MixFn:
     return mix
 
 
-def _oracle_layer_mix(layer: Any, pair: str) -> MixFn:
+def _oracle_layer_mix(layers: Any, i: int, pair: str) -> MixFn:
     def mix(p: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = layer.mix(pair, p, list(b))
+        out: torch.Tensor = layers[i].mix(pair, p, list(b))
         return out
     return mix
 
@@ -159,8 +161,8 @@ def _attn_res_trial(ctx: CheckContext, dtype: torch.dtype) -> Trial:
     if not cfg.uses_attn_res:
         raise SkipCheck("preset has no Block Attention Residuals")
     noisy = dtype == torch.float32 and ctx.needs_noise
-    golds = _oracle_mixes(builders.reference_model(ctx, torch.float64)) if noisy else None
-    oracles = _oracle_mixes(builders.reference_model(ctx, dtype))
+    golds = _oracle_mixes(ctx, torch.float64) if noisy else None
+    oracles = _oracle_mixes(ctx, dtype)
     T, max_n, scaled = 48, num_blocks(cfg), attn_res._score
     ref, cand, ctrl, gold = {}, {}, {}, {}
     for j, (name, serving, w) in enumerate(_serving_mixes(builders.serving_model(ctx, dtype))):
