@@ -6,6 +6,9 @@ Synthetic presets (small enough for CPU) go through the same strict parser as re
 - k3-skew-10  every pair of dims that production ties together is decoupled (latent != hidden/2,
               v_head != qk_nope, KDA head dim != MLA dims, rms eps 2e-5, grouped top-k), odd widths.
 - kl-tiny     Kimi-Linear features only (transformers' KimiLinear can run it).
+- kl-256      kl-tiny with every row a k-quant can take a multiple of 256 (hidden, FFN and expert widths, the MLA
+              latent, the KDA width): llama-quantize writes such rows as Q4_K/Q5_K/Q6_K, where it falls back to
+              Q5_0/Q8_0 on the 32-96-wide presets. Rows it cannot (the KDA gate LoRA's 64, MLA's k_b of 32) stay so.
 - k3-tp4      k3-tiny with every count a parallel layout splits (KDA and MLA heads, experts, vocab, FFN and
               latent widths) divisible by 2 and 4, so tensor/expert parallel worlds of 2 and 4 split evenly.
 Real shapes (`k3`, `kimi-linear-48b`) are for meta-device builds, planning and reconciling only.
@@ -182,6 +185,18 @@ def _kimi_linear(**over: Any) -> dict[str, Any]:
     return _with_overrides(cfg, over)
 
 
+# The widths kl-256 sets on kl-tiny (a checkpoint of other ids, e.g. its own tokenizer's, takes these as overrides).
+KL_256: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256, "kv_lora_rank": 256,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64, "num_experts": 8, "num_experts_per_token": 2,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 64},
+}
+
+
+def _kl_256() -> dict[str, Any]:
+    return _kimi_linear(**copy.deepcopy(KL_256))
+
+
 def _syn25() -> dict[str, Any]:
     kda, full = _rhythm(25)
     return _k3(_k3_text(
@@ -259,13 +274,14 @@ _BUILDERS = {
     "k3-syn-25": _syn25,
     "k3-skew-10": _skew10,
     "kl-tiny": _kimi_linear,
+    "kl-256": _kl_256,
     "k3": _k3_real,
     "kimi-linear-48b": _kimi_linear_48b,
     "kl-48b-8l": _kl_48b_8l,
     "k3-slice-4l": _k3_slice_4l,
 }
 
-SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny", "k3-tp4")
+SYNTHETIC_PRESETS = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny", "kl-256", "k3-tp4")
 PRESETS = tuple(_BUILDERS)
 
 

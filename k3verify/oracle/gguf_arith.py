@@ -20,11 +20,22 @@ A model's weights are tagged with their format (`tag`); `linear`s of functional.
 while the knob `linear.gguf_activations` is "on" (the precision sets it), and MLA then runs absorbed as llama.cpp
 does (q_nope through k_b, the attention in the latent, its output through v_b), each product with its own
 rounding. Untagged weights (a checkpoint, not a GGUF) compute exactly as before.
+
+Code pinning (`CodePins`, `pinning_codes`): a Q8_0 or Q8_K code is a rounding of an fp32 product, and two runs
+whose inputs differ by fp32 noise take a product that sits that close to a rounding boundary to different codes.
+One such code moves its row by a whole code step (~1e-3 of the row), far beyond the noise that caused it, and the
+next rounding of that row flips tens of codes: the two runs then differ by the format's own rounding error. To
+tell that cascade from any other difference, one run records its scaled products and another, run inside a
+pinning block, takes the recorded run's code wherever its own differs only because of such a near-tie (its
+distance from the boundary within twice the two runs' drift there, and that drift under MAX_CODE_DRIFT code
+steps), counting each pin: the same rule route pinning applies to router near-ties (gates/shared/route_pin.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +46,7 @@ from k3verify.oracle import functional as Fn
 KNOB = "linear.gguf_activations"
 TAG = Fn.ACTIVATION_TAG  # the attribute a tagged weight carries: its activation format (or {"k_b":.., "v_b":..})
 Q8_K_BLOCK = 256
+MAX_CODE_DRIFT = 1e-2  # code steps: the most a rounded product may move between two runs and still be pinned
 
 _Q8_0_WEIGHTS = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")
 _Q8_K_WEIGHTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
@@ -86,6 +98,12 @@ def q8_k_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     max = the first value of largest magnitude (sign kept), iscale = -127/max (one fp32 division),
     q = min(127, round_half_even(iscale · x)) and d = 1/iscale (fp32). Returns codes q [..., K/256, 256] and
     scales d [..., K/256, 1], both fp32; a block of zeros has q = 0, d = 0."""
+    _, q, d = q8_k_parts(x)
+    return q, d
+
+
+def q8_k_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q8_k_codes with the scaled products iscale · x before rounding first: (scaled, q, d)."""
     K = x.shape[-1]
     if K % Q8_K_BLOCK:
         raise ValueError(f"Q8_K rounds rows in blocks of {Q8_K_BLOCK}; got a row of {K} values")
@@ -94,9 +112,10 @@ def q8_k_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak = blocks.gather(-1, at)
     nonzero = peak != 0
     iscale = torch.where(nonzero, torch.full_like(peak, -127.0) / torch.where(nonzero, peak, 1.0), 0.0)
-    q = torch.round(blocks * iscale).clamp(max=127.0)  # nearest_int: fp32 + 1.5·2^23, round half to even
+    scaled = blocks * iscale
+    q = torch.round(scaled).clamp(max=127.0)  # nearest_int: fp32 + 1.5·2^23, round half to even
     d = torch.where(nonzero, torch.ones_like(iscale) / torch.where(nonzero, iscale, 1.0), 0.0)
-    return q, d
+    return scaled, q, d
 
 
 def q8_k_round(x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +139,64 @@ def round_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "bf16":
         return x.float().bfloat16().to(x.dtype)
     if fmt == "q8_0":
-        _, q, d = Fn.q8_0_codes(x)
-        return _value(q, d, x)
+        scaled, q, d = Fn.q8_0_codes(x)
+        return _value(_pinned(scaled, q), d, x)
     if fmt == "q8_K":
-        return q8_k_round(x)
+        scaled, q, d = q8_k_parts(x)
+        return _value(_pinned(scaled, q), d, x)
     raise ValueError(f"unknown activation format {fmt!r}; known: f32, f16, bf16, q8_0, q8_K")
+
+
+@dataclass
+class CodePins:
+    """The scaled products of every Q8_0/Q8_K rounding of one run, in call order (`record`), or, in a run made to
+    follow them (`pin`), how many codes were pinned and how many roundings had no recorded counterpart of the
+    same shape (a router choice that differs between the runs): those are left as computed."""
+
+    record: bool
+    scaled: list[torch.Tensor] = field(default_factory=list)
+    pinned: int = 0
+    unmatched: int = 0
+    _next: int = 0
+
+
+_PINS: list[CodePins] = []
+
+
+@contextlib.contextmanager
+def pinning_codes(pins: CodePins) -> Iterator[CodePins]:
+    """Inside, every Q8_0/Q8_K activation rounding is recorded into `pins` (pins.record) or takes its codes from
+    the recorded run at near-ties (module doc). Not thread-safe, like oracle/active.py."""
+    if not pins.record and not pins.scaled:
+        raise ValueError("pinning codes needs a recorded run first (CodePins(record=True) around it)")
+    pins._next = 0
+    _PINS.append(pins)
+    try:
+        yield pins
+    finally:
+        _PINS.remove(pins)
+
+
+def _pinned(scaled: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """q, or in a pinning block the recorded run's codes where q differs from them at a near-tie."""
+    if not _PINS:
+        return q
+    pins = _PINS[-1]
+    if pins.record:
+        pins.scaled.append(scaled.detach().double().clone())
+        return q
+    at = pins._next
+    pins._next += 1
+    if at >= len(pins.scaled) or pins.scaled[at].shape != scaled.shape:
+        pins.unmatched += 1
+        return q
+    theirs, ours = pins.scaled[at].to(scaled.device), scaled.double()
+    their_q = torch.round(theirs).clamp(max=127.0)
+    drift = (theirs - ours).abs()
+    distance = (ours - ours.floor() - 0.5).abs()
+    pin = (their_q != q.double()) & (distance <= 2 * drift) & (drift <= MAX_CODE_DRIFT)
+    pins.pinned += int(pin.sum())
+    return torch.where(pin, their_q.to(q.dtype), q)
 
 
 def linear_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

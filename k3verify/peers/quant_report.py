@@ -121,6 +121,15 @@ def _bars(title: str, labels: Sequence[str], series: Mapping[str, Sequence[float
 
 
 def render_html(report: Mapping[str, Any]) -> str:
+    """quant.html: the report's headline, plots and weight-error table on a page of its own."""
+    return ("<!doctype html><meta charset='utf-8'><title>quantization report</title>"
+            f"<h1>{html.escape(str(report['gguf']['gguf']))}</h1>" + render_plots(report))
+
+
+def render_plots(report: Mapping[str, Any]) -> str:
+    """The headline, the plots (weight error by layer, KL divergence by position) and the weight-error table of a
+    quantization report (as quant_report returns it, or as report.json keeps it): quant.html's body, and the
+    quantization section of the parity report's HTML."""
     layers = report["weights"]["by_layer"]
     model = report["model"]
     position: dict[str, Sequence[float]] = {"quantization (checkpoint vs GGUF oracle)": model["kl_by_position"]}
@@ -130,8 +139,7 @@ def render_html(report: Mapping[str, Any]) -> str:
                    f"<td>{v['rel_rms']:.3g}</td><td>{v['rel_rms_max']:.3g}</td><td>{v['max_abs']:.3g}</td></tr>"
                    for k, v in report["weights"]["by_kind"].items())
     longest = max(len(s) for s in position.values())
-    return ("<!doctype html><meta charset='utf-8'><title>quantization report</title>"
-            f"<h1>{html.escape(str(report['gguf']['gguf']))}</h1><p>{html.escape(report['headline'])}</p>"
+    return (f"<p>{html.escape(report['headline'])}</p>"
             + _bars("weight error by layer", list(layers), {"relative RMS": [v["rel_rms"] for v in layers.values()]},
                     "relative RMS")
             + _bars("KL divergence by position", [str(i) for i in range(longest)], position, "nats")

@@ -78,3 +78,33 @@ def test_absorbed_mla_is_the_same_function_and_rounds_where_llama_cpp_does() -> 
     assert (absorbed - plain).abs().max() < 1e-12 * plain.abs().max()
     moved = float((half - plain).abs().max() / plain.abs().max())
     assert 1e-5 < moved < 1e-2, moved
+
+
+def test_code_pinning_takes_the_recorded_code_only_at_a_near_tie() -> None:
+    """A run recorded inside a pinning block; a second run whose scaled products differ by 2e-5 code steps across
+    a rounding boundary at one element takes the recorded code there (one pin), while an element moved by 0.2
+    code steps across another boundary keeps its own code: a real difference is never pinned. A rounding with no
+    recorded counterpart of its shape is left alone and counted."""
+    d = 1 / 63.5  # the peak -2.0 gives iscale 63.5 exactly: scaled = x · 63.5
+
+    def row(tie: float, far: float) -> torch.Tensor:
+        x = torch.zeros(256, dtype=torch.float64)
+        x[0], x[5], x[6] = -2.0, tie * d, far * d
+        return x
+
+    recorded = gguf_arith.CodePins(record=True)
+    with gguf_arith.pinning_codes(recorded):
+        mine = gguf_arith.round_activation(row(10.5 - 1e-5, 20.4), "q8_K")
+    assert recorded.pinned == 0 and len(recorded.scaled) == 1
+    assert torch.round(mine[5] / d) == 10 and torch.round(mine[6] / d) == 20
+    follower = gguf_arith.CodePins(record=False, scaled=recorded.scaled)
+    with gguf_arith.pinning_codes(follower):
+        theirs = gguf_arith.round_activation(row(10.5 + 1e-5, 20.6), "q8_K")
+        gguf_arith.round_activation(torch.ones(2, 256), "q8_K")
+    assert follower.pinned == 1 and follower.unmatched == 1
+    assert torch.round(theirs[5] / d) == 10 and torch.round(theirs[6] / d) == 21
+    unpinned = gguf_arith.round_activation(row(10.5 + 1e-5, 20.6), "q8_K")
+    assert torch.round(unpinned[5] / d) == 11
+    with pytest.raises(ValueError, match="needs a recorded run first"), \
+            gguf_arith.pinning_codes(gguf_arith.CodePins(record=False)):
+        pass

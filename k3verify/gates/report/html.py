@@ -10,7 +10,12 @@ from html import escape
 from itertools import groupby
 from typing import Any
 
-from k3verify.gates.report.html_endpoint import accepted_section, endpoint_section, explanation_section
+from k3verify.gates.report.html_endpoint import (
+    accepted_section,
+    endpoint_section,
+    explanation_section,
+    quantization_section,
+)
 from k3verify.gates.report.svg import line_chart, margin_bar
 
 _CSS = """
@@ -245,7 +250,7 @@ def render_html(data: Mapping[str, Any]) -> str:
     body = "".join([
         _banner(data), "<main>", accepted_section(data["run"]), explanation_section(data["run"]),
         _results_section(data["results"]), _bars_section(data["results"]),
-        _charts_section(data["results"]),
+        _charts_section(data["results"]), quantization_section(data["run"]),
         _kill_matrix(data.get("mutations") or []), endpoint_section(data["run"]), _run_table(data["run"]),
         _environment(data["run"]),
         "</main>",

@@ -1,12 +1,15 @@
 """The endpoint parts of the HTML report: accepted deviations (shown before anything else), the explanation of a
-failing endpoint (catalog conventions ranked by how much of the distance each removes), and what the server is
-and offers."""
+failing endpoint (catalog conventions ranked by how much of the distance each removes), what the server is and
+offers, and, for a GGUF's weights (`--weights-from`), what the quantization costs (its plots by layer and by
+position)."""
 
 from __future__ import annotations
 
 import html
 from collections.abc import Mapping
 from typing import Any
+
+from k3verify.peers.quant_report import render_plots
 
 
 def _e(value: Any) -> str:
@@ -86,3 +89,15 @@ def endpoint_section(run: Mapping[str, Any]) -> str:
     fact_rows = "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(v)}</code></td></tr>" for k, v in facts.items() if v)
     return (f'<section id="endpoint"><h2>Endpoint under test</h2><table>{fact_rows}</table>'
             f"<h3>Features (probed)</h3><table>{rows}</table></section>")
+
+
+def quantization_section(run: Mapping[str, Any]) -> str:
+    """The quantization report of a run on a GGUF's weights (peers/quant_report.py): the server's cost on top of
+    the quantization's, plots by layer and by position, the weight errors; its files beside the report."""
+    quant = (run.get("endpoint") or {}).get("quantization")
+    if not quant:
+        return ""
+    files = ", ".join(f'<a href="{_e(f)}">{_e(f)}</a>' for f in quant.get("files") or [])
+    return (f'<section id="quantization"><h2>Quantization</h2><p class="small">{_e(quant["gguf"]["gguf"])} in '
+            f"the {_e(quant['arithmetic'])} arithmetic{'; also in ' + files if files else ''}</p>"
+            f"{render_plots(quant)}</section>")

@@ -22,7 +22,7 @@ import torch
 
 from k3verify.gates.core.check import CheckContext, SkipCheck
 from k3verify.gates.shared import builders
-from k3verify.oracle import rounding
+from k3verify.oracle import gguf_arith, rounding
 from k3verify.oracle.conventions import applied
 from k3verify.oracle.precision import Precision
 from k3verify.oracle.rounding import Ledger, NearTie, Site, near_ties
@@ -112,6 +112,32 @@ def score(ctx: CheckContext, seq: list[int], first: int, forced: Mapping[Site, i
     gold, gold_ledger = _oracle_run(ctx, seq, first, declared_precision(ctx).gold_dtype, forced)
     base, base_ledger = _oracle_run(ctx, seq, first, declared_dtype(ctx), forced)
     return Scores(gold, base, (base_ledger, gold_ledger), forced)
+
+
+def code_pinned(ctx: CheckContext, seq: list[int], first: int) -> tuple[Scores, int] | None:
+    """For a precision that rounds activations to GGUF block codes (oracle/gguf_arith.py), the gold's rows
+    with its codes pinned to the declared-dtype run's wherever they differ only at a near-tie, beside the
+    declared-dtype run's rows, and how many codes were pinned; None for any other precision. A diagnosis of the
+    oracle's own distance, never a bar: an endpoint's own near-tie codes cannot be pinned."""
+    precision = declared_precision(ctx)
+    if gguf_arith.KNOB not in dict(precision.emulation):
+        return None
+    ep = ctx.endpoint
+    assert ep is not None  # declared_precision() refused a run without an endpoint
+    key = f"endpoint.oracle.code_pinned.{ep.precision.name}.{first}.{hash(tuple(seq))}"
+    if key not in ctx.cache:
+        ids = torch.tensor(seq, device=ctx.device)
+        recorded = gguf_arith.CodePins(record=True)
+        rows = []
+        for dtype, pins in ((precision.dtype, recorded), (precision.gold_dtype, gguf_arith.CodePins(
+                record=False, scaled=recorded.scaled))):
+            model = builders.reference_model(ctx, dtype)
+            with torch.no_grad(), applied(ep.accepted), precision.emulated(), gguf_arith.pinning_codes(pins):
+                logits = model(ids).logits[first - 1: len(seq) - 1]
+            rows.append(torch.log_softmax(logits.double().cpu(), dim=-1))
+        ctx.cache[key] = (Scores(rows[1], rows[0]), pins.pinned)
+    result: tuple[Scores, int] = ctx.cache[key]
+    return result
 
 
 def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Scores,

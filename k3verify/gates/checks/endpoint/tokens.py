@@ -30,6 +30,7 @@ from k3verify.gates.shared.endpoint_common import (
 )
 from k3verify.gates.shared.endpoint_oracle import (
     Scores,
+    code_pinned,
     judge_tokens,
     rel_rms,
     resolve_roundings,
@@ -174,6 +175,22 @@ def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> tuple
     return parts, excused
 
 
+def _code_flips(ctx: CheckContext, answers: list[Answer]) -> str:
+    """Why the oracle's own distance is that large, where its precision rounds activations to block codes: the
+    distance with the gold's near-tie codes pinned to the declared-dtype run's (gates/shared/endpoint_oracle.py's
+    code_pinned), and how many there were. Empty for other precisions."""
+    pinned = [code_pinned(ctx, a.seq, a.first) for a in answers]
+    if any(p is None for p in pinned):
+        return ""
+    runs = [p for p in pinned if p is not None]
+    noise = _noise([a.rows(scores) for a, (scores, _) in zip(answers, runs, strict=True)])
+    count = sum(n for _, n in runs)
+    return (f"; with the {count} activation code(s) the two oracle runs round to different sides of a near-tie "
+            f"pinned (the gold taking the declared-dtype run's code) it sits {noise:.3g} from its gold: the rest is "
+            "those codes' cascade (each moves its row by a whole code step, and the next rounding of that row flips "
+            "many more), which a correct implementation's own near-ties reproduce at other codes")
+
+
 def _measured_trial(ctx: CheckContext, answers: list[Answer], notes: list[str], what: str) -> Trial:
     """One RMS trial over all rows, each centred: the bar is BAR_FACTOR x the oracle's own dtype noise on the same
     entries, measured the same way (after any excused rounding near-ties, forced in both oracle runs)."""
@@ -187,7 +204,8 @@ def _measured_trial(ctx: CheckContext, answers: list[Answer], notes: list[str], 
     if factor * noise > LOGPROB_CAP:
         raise SkipCheck(f"the oracle itself at the declared precision sits {noise:.3g} (rel RMS, rows centred) from "
                         f"its gold on these rows: a bar of {factor} x that exceeds the cap {LOGPROB_CAP}, so no "
-                        "distribution check can tell a fault from this precision's own noise on this model")
+                        "distribution check can tell a fault from this precision's own noise on this model"
+                        + _code_flips(ctx, answers))
     worst = (cand - gold).abs().nan_to_num(float("inf")).amax(dim=1)
     w = int(worst.argmax())
     notes.append(f"{what}; each row centred (its mean removed); bar = {factor} x the oracle's own rel RMS at the "
