@@ -10,7 +10,7 @@ MODEL = "k3verify.serving.model"
 
 MUTANTS = [
     Mutant(
-        id="attn_res.mixed_h_into_accumulator", quick=True,
+        id="attn_res.mixed_h_into_accumulator",
         fault="the mixed h (meant only for the norms) is carried on as the running partial sum p",
         target=f"{DEC}:DecoderLayer.forward_attn_res",
         old="running: torch.Tensor | None = p",
@@ -42,7 +42,7 @@ MUTANTS = [
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
-        id="attn_res.output_mix_after_final_norm", quick=True,
+        id="attn_res.output_mix_after_final_norm",
         fault="the output mix runs after the final norm (norm-then-mix) instead of mix-then-norm",
         target=f"{MODEL}:ServingModel.finish",
         old="            x = attn_res_mix(x, blocks.view(),",
@@ -50,7 +50,7 @@ MUTANTS = [
         killers=["attn_res.*", "model.*"],
     ),
     Mutant(
-        id="attn_res.full_width_block_view", quick=True,
+        id="attn_res.full_width_block_view",
         fault="the preallocated (zeroed) block buffer is passed whole, so its unused zero columns join the softmax",
         target=f"{RES}:BlockBuffer.view",
         old="return self.data[:, : self.n]",

@@ -6,7 +6,7 @@ from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(
-        id="chat_template.user_text_unprotected", quick=True,
+        id="chat_template.user_text_unprotected",
         fault="user text is handed to the template as is (no sentinel), so a typed [EOS] or <|im_end|> is encoded "
               "as a special token",
         target="k3verify.tokenizer.jinja_chat:_Protector.__call__",

@@ -8,7 +8,7 @@ CODEC = "k3verify.checkpoint.mxfp4"
 
 MUTANTS = [
     Mutant(
-        id="checkpoint.mxfp4.high_nibble_first", quick=True,
+        id="checkpoint.mxfp4.high_nibble_first",
         fault="the checkpoint MXFP4 decoder reads the high nibble of each byte as the earlier element",
         target=f"{CODEC}:decode_codes",
         old="return torch.stack((low, high), dim=-1)",
@@ -64,7 +64,7 @@ MUTANTS = [
         killers=["weights.reconcile.tolerances"],
     ),
     Mutant(
-        id="checkpoint.tolerance.a_log_tail", quick=True,
+        id="checkpoint.tolerance.a_log_tail",
         fault="a re-padded A_log is read from its tail (the padding) instead of its first `heads` entries",
         target="k3verify.checkpoint.tolerances:fit_a_log",
         old="out[:n] = value[:n].float()",

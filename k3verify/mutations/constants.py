@@ -21,7 +21,7 @@ MEAN_SQUARE_IN_X_DTYPE = ("__import__('functools').reduce(lambda a, b: (a + b).t
 
 MUTANTS = [
     Mutant(
-        id="norm.eps.final_norm", quick=True,
+        id="norm.eps.final_norm",
         fault="the final norm uses eps 1e-6 instead of rms_norm_eps",
         target=f"{MODEL}:KimiModel.__init__",
         old="self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype)", new="self.norm = RMSNorm(H, 1e-6, dtype)",
@@ -90,7 +90,7 @@ MUTANTS = [
         killers=["attn_res.module.*"],
     ),
     Mutant(
-        id="attn_res.softmax_in_bf16", quick=True,
+        id="attn_res.softmax_in_bf16",
         fault="the depth mixer's softmax runs on scores rounded to the activation dtype (bf16) instead of fp32",
         target=f"{RES}:attn_res_mix",
         old="alpha = torch.softmax(scores, dim=-1)", new="alpha = torch.softmax(scores.to(p.dtype), dim=-1)",
@@ -117,7 +117,7 @@ MUTANTS = [
         killers=["attn_res.module.bf16"], presets=("k3-tiny", "k3-syn-25"),
     ),
     Mutant(
-        id="mla.decode.softmax_in_bf16", quick=True,
+        id="mla.decode.softmax_in_bf16",
         fault="the absorbed MLA decode's softmax runs exp, sum and division in bf16 instead of fp32",
         target=f"{MLA}:attention_probs",
         old="return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)",
@@ -165,7 +165,7 @@ MUTANTS = [
         killers=["norm.sites.bf16"], presets=("k3-tiny", "kl-tiny"),
     ),
     Mutant(
-        id="mlp.situ.betas_from_swapped_keys", quick=True,
+        id="mlp.situ.betas_from_swapped_keys",
         fault="SiTU reads beta from activation_situ_linear_beta and beta_lin from activation_situ_beta",
         target="k3verify.serving.layers.mlp:glu_activation",
         old="beta, lin = cfg.situ_beta, cfg.situ_linear_beta", new="beta, lin = cfg.situ_linear_beta, cfg.situ_beta",

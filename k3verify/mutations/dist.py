@@ -29,7 +29,7 @@ MUTANTS = [
         killers=["dist.tp.logits", "dist.layout.logits", "dist.greedy"], presets=PRESETS,
     ),
     Mutant(
-        id="dist.ep.expert_ids_not_offset", quick=True,
+        id="dist.ep.expert_ids_not_offset",
         fault="a rank treats global expert ids as its local ids (no offset by its first expert)",
         target="k3verify.serving.parallel.moe:ParallelMoE.routed_partial",
         old="local = idx - self.first_expert",

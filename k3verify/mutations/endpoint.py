@@ -8,7 +8,7 @@ from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(
-        id="endpoint.scoring.prompt_logprobs_off_by_one", quick=True,
+        id="endpoint.scoring.prompt_logprobs_off_by_one",
         fault="echo's prompt logprobs give token i+1 its logprob under the distribution after token i+1 instead of "
               "after token i",
         target="k3verify.serving.prompt_logprobs:prompt_logprobs",

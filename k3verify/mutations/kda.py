@@ -45,7 +45,7 @@ MUTANTS = [
         killers=["kda.*"],
     ),
     Mutant(
-        id="kda.gate.softplus_for_safe_gate", quick=True,
+        id="kda.gate.softplus_for_safe_gate",
         fault="K3's safe gate L*sigmoid(exp(A)*g) is replaced by the plain -exp(A)*softplus(g) gate",
         target=f"{REC}:kda_forget_gate",
         old="return lower_bound * torch.sigmoid(A * raw)",
@@ -200,13 +200,13 @@ MUTANTS = [
         killers=["kda.*", "serving.*", "kernel.kda.*"],
     ),
     Mutant(
-        id="kda.prefill.cut_mid_chunk", quick=True, kind="patch", patch=cut_mid_chunk,
+        id="kda.prefill.cut_mid_chunk", kind="patch", patch=cut_mid_chunk,
         fault="long prefill is cut into segments off the 64-token chunk grid (and nothing refuses the cut)",
         target=f"{KDA}:segment_pieces",
         killers=["kda.*", "serving.*"],
     ),
     Mutant(
-        id="kda.state.slot_off_by_one", quick=True,
+        id="kda.state.slot_off_by_one",
         fault="the state pool reads the recurrent state of the neighbouring slot (slots - 1)",
         target="k3verify.serving.state_cache:KDAStatePool.read_state",
         old="return self.state[self.layer_index[layer]].index_select(0, slots)",

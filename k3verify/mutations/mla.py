@@ -42,7 +42,7 @@ MUTANTS = [
         killers=["mla.*"],
     ),
     Mutant(
-        id="mla.lora_norm.eps_1e5", quick=True,
+        id="mla.lora_norm.eps_1e5",
         fault="the two MLA LoRA norms use rms_norm_eps 1e-5 instead of their own 1e-6",
         target=f"{MLA}:LORA_NORM_EPS",
         old="LORA_NORM_EPS = 1e-6",
@@ -74,7 +74,7 @@ MUTANTS = [
         killers=["mla.*", "serving.*"],
     ),
     Mutant(
-        id="mla.decode.rope_part_ignored", quick=True,
+        id="mla.decode.rope_part_ignored",
         fault="absorbed decode scores only the latent (nope) part, dropping the shared k_rot dot product",
         target=f"{MLA}:MultiHeadLatentAttention._decode_absorbed",
         old='(torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rope, k_rot))',

@@ -32,7 +32,7 @@ MUTANTS = [
         killers=["mlp.*", "moe.*"],
     ),
     Mutant(
-        id="mlp.gate_up_swapped", quick=True,
+        id="mlp.gate_up_swapped",
         fault="the dense GLU feeds up_proj into the activation and multiplies by gate_proj",
         target=f"{MLP}:GatedMLP._glu",
         old="gate, up = self.gate_up(x)",

@@ -18,7 +18,7 @@ MUTANTS = [
         killers=["router.*", "moe.*"],
     ),
     Mutant(
-        id="router.bias_in_weights", quick=True,
+        id="router.bias_in_weights",
         fault="the combine weights are the bias-corrected scores instead of the uncorrected sigmoid scores",
         target=f"{ROUTER}:route_torch",
         old="weights = scores.gather(1, idx)",
@@ -58,7 +58,7 @@ MUTANTS = [
         killers=["router.*", "moe.*"], presets=("k3-skew-10",),
     ),
     Mutant(
-        id="moe.combine_in_bf16", quick=True,
+        id="moe.combine_in_bf16",
         fault="the expert outputs are accumulated in the activation dtype (bf16) instead of fp32",
         target=f"{MOE}:SparseMoE.combine",
         old="out.index_add_(0, rows, ye.float() * w_sorted[start:start + count, None])",

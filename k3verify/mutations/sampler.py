@@ -30,7 +30,7 @@ MUTANTS = [
         killers=["serving.sampler.tempered_softmax"],
     ),
     Mutant(
-        id="serving.sampler.noise_keyed_by_batch_row", quick=True,
+        id="serving.sampler.noise_keyed_by_batch_row",
         fault="the noise key mixes in the row's place in the batch, so a seeded request's draws depend on its "
               "neighbours",
         target="k3verify.serving.sampler:uniform_noise",

@@ -6,7 +6,7 @@ from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(
-        id="serving.pack.bucketize_right_false", quick=True,
+        id="serving.pack.bucketize_right_false",
         fault="segment ids come from bucketize(right=False): every sequence's first token lands in the previous one",
         target="k3verify.serving.batch:segment_ids",
         old="return torch.bucketize(positions, cu_seqlens, right=True) - 1",

@@ -16,7 +16,7 @@ PRESETS = ("k3-tiny", "kl-tiny")
 
 MUTANTS = [
     Mutant(
-        id="spec.record.index_off_by_one", quick=True,
+        id="spec.record.index_off_by_one",
         fault="the recording recurrence stores the state after position j in record j-1 (record 0 wraps to the last)",
         target=f"{REF}:kda_record_torch",
         old="        records[:, j] = state\n",
