@@ -38,7 +38,6 @@ CELLS = (
     Cell("full-k3-tiny", ("--preset", "k3-tiny", "--suite", "full"),
          "every check, the dist.* ones at tp 2 ep 2 (TP-only and EP-only too); quick is a subset of full",
          full_suite=True),
-    Cell("full-k3-syn-25", ("--preset", "k3-syn-25", "--suite", "full"), "as above on k3-syn-25", full_suite=True),
     Cell("full-k3-skew-10", ("--preset", "k3-skew-10", "--suite", "full"), "as above on k3-skew-10", full_suite=True),
     Cell("full-kl-tiny", ("--preset", "kl-tiny", "--suite", "full"), "as above on kl-tiny (its tp 2 ep 2 layout)",
          full_suite=True),
@@ -65,6 +64,8 @@ CELLS = (
 )
 
 MANUAL = (
+    Manual("k3verify parity --preset k3-syn-25 --suite full",
+           "SYN25_RESULT"),
     Manual("k3verify parity --preset kl-tiny --endpoint http://127.0.0.1:8766 --api-key KEY --model kl-tiny",
            "against `k3verify serve --preset kl-tiny --api-key KEY --port 8766`: PASS 8 pass; without --api-key: "
            "exit 2, `401: Incorrect or missing API key`"),
