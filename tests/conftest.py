@@ -46,7 +46,8 @@ def cuda_moe_combine() -> Iterator[None]:
 # Tests run on two pytest-xdist workers (pyproject's addopts): with one torch thread a test, a serial run leaves the
 # second core idle. A file's tests stay on one worker (its module fixtures are built once); folders whose files share
 # session fixtures (a llama.cpp conversion, a checkpoint) stay together as one group; a module that sets
-# XDIST_SPREAD = True (a few long, independent tests) has its tests handed out one by one.
+# XDIST_SPREAD = True (a few long, independent tests) has its tests handed out one by one, and a test marked
+# xdist_group(NAME) keeps that group (a long test that shares no fixture with its file's others).
 SHARED_SESSION_FOLDERS = ("peers", "checkpoint")
 
 
@@ -56,8 +57,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         rel = item.path.relative_to(root) if item.path.is_relative_to(root) else item.path
         folder = rel.parts[1] if len(rel.parts) > 2 and rel.parts[0] == "tests" else ""
-        if getattr(getattr(item, "module", None), "XDIST_SPREAD", False):
-            continue
+        if getattr(getattr(item, "module", None), "XDIST_SPREAD", False) or item.get_closest_marker("xdist_group"):
+            continue  # handed out alone, or already in the group its test names
         group = folder if folder in SHARED_SESSION_FOLDERS else rel.as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():

@@ -146,6 +146,7 @@ def test_faults_in_the_deployment_fail_naming_the_check(llamacpp: LlamaCpp, kl_c
         assert code == 1 and "endpoint.logprobs.topk" in failed, (name, failed)
 
 
+@pytest.mark.xdist_group("peers-k3")  # shares no session fixture but llama.cpp's path: may run beside the others
 def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(llamacpp: LlamaCpp,
                                                                                   tmp_path: Path) -> None:
     """llama.cpp's Kimi-K3 on k3-tp4 (equal KDA and MLA head counts, which its graph assumes): greedy tokens and
