@@ -19,6 +19,7 @@ from typing import Any
 from k3verify.gates.binding import dtypes_of_run
 from k3verify.gates.compare import BF16_MAX_FAIL_FRACTION, Kind, within_bar
 from k3verify.gates.evaluate import status_of
+from k3verify.gates.excused import excused_count
 from k3verify.gates.gate import Check
 from k3verify.gates.noise import NoiseError, derive_bar
 
@@ -90,7 +91,7 @@ def result_problem(result: Mapping[str, Any], check: Check | None) -> str | None
     if control["status"] != ("pass" if control_passed else "fail"):
         return (f"result {rid}: its control says {control['status']!r}, but the control's metric {control_metric:.3g} "
                 f"against bar {bar} makes it {'pass' if control_passed else 'fail'!r}")
-    decided = status_of(candidate_passed, control_passed).value
+    decided = status_of(candidate_passed, control_passed, excused_count(result["metrics"])).value
     if decided != status:
         where = "bit-exact" if bar is None else f"bar {bar:.3g}"
         return (f"result {rid} says {status!r}, but its metric {metric:.3g} against its {where} ({check.kind.value}), "

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-RAN = ("pass", "fail", "vacuous", "error")
+RAN = ("pass", "excused", "fail", "vacuous", "error")
 MIN_ENDPOINT_POSITIONS = 16  # two quick-suite answers of 8 tokens: one short answer proves little
 
 

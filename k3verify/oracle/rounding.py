@@ -9,9 +9,13 @@ run, is within a factor of the distance between the base (declared dtype) and go
 RMS over everything that MoE layer rounds at that stage): the caller grants the endpoint the same factor of the
 oracle's own noise on the values it rounds as on its outputs.
 
-A `Ledger` made active around an oracle forward (`recording`) records the scaled products of every emulated
-rounding by site and forces the codes it was given; `near_ties(base, gold)` lists the near-ties of two recorded
-runs. Not thread-safe, like oracle/active.py.
+A `Ledger` made active around an oracle forward (`recording`) records the scaled products and the codes of every
+emulated rounding by site, forces the codes it was given, and may follow another run's codes (`follow`: the
+declared-precision run computing with the gold's codes, whose distance from the gold is the arithmetic's own
+noise without any coin toss in it). `near_ties(base, gold)` lists the near-ties of two recorded runs: the window is
+measured only on rows before the two runs first diverge (`clean_rows`) and never exceeds WINDOW_CAP of a step;
+`expected_flips` is how many roundings an implementation with that much noise is expected to take the other way.
+Not thread-safe, like oracle/active.py.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ import torch
 from k3verify.oracle import functional as Fn
 
 INPUT, DOWN = "input", "down"
+STAGE_ORDER = {INPUT: 0, DOWN: 1}  # within one MoE layer the input is rounded before the down input
+# No window reaches past this share of a Q8_0 step: the one tie a real implementation (llama.cpp) took the other
+# way sat 2.0e-4 of a step from its boundary, while windows measured where two runs had already diverged reached
+# 0.12-0.83 of a step (at 0.5 every rounding is a "near-tie")
+WINDOW_CAP = 1e-3
+Key = tuple[int, int, str, int]  # (layer, token, stage, expert)
 
 
 @dataclass(frozen=True, order=True)
@@ -51,23 +61,27 @@ class NearTie:
     code: int  # the gold's code
     other: int  # the code across the boundary
     distance: float  # |scaled - boundary|
-    window: float  # factor x the site's base-vs-gold RMS
+    window: float  # min(factor x the site's base-vs-gold RMS before the runs diverge, WINDOW_CAP)
     factor: float
 
     def describe(self) -> str:
         return (f"{self.site.describe()}: the gold's scaled value {self.scaled:.6f} is {self.distance:.2g} from the "
-                f"rounding boundary, within {self.window:.2g} ({self.factor:g} x the layer's base-vs-gold RMS there); "
-                f"code {self.other} instead of {self.code}")
+                f"rounding boundary, within {self.window:.2g} ({self.factor:g} x the layer's base-vs-gold RMS there, "
+                f"at most {WINDOW_CAP:g} of a step); code {self.other} instead of {self.code}")
 
 
 @dataclass
 class Ledger:
-    """Scaled products of every emulated rounding, (layer, token, stage, expert) -> [K] float64; `forced`: codes
-    to use instead of the computed ones at these sites; `used`: the forced sites that a forward reached."""
+    """Scaled products of every emulated rounding, (layer, token, stage, expert) -> [K] float64, and the codes it
+    took there (`codes`, [K] float); `forced`: codes to use instead of the computed ones at these sites; `used`: the
+    forced sites that a forward reached; `follow`: a recorded run whose codes are taken at every row it rounded
+    too (the forced ones still win)."""
 
     forced: Mapping[Site, int] = field(default_factory=dict)
-    rows: dict[tuple[int, int, str, int], torch.Tensor] = field(default_factory=dict)
+    rows: dict[Key, torch.Tensor] = field(default_factory=dict)
+    codes: dict[Key, torch.Tensor] = field(default_factory=dict)
     used: set[Site] = field(default_factory=set)
+    follow: Ledger | None = None
 
 
 _ACTIVE: list[Ledger] = []
@@ -96,28 +110,87 @@ def q8_0_round(x: torch.Tensor, layer: int, stage: str, expert: int, tokens: Seq
     scaled, q, d = Fn.q8_0_codes(x)
     flat_scaled, codes = scaled.reshape(x.shape[0], -1), q.reshape(x.shape[0], -1).clone()
     for r, token in enumerate(tokens):
-        ledger.rows[(layer, token, stage, who)] = flat_scaled[r].double().clone()
+        key = (layer, token, stage, who)
+        ledger.rows[key] = flat_scaled[r].double().clone()
+        followed = ledger.follow.codes.get(key) if ledger.follow is not None else None
+        if followed is not None and followed.shape == codes[r].shape:
+            codes[r] = followed.to(codes.dtype)
     row_of = {token: r for r, token in enumerate(tokens)}
     for site, code in ledger.forced.items():
         if (site.layer, site.stage, site.expert) == (layer, stage, who) and site.token in row_of:
             codes[row_of[site.token], site.element] = float(code)
             ledger.used.add(site)
+    for r, token in enumerate(tokens):
+        ledger.codes[(layer, token, stage, who)] = codes[r].clone()
     return Fn.q8_0_value(codes.reshape(q.shape), d, x)
 
 
-def near_ties(base: Ledger, gold: Ledger, factor: float) -> list[NearTie]:
-    """The roundings of the gold run within `factor` x their site's base-vs-gold RMS of a boundary, not already
-    forced, most ambiguous (distance / window) first. A site is one MoE layer's stage: the RMS is over every value
-    it rounds in the sequence, a steadier measure of how far the arithmetic before it moves these values than one
-    row's. Rows the two runs did not both compute (a router choice that differs between them) are left out."""
-    shared = [key for key, g in gold.rows.items() if key in base.rows and base.rows[key].shape == g.shape]
+def clean_rows(base: Ledger, gold: Ledger) -> list[Key]:
+    """The rows both runs rounded before they first diverged: a row is left out when, at an earlier MoE layer or
+    stage, a row of the same or an earlier token took different codes in the two runs or was rounded by one of
+    them only (a router choice). What a causal forward computes for a token depends only on tokens up to it, and a
+    stage only on the stages before it, so the rows kept are computed from identical inputs in both runs up to the
+    arithmetic's own rounding."""
+    first: dict[tuple[int, int], int] = {}  # (layer, stage order) -> the earliest token diverging there
+    for key in set(base.rows) | set(gold.rows):
+        b, g = base.codes.get(key), gold.codes.get(key)
+        if b is None or g is None or b.shape != g.shape or not torch.equal(b, g):
+            where = (key[0], STAGE_ORDER[key[2]])
+            first[where] = min(first.get(where, key[1]), key[1])
+    kept = []
+    for key, g in gold.rows.items():
+        b = base.rows.get(key)
+        if b is None or b.shape != g.shape:
+            continue
+        where = (key[0], STAGE_ORDER[key[2]])
+        if not any(w < where and token <= key[1] for w, token in first.items()):
+            kept.append(key)
+    return kept
+
+
+def _windows(base: Ledger, gold: Ledger, factor: float, rows: list[Key]) -> dict[tuple[int, str], float]:
+    """Per MoE layer and stage: min(factor x the base-vs-gold RMS over `rows` there, WINDOW_CAP)."""
     by_site: dict[tuple[int, str], list[torch.Tensor]] = {}
-    for key in shared:
+    for key in rows:
         by_site.setdefault((key[0], key[2]), []).append(base.rows[key] - gold.rows[key])
-    windows = {site: factor * float(torch.cat(diffs).pow(2).mean().sqrt()) for site, diffs in by_site.items()}
+    return {site: min(factor * float(torch.cat(diffs).pow(2).mean().sqrt()), WINDOW_CAP)
+            for site, diffs in by_site.items()}
+
+
+def expected_flips(base: Ledger, gold: Ledger, factor: float) -> float:
+    """How many of the gold's roundings an implementation `factor` x as far from the gold as the base is expected
+    to take the other way: a value whose distance from its boundary is spread evenly over a step crosses it with
+    probability 2e when moved by e, here e = min(factor x |base - gold|, WINDOW_CAP) on each value of the clean
+    rows, scaled up to every row the gold rounded (the measured density of near-ties over the whole sequence)."""
+    rows = clean_rows(base, gold)
+    if not rows:
+        return 0.0
+    moved = torch.cat([base.rows[k] - gold.rows[k] for k in rows]).abs().mul(factor).clamp(max=WINDOW_CAP)
+    total = sum(g.numel() for g in gold.rows.values())
+    return 2.0 * float(moved.sum()) * total / moved.numel()
+
+
+def windows(base: Ledger, gold: Ledger, factor: float) -> dict[tuple[int, str], float]:
+    """Each site's (MoE layer, stage) near-tie window: `factor` x the base-vs-gold RMS over the values it rounds
+    in the rows before the two runs first diverge (clean_rows), never more than WINDOW_CAP."""
+    return _windows(base, gold, factor, clean_rows(base, gold))
+
+
+def near_ties(base: Ledger, gold: Ledger, factor: float,
+              within: Mapping[tuple[int, str], float] | None = None) -> list[NearTie]:
+    """The roundings of the gold run within their site's window of a boundary, not already forced, nearest the
+    boundary first. A site is one MoE layer's stage; its window (`windows`, or `within` when given) is `factor` x
+    the base-vs-gold RMS over the values it rounds in the rows before the two runs first diverge, never more than
+    WINDOW_CAP: a steadier measure of how far the arithmetic before it moves these values than one row's, and
+    one that a divergence (a code or a router choice the runs took differently, which moves everything after it
+    by whole steps) cannot inflate. A site with no clean row has no window. With `within`, every row the gold
+    rounded is listed (the base is not consulted); otherwise rows the two runs did not both compute are left out."""
+    sites = dict(within) if within is not None else windows(base, gold, factor)
+    rows = (list(gold.rows) if within is not None else
+            [key for key, g in gold.rows.items() if key in base.rows and base.rows[key].shape == g.shape])
     ties: list[NearTie] = []
-    for key in shared:
-        g, window = gold.rows[key], windows[(key[0], key[2])]
+    for key in rows:
+        g, window = gold.rows[key], sites.get((key[0], key[2]), 0.0)
         distance = (g - g.floor() - 0.5).abs()
         for element in (distance <= window).nonzero().flatten().tolist():
             site = Site(key[0], key[1], key[2], key[3], int(element))
@@ -127,4 +200,4 @@ def near_ties(base: Ledger, gold: Ledger, factor: float) -> list[NearTie]:
             code = int(torch.tensor(value).round())  # half to even, as the rounding itself
             other = math.floor(value) if code > value else math.ceil(value)
             ties.append(NearTie(site, value, code, other, float(distance[element]), window, factor))
-    return sorted(ties, key=lambda t: (t.distance / t.window, t.site))
+    return sorted(ties, key=lambda t: (t.distance, t.site))
