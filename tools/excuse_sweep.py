@@ -40,6 +40,7 @@ from k3verify.target import Target, resolve_target
 LENGTHS = (5, 17, 40)  # the quick suite's prompt lengths (endpoint_common.QUICK)
 NEW_TOKENS = 8
 ROUTED = "model.layers.1.block_sparse_moe.experts.0.w3.weight"  # a routed-expert weight MoE layer 1 uses
+PASSED = ("pass", "excused")  # "excused": a pass with rounding near-ties excused (gates/excused.py)
 MLA = "model.layers.2.self_attn.o_proj.weight"  # an MLA weight (layers 2 and 5 are MLA on k3-tp4)
 
 
@@ -209,7 +210,7 @@ class Outcome:
         """A FAIL that became a PASS through the excuse, the distance after excusing beyond 1.5x `clean` (the
         fault-free run's distance on the same prompts)."""
         return (not self.variant.correct and self.plain is not None and self.plain.status == "fail"
-                and self.excused.status == "pass" and self.excused.metric > 1.5 * clean)
+                and self.excused.status in PASSED and self.excused.metric > 1.5 * clean)
 
 
 class Judge:
@@ -230,11 +231,13 @@ class Judge:
         return evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
 
 
-def run(judge: Judge, variant: Variant, seed: int, guesses: list[list[int]] | None = None) -> Outcome:
+def run(judge: Judge, variant: Variant, seed: int, guesses: list[list[int]] | None = None, *,
+        both: bool = False) -> Outcome:
+    """The variant judged with the excuse, and without it where that passed (or `both`)."""
     start = time.perf_counter()
     greedy = answers(judge.target, variant, prompt_set(judge.target, seed), judge.precision.name, guesses)
     excused = judge(greedy, excuse=True)
-    plain = judge(greedy, excuse=False) if excused.status == "pass" else None
+    plain = judge(greedy, excuse=False) if both or excused.status in PASSED else None
     return Outcome(variant, seed, excused, plain, time.perf_counter() - start)
 
 
@@ -243,14 +246,14 @@ def sweep(target: Target, precision: str, seeds: list[int], *, quick: bool,
     """Every variant (the smallest of each kind with `quick`) on every prompt set, the fault-free one first."""
     judge, out = Judge(target, precision), []
     for seed in seeds:
-        clean = run(judge, variants()[0], seed)
+        clean = run(judge, variants()[0], seed, both=not quick)
         guesses = [g.tokens for g in judge.cache["endpoint.greedy"]]
         report(clean)
         out.append(clean)
         for v in variants()[1:]:
             if quick and not v.smallest:
                 continue
-            out.append(run(judge, v, seed, guesses))
+            out.append(run(judge, v, seed, guesses, both=not quick))
             report(out[-1])
     return out
 
