@@ -11,8 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from k3verify.gates.checks import _endpoint_oracle as eo
 from k3verify.gates.checks._endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
-from k3verify.gates.gate import CheckContext
+from k3verify.gates.checks.endpoint_tokens import Answer, Rows, _measured_trial
+from k3verify.gates.evaluate import evaluate_trial
+from k3verify.gates.gate import REGISTRY, CheckContext, Status
 from k3verify.oracle import functional as Fn
 from k3verify.oracle import rounding
 from k3verify.oracle.precision import get_precision
@@ -121,3 +124,62 @@ def test_scores_of_plain_dtypes_round_nothing(ctx: CheckContext) -> None:
     other = CheckContext(ctx.target, ctx.device, 0, torch.Generator(), "quick", {}, plain)  # type: ignore[arg-type]
     scores = score(other, SEQ, FIRST)
     assert not scores.rounded and scores.near_ties(FACTOR) == [] and isinstance(scores, Scores)
+
+
+def _one_tie_endpoint(ctx: CheckContext) -> tuple[rounding.NearTie, torch.Tensor, float]:
+    """The near-tie whose other code moves the rows farthest beyond the bar, the endpoint computing so, and the
+    bar over the plain runs."""
+    ties = score(ctx, SEQ, FIRST).near_ties(FACTOR)
+    moved = [(rel_rms(_centred(c), _centred(score(ctx, SEQ, FIRST).gold)) / b, t, c, b)
+             for t in ties[:8] for c, b in [_endpoint(ctx, {t.site: t.other})]]
+    _, tie, cand, bar = max(moved, key=lambda m: m[0])
+    return tie, cand, bar
+
+
+@pytest.mark.parametrize("cap", ["plausible", "run"])
+def test_the_excuse_takes_no_more_roundings_than_plausible_or_left_in_the_run(
+        ctx: CheckContext, cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint that one near-tie explains (test_a_near_tie_taken_the_other_way_is_excused_and_named) is not
+    excused when a correct implementation would plausibly need none, or when the run already excused RUN_CAP."""
+    tie, cand, bar = _one_tie_endpoint(ctx)
+    scores = score(ctx, SEQ, FIRST)
+    saved = ctx.cache.pop(eo.EXCUSED, None)
+    try:
+        if cap == "plausible":
+            monkeypatch.setattr(eo, "plausible", lambda expected: 0)
+        else:
+            ctx.cache[eo.EXCUSED] = {(0, 1, 2): {Site(9, i, INPUT, -1, 0): 0 for i in range(eo.RUN_CAP)}}
+        resolved, notes = resolve_roundings(ctx, SEQ, FIRST, scores, _distance(cand), bar, FACTOR)  # type: ignore[arg-type]
+        assert resolved is scores and not resolved.forced, notes
+        assert any("at most 0 excused here" in n for n in notes), notes
+    finally:
+        ctx.cache.pop(eo.EXCUSED, None)
+        if saved is not None:
+            ctx.cache[eo.EXCUSED] = saved
+
+
+def test_the_bar_is_the_one_measured_before_anything_is_forced(ctx: CheckContext) -> None:
+    """A logprob trial over an endpoint that one near-tie explains: "pass, 1 rounding excused", its bar the
+    oracle's own noise on the rows before forcing (the locked run), which forcing would have moved."""
+    tie, cand, _ = _one_tie_endpoint(ctx)
+    saved = ctx.cache.pop(eo.EXCUSED, None)
+
+    def rows(scores: Scores) -> Rows:
+        return Rows(cand, scores.gold, scores.base, [f"seq position {p}" for p in range(cand.shape[0])])
+
+    try:
+        trial = _measured_trial(ctx, [Answer(SEQ, FIRST, rows)], [], "all rows")
+        result = evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
+    finally:
+        ctx.cache.pop(eo.EXCUSED, None)
+        if saved is not None:
+            ctx.cache[eo.EXCUSED] = saved
+    plain = score(ctx, SEQ, FIRST)
+    assert plain.locked is not None
+    before = rel_rms(_centred(plain.locked), _centred(plain.gold))
+    assert trial.bar == pytest.approx(FACTOR * before, rel=1e-12)
+    assert result.status is Status.EXCUSED and result.metrics["excused_rounding_near_ties"] >= 1, result.notes
+    forced = score(ctx, SEQ, FIRST, {tie.site: tie.other})
+    assert forced.locked is not None
+    after = rel_rms(_centred(forced.locked), _centred(forced.gold))
+    assert abs(after - before) > 1e-3 * before  # a bar re-measured after forcing would differ: the test can tell
