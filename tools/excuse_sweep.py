@@ -138,7 +138,8 @@ def variants() -> list[Variant]:
     for name, label in ((ROUTED, "routed expert w3"), (MLA, "MLA o_proj"),
                         ("model.layers.0.self_attn.q_proj.weight", "KDA q_proj")):
         for i, size in enumerate((1e-5, 1e-4, 1e-3)):
-            out.append(Variant(f"scale {label}", f"x(1+{size:g})", weights=_scale(name, 1 + size), smallest=i == 0))
+            out.append(Variant(f"scale {label}", f"x(1+{size:g})", weights=_scale(name, 1 + size),
+                               smallest=i == 0 and name == ROUTED))
     out += [
         Variant("block x2", f"{ROUTED}[0,:32]", weights=_double_block(ROUTED), smallest=True),
         Variant("quantizer", "round half away from zero", patch=_codes(half_away=True), smallest=True),
@@ -168,14 +169,22 @@ def _model(target: Target, variant: Variant) -> K3Reference:
     return model.eval()
 
 
+@dataclass
+class Answers:
+    """A variant's greedy answers as a server would send them, and its full log-softmax rows [8, V] per prompt."""
+
+    greedy: list[Greedy]
+    rows: list[torch.Tensor]
+
+
 def answers(target: Target, variant: Variant, prompts: list[list[int]], precision: str,
-            guesses: list[list[int]] | None = None) -> list[Greedy]:
+            guesses: list[list[int]] | None = None) -> Answers:
     """The variant's greedy answers (NEW_TOKENS each) with its own top-k logprobs, as a server would send. A
     causal model's logits at a position depend only on the tokens up to it, so one forward over the prompt and a
     guess of the answer (`guesses`, e.g. the fault-free one) checks every guessed token at once; from the first
     one that is not the variant's greedy choice the answer is computed again."""
     model, emulation = _model(target, variant), get_precision(precision)
-    out = []
+    out, full = [], []
     for i, prompt in enumerate(prompts):
         tokens = list(guesses[i]) if guesses is not None else []
         while True:
@@ -195,7 +204,24 @@ def answers(target: Target, variant: Variant, prompts: list[list[int]], precisio
                                                                       strict=True))))
         answer = Answer("", "length", steps)
         out.append(Greedy(prompt, answer, answer.resolved_ids(), 0))
-    return out
+        full.append(rows)
+    return Answers(out, full)
+
+
+def own_distance(fault: Answers, clean: Answers) -> float | None:
+    """How far the fault alone moves what the check compares: the rel RMS of the variant's rows from the
+    fault-free endpoint's, at the fault-free endpoint's top-k tokens, each row centred (None where the greedy
+    tokens differ: the rows are then not of the same positions)."""
+    if [g.tokens for g in fault.greedy] != [g.tokens for g in clean.greedy]:
+        return None
+    cand, ref = [], []
+    for f, c in zip(fault.rows, clean.rows, strict=True):
+        top = c.topk(TOP_K, dim=-1).indices
+        cand.append(f.gather(-1, top))
+        ref.append(c.gather(-1, top))
+    a, b = torch.cat(cand), torch.cat(ref)
+    a, b = a - a.mean(dim=1, keepdim=True), b - b.mean(dim=1, keepdim=True)
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 @dataclass
@@ -205,12 +231,19 @@ class Outcome:
     excused: Result
     plain: Result | None  # the excuse switched off; judged only where the excused verdict is a pass
     seconds: float
+    own: float | None = None  # own_distance from the fault-free endpoint
 
     def flipped(self, clean: float) -> bool:
         """A FAIL that became a PASS through the excuse, the distance after excusing beyond 1.5x `clean` (the
-        fault-free run's distance on the same prompts)."""
+        fault-free run's distance after excusing, on the same prompts)."""
         return (not self.variant.correct and self.plain is not None and self.plain.status == "fail"
                 and self.excused.status in PASSED and self.excused.metric > 1.5 * clean)
+
+    def hidden(self, clean: float) -> bool:
+        """flipped, and by a fault the check could see: one that alone moves the rows beyond the bar (own
+        distance unknown counts as beyond). A fault that moves them less passes with or without any excuse once
+        the rounding near-ties the fault-free endpoint needs are excused: below what the bar can resolve."""
+        return self.flipped(clean) and (self.own is None or self.own > (self.excused.bar or 0.0))
 
 
 class Judge:
@@ -231,14 +264,16 @@ class Judge:
         return evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
 
 
-def run(judge: Judge, variant: Variant, seed: int, guesses: list[list[int]] | None = None, *,
-        both: bool = False) -> Outcome:
+def run(judge: Judge, variant: Variant, seed: int, clean: Answers | None = None, *,
+        both: bool = False) -> tuple[Outcome, Answers]:
     """The variant judged with the excuse, and without it where that passed (or `both`)."""
     start = time.perf_counter()
-    greedy = answers(judge.target, variant, prompt_set(judge.target, seed), judge.precision.name, guesses)
-    excused = judge(greedy, excuse=True)
-    plain = judge(greedy, excuse=False) if both or excused.status in PASSED else None
-    return Outcome(variant, seed, excused, plain, time.perf_counter() - start)
+    got = answers(judge.target, variant, prompt_set(judge.target, seed), judge.precision.name,
+                  None if clean is None else [g.tokens for g in clean.greedy])
+    excused = judge(got.greedy, excuse=True)
+    plain = judge(got.greedy, excuse=False) if both or excused.status in PASSED else None
+    own = None if clean is None else own_distance(got, clean)
+    return Outcome(variant, seed, excused, plain, time.perf_counter() - start, own), got
 
 
 def sweep(target: Target, precision: str, seeds: list[int], *, quick: bool,
@@ -246,14 +281,13 @@ def sweep(target: Target, precision: str, seeds: list[int], *, quick: bool,
     """Every variant (the smallest of each kind with `quick`) on every prompt set, the fault-free one first."""
     judge, out = Judge(target, precision), []
     for seed in seeds:
-        clean = run(judge, variants()[0], seed, both=not quick)
-        guesses = [g.tokens for g in judge.cache["endpoint.greedy"]]
-        report(clean)
-        out.append(clean)
+        outcome, clean = run(judge, variants()[0], seed, both=not quick)
+        report(outcome)
+        out.append(outcome)
         for v in variants()[1:]:
             if quick and not v.smallest:
                 continue
-            out.append(run(judge, v, seed, guesses, both=not quick))
+            out.append(run(judge, v, seed, clean, both=not quick)[0])
             report(out[-1])
     return out
 
@@ -266,8 +300,9 @@ def _verdict(r: Result | None) -> str:
 
 
 def row(o: Outcome) -> str:
+    own = "-" if o.own is None else f"{o.own:.3g}"
     return (f"| {o.variant.kind} | {o.variant.size} | {o.seed} | {'must pass' if o.variant.correct else 'fault'} | "
-            f"{_verdict(o.plain)} | {_verdict(o.excused)} | {o.seconds:.0f} |")
+            f"{_verdict(o.plain)} | {_verdict(o.excused)} | {own} | {o.seconds:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,15 +313,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the smallest fault of each kind only")
     parser.add_argument("--json", help="write every outcome here")
     args = parser.parse_args(argv)
-    print("| variant | size | prompt set | expected | without the excuse (distance / bar) | with it | s |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| variant | size | prompt set | expected | without the excuse (distance / bar) | with it | fault alone "
+          "| s |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     outcomes = sweep(resolve_target(args.preset), args.precision, [int(s) for s in args.seeds.split(",")],
                      quick=args.quick, report=lambda o: print(row(o), flush=True))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"kind": o.variant.kind, "size": o.variant.size, "seed": o.seed, "correct": o.variant.correct,
-                        "excused": o.excused.to_dict() if hasattr(o.excused, "to_dict") else str(o.excused.status),
-                        "plain": None if o.plain is None else str(o.plain.status)} for o in outcomes], f)
+        records = [{"kind": o.variant.kind, "size": o.variant.size, "seed": o.seed, "correct": o.variant.correct,
+                    "with": o.excused.status.value, "with_metric": o.excused.metric, "bar": o.excused.bar,
+                    "excused": o.excused.metrics.get("excused_rounding_near_ties", 0.0), "own": o.own,
+                    "without": None if o.plain is None else o.plain.status.value,
+                    "without_metric": None if o.plain is None else o.plain.metric} for o in outcomes]
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1)
     return 0
 
 
