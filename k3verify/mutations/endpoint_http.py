@@ -35,17 +35,6 @@ MUTANTS = [
         killers=["endpoint.stream.identity"],
     ),
     Mutant(
-        id="endpoint.generation.response_before_last_event",
-        fault="a non-streamed response is rendered when the finishing event arrives but before it is added: its "
-              "last tokens, their logprobs, the finish reason and the usage are lost",
-        target="k3verify.server.generation:collect_response",
-        old="        renderer.add(event)\n        state.metrics.generation_tokens.inc(len(event.token_ids))\n"
-            "        if event.finished:\n            return JSONResponse(renderer.response())",
-        new="        if event.finished:\n            return JSONResponse(renderer.response())\n"
-            "        renderer.add(event)\n        state.metrics.generation_tokens.inc(len(event.token_ids))",
-        killers=["endpoint.stream.identity"],
-    ),
-    Mutant(
         id="endpoint.generation.stream_stops_before_last_chunk",
         fault="a stream stops at the finishing event before sending its chunks: the last tokens, the finish reason "
               "and the usage never reach the client (the stream still ends with [DONE])",
