@@ -30,7 +30,8 @@ import torch
 from k3verify.oracle import functional as Fn
 
 INPUT, DOWN = "input", "down"
-STAGE_ORDER = {INPUT: 0, DOWN: 1}  # within one MoE layer the input is rounded before the down input
+SCALE = ".scale"  # a stage's block scales: d = fp16(max|x|/127), a rounding of its own (in units of its fp16 step)
+STAGE_ORDER = {INPUT: 0, INPUT + SCALE: 0, DOWN: 1, DOWN + SCALE: 1}  # the input is rounded before the down input
 # No window reaches past this share of a Q8_0 step: the one tie a real implementation (llama.cpp) took the other
 # way sat 2.0e-4 of a step from its boundary, while windows measured where two runs had already diverged reached
 # 0.12-0.83 of a step (at 0.5 every rounding is a "near-tie")
@@ -50,7 +51,9 @@ class Site:
     element: int
 
     def describe(self) -> str:
-        where = "the routed experts' input" if self.stage == INPUT else f"expert {self.expert}'s down input"
+        where = "the routed experts' input" if self.stage.startswith(INPUT) else f"expert {self.expert}'s down input"
+        if self.stage.endswith(SCALE):
+            return f"layer {self.layer} {where}, token {self.token}, the fp16 scale of block {self.element}"
         return f"layer {self.layer} {where}, token {self.token}, element {self.element}"
 
 
@@ -108,21 +111,38 @@ def q8_0_round(x: torch.Tensor, layer: int, stage: str, expert: int, tokens: Seq
         raise ValueError(f"expected rows [{len(tokens)}, K] for {len(tokens)} tokens; got {tuple(x.shape)}")
     ledger, who = _ACTIVE[-1], -1 if stage == INPUT else expert
     scaled, q, d = Fn.q8_0_codes(x)
-    flat_scaled, codes = scaled.reshape(x.shape[0], -1), q.reshape(x.shape[0], -1).clone()
-    for r, token in enumerate(tokens):
-        key = (layer, token, stage, who)
-        ledger.rows[key] = flat_scaled[r].double().clone()
-        followed = ledger.follow.codes.get(key) if ledger.follow is not None else None
-        if followed is not None and followed.shape == codes[r].shape:
-            codes[r] = followed.to(codes.dtype)
+    position, step = _scale_steps(x)  # [n, K/32]: max|x|/127 in units of its fp16 step, and that step
+    stages = {stage: (scaled.reshape(x.shape[0], -1), q.reshape(x.shape[0], -1).clone()),
+              stage + SCALE: (position, position.round())}
     row_of = {token: r for r, token in enumerate(tokens)}
-    for site, code in ledger.forced.items():
-        if (site.layer, site.stage, site.expert) == (layer, stage, who) and site.token in row_of:
-            codes[row_of[site.token], site.element] = float(code)
-            ledger.used.add(site)
-    for r, token in enumerate(tokens):
-        ledger.codes[(layer, token, stage, who)] = codes[r].clone()
-    return Fn.q8_0_value(codes.reshape(q.shape), d, x)
+    for name, (values, codes) in stages.items():
+        for r, token in enumerate(tokens):
+            key = (layer, token, name, who)
+            ledger.rows[key] = values[r].double().clone()
+            followed = ledger.follow.codes.get(key) if ledger.follow is not None else None
+            if followed is not None and followed.shape == codes[r].shape:
+                codes[r] = followed.to(codes.dtype)
+        for site, code in ledger.forced.items():
+            if (site.layer, site.stage, site.expert) == (layer, name, who) and site.token in row_of:
+                codes[row_of[site.token], site.element] = float(code)
+                ledger.used.add(site)
+        for r, token in enumerate(tokens):
+            ledger.codes[(layer, token, name, who)] = codes[r].clone()
+    scale_codes = stages[stage + SCALE][1]
+    moved = scale_codes != position.round()  # scales taken from another run or forced: code x this run's step
+    d = torch.where(moved.reshape(d.shape), (scale_codes * step).reshape(d.shape).to(d.dtype), d)
+    return Fn.q8_0_value(stages[stage][1].reshape(q.shape), d, x)
+
+
+def _scale_steps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each 32-value block's max|x|/127 (fp32, as q8_0_codes computes it before rounding it to fp16) in units of the
+    fp16 step at its magnitude, float64 [n, K/32], and that step: fp16's rounding to nearest even is then the
+    rounding of this position to the nearest even integer, and its near-ties are those of a code."""
+    amax = x.float().reshape(x.shape[0], -1, Fn.Q8_0_BLOCK).abs().amax(dim=-1)
+    ratio = (amax / 127.0).double()
+    exponent = torch.floor(torch.log2(ratio.clamp_min(2.0 ** -14)))
+    step = torch.pow(2.0, exponent - 10)  # fp16: 10 fraction bits; below 2^-14 subnormal, steps of 2^-24
+    return ratio / step, step
 
 
 def clean_rows(base: Ledger, gold: Ledger) -> list[Key]:

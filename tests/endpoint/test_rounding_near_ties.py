@@ -19,7 +19,7 @@ from k3verify.gates.gate import REGISTRY, CheckContext, Status
 from k3verify.oracle import functional as Fn
 from k3verify.oracle import rounding
 from k3verify.oracle.precision import get_precision
-from k3verify.oracle.rounding import DOWN, INPUT, Ledger, Site, near_ties
+from k3verify.oracle.rounding import DOWN, INPUT, SCALE, Ledger, Site, near_ties
 from k3verify.target import resolve_target
 
 FACTOR = 5.1  # the fp32 logprob checks' bar factor (endpoint_tokens.BAR_FACTOR)
@@ -37,8 +37,13 @@ def test_forced_code_changes_exactly_that_value_and_is_recorded() -> None:
         forced = rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9])
     changed = (forced != plain).nonzero().tolist()
     assert changed == [[1, 40]] and ledger.used == {site}  # other tokens and layers untouched
-    assert sorted(ledger.rows) == [(1, t, INPUT, -1) for t in (4, 7, 9)]
+    assert sorted(ledger.rows) == sorted((1, t, stage, -1) for t in (4, 7, 9) for stage in (INPUT, INPUT + SCALE))
     assert torch.equal(ledger.rows[(1, 7, INPUT, -1)], scaled.reshape(3, 64)[1].double())
+    scale = Site(1, 9, INPUT + SCALE, -1, 1)  # block 1's fp16 scale one step up: that block's values, no other
+    with rounding.recording(Ledger({scale: int(ledger.codes[(1, 9, INPUT + SCALE, -1)][1]) + 1})):
+        stepped = rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9])
+    assert (stepped != plain).nonzero()[:, 0].unique().tolist() == [2]
+    assert set((stepped != plain).nonzero()[:, 1].tolist()) <= set(range(32, 64))
     with pytest.raises(ValueError, match="rows \\[2, K\\] for 2 tokens"), rounding.recording(Ledger()):
         rounding.q8_0_round(x, 1, DOWN, 0, [1, 2])
 
