@@ -1,6 +1,7 @@
 """Rounding near-ties of an emulated precision: the Q8_0 roundings a correct implementation may take either way.
 
-Under w4a8-q8act every routed-expert matmul input is rounded to Q8_0 codes (functional.q8_0_codes). A scaled
+Under w4a8-q8act every routed-expert matmul input is rounded to Q8_0 codes (functional.q8_0_codes), and each
+block's scale max|x|/127 to fp16: a rounding too, recorded in units of its fp16 step (stage + SCALE). A scaled
 product that sits nearer a rounding boundary (k + 1/2) than the fp32 arithmetic before it can place it is a coin
 toss: an implementation computing the same model in fp32 with another reduction order takes the other code about
 as often as not, and one code step in an early MoE layer moves everything after it far beyond the fp32 noise the

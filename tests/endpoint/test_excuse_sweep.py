@@ -19,9 +19,9 @@ def judge() -> Judge:
 
 
 def test_a_routed_expert_weight_scaled_by_1_0001_fails_with_the_excuse(judge: Judge) -> None:
-    """The reviewed case: one routed-expert weight x1.0001, the quick suite's prompt lengths drawn from
-    torch.Generator().manual_seed(1), 8 greedy tokens each. Its greedy tokens equal the fault-free ones, so only
-    the logprobs can tell; with the excuse it once passed under a bar that had grown 13-fold."""
+    """One routed-expert weight x1.0001, the quick suite's prompt lengths drawn from torch.Generator().manual_seed(1),
+    8 greedy tokens each: its greedy tokens equal the fault-free ones, so only the logprobs can tell, and a bar
+    taken from the oracle's own code steps (0.10 here) or re-measured after forcing would let it pass."""
     scaled = Variant("scale routed expert w3", "x1.0001", weights=_scale(ROUTED, 1.0001))
     outcome, _ = run(judge, scaled, 1)
     result = outcome.excused
