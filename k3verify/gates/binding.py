@@ -83,7 +83,9 @@ def recompute_summary(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def summary_problem(data: Mapping[str, Any]) -> str | None:
     """Why a report's summary cannot be believed (it disagrees with its own results), or None."""
-    claimed, implied = data["summary"], recompute_summary(data)
+    claimed, implied = dict(data["summary"]), recompute_summary(data)
+    if isinstance(claimed.get("counts"), Mapping):  # a report written before "excused" existed counts none
+        claimed["counts"] = {**dict.fromkeys(STATUSES, 0), **claimed["counts"]}
     for key in ("verdict", "counts", "total", "missing_evidence"):
         if claimed.get(key) != implied.get(key):
             return (f"its summary.{key} {claimed.get(key)!r} contradicts its results, which give {implied.get(key)!r} "
