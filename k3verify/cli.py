@@ -1,4 +1,4 @@
-"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan | llamacpp`.
+"""Console entry point: `k3verify parity | mutate | serve | checkpoint | bench | plan | llamacpp | quant-report`.
 
 Each subcommand lives in its own module under `k3verify.commands` and exposes
 `register(subparsers)`; it sets `func` on its parser, which returns an exit code.
@@ -13,7 +13,7 @@ import sys
 
 from k3verify.errors import UsageError
 
-COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp")
+COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp", "quant_report")  # module names
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,3 +7,8 @@ from __future__ import annotations
 
 class UsageError(Exception):
     """A usage or setup problem: reported on stderr with exit code 2."""
+
+
+class BadTargetData(UsageError):
+    """The target's own stored data is unusable (a NaN or Inf in a checkpoint tensor as stored): every check that
+    loads it would fail the same way, so a run stops at the first that finds it and reports it once (exit 2)."""

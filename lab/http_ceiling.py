@@ -19,10 +19,10 @@ import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+from k3verify.api.app import create_app
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.thread import ServerThread
 from k3verify.bench.served import MODEL_NAME, IdTokenizer, no_chat, run_client_processes, wave_stats
-from k3verify.server.app import create_app
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
 from k3verify.serving.events import EngineEvent, TokenText
 

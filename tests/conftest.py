@@ -1,6 +1,7 @@
-"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent, and every
+"""Shared pytest set-up: GPU tests are skipped with a printed reason when CUDA is absent, every
 test runs with one torch thread (the models are tiny: on the shared 2-core runner two spinning
-OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us)."""
+OpenMP threads make each small fp32 GEMM ~20 ms instead of ~10 us), and the test run as a whole must
+leave the checkout's reports/ as it found it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from reports_guard import CHECKOUT_REPORTS, reports_state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkout_reports_untouched() -> Iterator[None]:
+    """No test writes into the checkout's reports/ (a narrowed or failing run written to reports/latest would replace
+    a user's passing report, and `serve` would then refuse): every test passes --report-dir under its tmp_path."""
+    before = reports_state()
+    yield
+    after = reports_state()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test run wrote into {CHECKOUT_REPORTS}: {', '.join(changed[:10])}"
 
 
 @pytest.fixture(autouse=True)

@@ -7,13 +7,13 @@ packages is not an edge: a package whose __init__ imports its submodules (kernel
 is the one circle Python resolves by design.
 
 Layer rules (RULES below, as data; each names what a layer may not import, and why):
-- oracle/: nothing it judges (serving/, kernels/, server/) and nothing of the harness or its drivers (gates/,
+- oracle/: nothing it judges (serving/, kernels/, api/) and nothing of the harness or its drivers (gates/,
   bench/, commands/, cli): a reference that saw the implementation could agree with it by construction.
-- kernels/: the lowest shipped layer (ops behind one registry): no model (serving/), no HTTP (server/), no
+- kernels/: the lowest shipped layer (ops behind one registry): no model (serving/), no HTTP (api/), no
   reference, no harness, no driver.
 - serving/: the implementation we ship imports no reference, no harness, no HTTP layer above it, no remote
   endpoint client and no driver.
-- server/: the HTTP layer over the engine ships too: no reference, no harness, no driver.
+- api/: the HTTP layer over the engine ships too: no reference, no harness, no driver.
 - gates/: the harness judges what the commands ask it to: it never imports a command, the CLI, the bench (a
   client of the gates' comparisons) or the mutation catalog (data the runner loads from a path, so that
   `mutate --catalog DIR` loads any catalog the same way).
@@ -22,6 +22,14 @@ Layer rules (RULES below, as data; each names what a layer may not import, and w
 - cli: the entry point parses and dispatches (it loads commands/ through importlib): it imports none of the
   layers that do the work.
 Besides, only the entry point (k3verify/__main__.py) imports the CLI, and only commands/ imports commands/.
+
+Inside gates/, one job per folder, layered core/ <- report/ <- trust/ and core/ <- shared/ <- checks/<concern>/:
+- no module imports a check module (one below gates/checks/): the checks package loads them by path, and what a
+  check shares with another check, the bench or a command lives in gates/shared/ under a public name;
+- core/ (check model, runner) imports none of report/, trust/, mutation/, shared/ (it loads checks/ by path);
+- report/ and trust/ (rendering a run, believing a report) import no check, shared helper or mutation runner;
+- shared/ (what checks build on) imports no report, trust or mutation code and not the checks package;
+- mutation/ (the runner) imports no check, shared helper or trust code.
 """
 
 from __future__ import annotations
@@ -37,14 +45,22 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3verify"
 HARNESS_AND_DRIVERS = ("k3verify.gates", "k3verify.bench", "k3verify.commands", "k3verify.cli")
 # layer (a module or package prefix) -> what no module below it may import
 RULES: dict[str, tuple[str, ...]] = {
-    "k3verify.oracle": ("k3verify.serving", "k3verify.kernels", "k3verify.server", *HARNESS_AND_DRIVERS),
-    "k3verify.kernels": ("k3verify.serving", "k3verify.server", "k3verify.oracle", *HARNESS_AND_DRIVERS),
-    "k3verify.serving": ("k3verify.server", "k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
-    "k3verify.server": ("k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
+    "k3verify.oracle": ("k3verify.serving", "k3verify.kernels", "k3verify.api", *HARNESS_AND_DRIVERS),
+    "k3verify.kernels": ("k3verify.serving", "k3verify.api", "k3verify.oracle", *HARNESS_AND_DRIVERS),
+    "k3verify.serving": ("k3verify.api", "k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
+    "k3verify.api": ("k3verify.oracle", "k3verify.endpoint", *HARNESS_AND_DRIVERS),
     "k3verify.gates": ("k3verify.bench", "k3verify.commands", "k3verify.cli", "k3verify.mutations"),
+    "k3verify.gates.core": ("k3verify.gates.report", "k3verify.gates.trust", "k3verify.gates.mutation",
+                            "k3verify.gates.shared"),
+    "k3verify.gates.report": ("k3verify.gates.checks", "k3verify.gates.shared", "k3verify.gates.trust",
+                              "k3verify.gates.mutation"),
+    "k3verify.gates.trust": ("k3verify.gates.checks", "k3verify.gates.shared", "k3verify.gates.mutation"),
+    "k3verify.gates.shared": ("k3verify.gates.checks", "k3verify.gates.report", "k3verify.gates.trust",
+                              "k3verify.gates.mutation"),
+    "k3verify.gates.mutation": ("k3verify.gates.checks", "k3verify.gates.shared", "k3verify.gates.trust"),
     "k3verify.bench": ("k3verify.commands", "k3verify.cli", "k3verify.mutations"),
     "k3verify.commands": ("k3verify.cli",),
-    "k3verify.cli": ("k3verify.oracle", "k3verify.kernels", "k3verify.serving", "k3verify.server",
+    "k3verify.cli": ("k3verify.oracle", "k3verify.kernels", "k3verify.serving", "k3verify.api",
                      "k3verify.gates", "k3verify.bench", "k3verify.endpoint", "k3verify.target"),
 }
 # module or package -> the only places that may import it
@@ -52,6 +68,8 @@ ONLY_FROM: dict[str, tuple[str, ...]] = {
     "k3verify.cli": ("k3verify.__main__",),
     "k3verify.commands": ("k3verify.commands",),
 }
+# the package whose modules (those below it) no module imports: they are loaded by path, never borrowed from
+CHECKS = "k3verify.gates.checks"
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, Path]:
@@ -172,14 +190,15 @@ def _closed_path(graph: Mapping[str, set[str]], group: set[str]) -> list[str]:
 
 
 def upward_imports(graph: Mapping[str, set[str]]) -> dict[str, list[str]]:
-    """module -> the imports RULES or ONLY_FROM forbid it."""
+    """module -> the imports RULES, ONLY_FROM or the check-module rule (CHECKS) forbid it."""
     out: dict[str, list[str]] = {}
     for module, targets in graph.items():
         bad = [t for t in sorted(targets)
                if any(_within(module, layer) and any(_within(t, f) for f in forbidden)
                       for layer, forbidden in RULES.items())
                or any(_within(t, guarded) and not any(_within(module, ok) for ok in allowed)
-                      for guarded, allowed in ONLY_FROM.items())]
+                      for guarded, allowed in ONLY_FROM.items())
+               or t.startswith(CHECKS + ".")]
         if bad:
             out[module] = bad
     return out
@@ -211,7 +230,7 @@ def test_every_layer_imports_nothing_above_it(graph: dict[str, set[str]]) -> Non
     "from k3verify.kernels.registry import pick",
     "from k3verify import serving",
     "def f():\n    from k3verify.kernels import kda\n",
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3verify.server.app import create_app\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3verify.api.app import create_app\n",
 ])
 def test_scanner_catches_each_import_form(line: str) -> None:
     """The scanner itself bites: each spelling of a forbidden import in the oracle is reported."""
@@ -242,8 +261,9 @@ def test_scanner_allows_downward_dependencies() -> None:
 def test_gates_and_commands_reaching_up_are_caught() -> None:
     """What the harness used to import (the CLI for UsageError, the bench for a baseline) fails the rules."""
     files = module_files()
-    for module, line in [("k3verify.gates.suite", "from k3verify.cli import UsageError\n"),
-                         ("k3verify.gates.checks.serving_dtype", "from k3verify.bench.parity import load_baseline\n"),
+    for module, line in [("k3verify.gates.core.suite", "from k3verify.cli import UsageError\n"),
+                         ("k3verify.gates.checks.serving.dtype",
+                          "from k3verify.bench.speed_parity import load_baseline\n"),
                          ("k3verify.commands.plan", "from k3verify.cli import Subparsers\n"),
                          ("k3verify.serving.fixtures", "from k3verify.oracle.fixtures import reference_model\n")]:
         graph = {module: set(imported_modules(line, module, modules=files))}
@@ -255,3 +275,44 @@ def test_the_cycle_finder_names_the_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize(("module", "line"), [
+    ("k3verify.gates.checks.weights.reconcile", "from k3verify.gates.checks.weights.loader import DROPPED\n"),
+    ("k3verify.gates.checks.serving.dtype", "from k3verify.gates.checks.serving import packing\n"),
+    ("k3verify.gates.checks.spec.decoding", "def f():\n    import k3verify.gates.checks.spec.kernels\n"),
+    ("k3verify.bench.spec_parity", "from k3verify.gates.checks.spec.kernels import fused_vs_unfused_trial\n"),
+    ("k3verify.gates.shared.explain", "from k3verify.gates.checks.endpoint.tokens import judge\n"),
+])
+def test_a_check_module_imported_by_another_module_is_caught(module: str, line: str) -> None:
+    """Borrowing from a check module (another check, the bench, a shared helper) fails the rules, naming it."""
+    graph = {module: set(imported_modules(line, module, modules=module_files()))}
+    found = upward_imports(graph)
+    assert found and all(t.startswith(CHECKS + ".") for t in found[module]), (module, line, found)
+
+
+@pytest.mark.parametrize(("module", "line"), [
+    ("k3verify.gates.core.evaluate", "from k3verify.gates.report.html import render_html\n"),
+    ("k3verify.gates.core.suite", "from k3verify.gates.shared import builders\n"),
+    ("k3verify.gates.report.html", "from k3verify.gates.shared.endpoint_oracle import score\n"),
+    ("k3verify.gates.report.html", "import k3verify.gates.checks\n"),
+    ("k3verify.gates.trust.lookup", "from k3verify.gates.checks import IMPORT_ERRORS\n"),
+    ("k3verify.gates.shared.builders", "from k3verify.gates.trust.lookup import lookup_report\n"),
+    ("k3verify.gates.mutation.runner", "from k3verify.gates.shared import builders\n"),
+])
+def test_a_gates_folder_reaching_across_its_layer_is_caught(module: str, line: str) -> None:
+    """Each folder rule of gates/ bites on an import it forbids."""
+    assert upward_imports({module: set(imported_modules(line, module, modules=module_files()))}), (module, line)
+
+
+def test_checks_may_build_on_shared_and_core() -> None:
+    """A check importing the shared helpers and the check model, and the runner loading the checks package: no
+    false alarm."""
+    files = module_files()
+    check = "from k3verify.gates import Kind\nfrom k3verify.gates.shared import builders\n"
+    graph = {"k3verify.gates.checks.serving.probe": set(imported_modules(check, "k3verify.gates.checks.serving.probe",
+                                                                       modules=files)),
+             "k3verify.gates.core.probe": set(imported_modules("import k3verify.gates.checks\n",
+                                                               "k3verify.gates.core.probe", modules=files))}
+    assert graph["k3verify.gates.checks.serving.probe"] == {"k3verify.gates", "k3verify.gates.shared.builders"}
+    assert not upward_imports(graph)

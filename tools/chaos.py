@@ -250,10 +250,10 @@ def kill_phase(ckpt: Path, reports: Path, clients: int, chaos: Chaos) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from k3verify.api.app import create_app
+    from k3verify.api.metrics import ServerMetrics
+    from k3verify.api.thread import ServerThread
     from k3verify.commands import serve
-    from k3verify.server.app import create_app
-    from k3verify.server.metrics import ServerMetrics
-    from k3verify.server.thread import ServerThread
 
     chaos = Chaos()
     start = time.monotonic()

@@ -168,6 +168,14 @@ def kill_engine(server: ServeProcess, model: str, clients: int) -> KillResult:
         res.failures.append("the engine's pid did not change: it was not restarted")
     if not errors:
         res.failures.append("no client saw the engine die: the kill proved nothing")
+    health = httpx.get(f"{server.url}/health", timeout=5).json()
+    counted = [line for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines()
+               if line.startswith("k3v_engine_restarts_total ")]
+    res.notes.append(f"after it: /health {health.get('status')} restarts {health.get('restarts')}; {counted}")
+    if health.get("restarts", 0) < 1 or health.get("status") != "degraded":
+        res.failures.append(f"/health does not count the engine's restart: {health}")
+    if counted != ["k3v_engine_restarts_total 1.0"]:
+        res.failures.append(f"k3v_engine_restarts_total does not count the engine's restart: {counted}")
     res.failures += _served_after(server, model)
     return res
 

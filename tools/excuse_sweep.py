@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from k3verify.endpoint.wire import Answer, Step
-from k3verify.gates.checks import _endpoint_oracle as eo
-from k3verify.gates.checks._endpoint_common import TOP_K, Greedy
-from k3verify.gates.checks.endpoint_tokens import check_topk_logprobs
-from k3verify.gates.evaluate import evaluate_trial
-from k3verify.gates.gate import REGISTRY, CheckContext, Result
+from k3verify.gates.checks.endpoint.tokens import check_topk_logprobs
+from k3verify.gates.core.check import REGISTRY, CheckContext, Result
+from k3verify.gates.core.evaluate import evaluate_trial
+from k3verify.gates.shared import endpoint_oracle as eo
+from k3verify.gates.shared.endpoint_common import TOP_K, Greedy
 from k3verify.oracle import functional as Fn
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.oracle.precision import get_precision
@@ -40,7 +40,7 @@ from k3verify.target import Target, resolve_target
 LENGTHS = (5, 17, 40)  # the quick suite's prompt lengths (endpoint_common.QUICK)
 NEW_TOKENS = 8
 ROUTED = "model.layers.1.block_sparse_moe.experts.0.w3.weight"  # a routed-expert weight MoE layer 1 uses
-PASSED = ("pass", "excused")  # "excused": a pass with rounding near-ties excused (gates/excused.py)
+PASSED = ("pass", "excused")  # "excused": a pass with rounding near-ties excused (gates/core/excused.py)
 MLA = "model.layers.2.self_attn.o_proj.weight"  # an MLA weight (layers 2 and 5 are MLA on k3-tp4)
 
 
@@ -254,13 +254,13 @@ class Judge:
         self.cache: dict[str, Any] = {}
 
     def __call__(self, greedy: list[Greedy], *, excuse: bool) -> Result:
-        endpoint = SimpleNamespace(precision=self.precision, dtype=self.precision.dtype, accepted=[])
+        endpoint = SimpleNamespace(precision=self.precision, dtype=self.precision.dtype, accepted=[],
+                                   excuse_roundings=excuse)
         self.cache.pop(eo.EXCUSED, None)
         self.cache["endpoint.greedy"] = greedy
         ctx = CheckContext(self.target, torch.device("cpu"), 0, torch.Generator(), "quick", self.cache,
                            endpoint)  # type: ignore[arg-type]
-        with _patched(eo, "MAX_FORCED", eo.MAX_FORCED if excuse else 0):
-            trial = check_topk_logprobs(ctx)
+        trial = check_topk_logprobs(ctx)
         return evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
 
 

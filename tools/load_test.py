@@ -178,11 +178,11 @@ def tiny_server(num_slots: int = 16, dtype: str = "float32") -> Iterator[tuple[s
     """An in-process k3-tiny server on 127.0.0.1 (synthetic weights; no gate check: this is a load tool)."""
     import torch
 
+    from k3verify.api.app import create_app
+    from k3verify.api.metrics import ServerMetrics
+    from k3verify.api.thread import ServerThread
     from k3verify.checkpoint.synthetic_weights import synthetic_tensors
     from k3verify.presets import get_preset
-    from k3verify.server.app import create_app
-    from k3verify.server.metrics import ServerMetrics
-    from k3verify.server.thread import ServerThread
     from k3verify.serving.engine import Engine
     from k3verify.serving.runner import build_runner
     from k3verify.tokenizer import default_tokenizer

@@ -54,9 +54,7 @@ async def client_loop(client: httpx.AsyncClient, model: str, prompts: list[list[
 async def warm_connections(client: httpx.AsyncClient, n: int) -> None:
     """n concurrent GET /v1/models (answered by the API process alone): the pool opens the connections the n clients
     will stream over and httpx finishes its lazy set-up, before any timed request. Without it each client process's
-    first request paid that set-up inside its TTFT: 30-40 ms against 4-10 ms for the next ones from a stub engine on
-    the CPU machine (lab/http_ceiling.py), and on the H200 the served c1 row's first timed request waited 97-125 ms
-    for its first token where the next two waited 30-40."""
+    first request pays that set-up inside its TTFT, several times the TTFT of the requests after it."""
     answers = await asyncio.gather(*(client.get("/v1/models") for _ in range(n)))
     bad = sorted({r.status_code for r in answers} - {200})
     if bad:

@@ -23,7 +23,7 @@ from k3verify.bench.floor import decode_floor_bytes, expert_bytes
 from k3verify.bench.speeds import generate_ours, measured_distinct_experts
 from k3verify.bench.timing import cuda_time, random_prompt, synchronize
 from k3verify.config import ModelConfig
-from k3verify.gates.fixtures import torch_path
+from k3verify.gates.shared.builders import torch_path
 from k3verify.kernels.moe.grouped import moe_grouped_combine, moe_packed_combine
 from k3verify.kernels.registry import REGISTRY
 from k3verify.serving.batch import PackedBatch

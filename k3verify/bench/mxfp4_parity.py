@@ -4,14 +4,14 @@ What the packed mode changes is the expert GEMMs' arithmetic (codes x scales dec
 the dequantized values, multiplied by another GEMM). So the candidate (packed) is held to the dequantized
 model in the same dtype and the same decode path, never to an fp32 gold: on random-weight K3 widths bf16
 alone sits 0.14-0.15 (relative RMS) from fp32, dominated by routing near-ties and bf16 chaos, not by the
-kernel. Following gates/noise.py and gates/route_pin.py:
+kernel. Following gates/core/noise.py and gates/shared/route_pin.py:
 
 - routes are pinned: the dequantized run (MoE through its grouped GEMM) records every router call, and each
   other run's drift-explained flips take the recorded choice (counted, and reported as metrics);
 - the bar derives from the measured noise between two legitimate bf16 evaluations of the dequantized
   reference that differ only in their GEMM arithmetic: its grouped GEMM vs the per-expert reference loop
   (`moe.combine` forced to each backend). No packed code takes part, so a packed bug cannot widen its bar;
-  bar = max(4 x noise, 4 bf16 unit roundoffs) (gates/noise.derive_bar);
+  bar = max(4 x noise, 4 bf16 unit roundoffs) (gates/core/noise.derive_bar);
 - control: the packed experts read high nibble first (codes nibble-swapped), under the same pins.
 
 Decode runs the graphs' static step eagerly (`GraphDecoder(use_graphs=False)`): a pin is a host-side
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.parity import judge, teacher_forced
+from k3verify.bench.speed_parity import judge, teacher_forced
 from k3verify.gates import Kind, Trial, compare
-from k3verify.gates.fixtures import patched
-from k3verify.gates.noise import derive_bar
-from k3verify.gates.route_pin import PinStats, pin_routes, record_routes
+from k3verify.gates.core.noise import derive_bar
+from k3verify.gates.shared.patch import patched
+from k3verify.gates.shared.route_pin import PinStats, pin_routes, record_routes
 from k3verify.kernels.moe import COMBINE
 from k3verify.kernels.moe.grouped import PackedExperts
 from k3verify.kernels.registry import CUDA, REGISTRY, TORCH

@@ -8,8 +8,8 @@ import torch
 
 from k3verify.bench import mxfp4 as m
 from k3verify.bench import mxfp4_parity as mp
-from k3verify.bench.parity import graph_parity
 from k3verify.bench.run import progress
+from k3verify.bench.speed_parity import graph_parity
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig
 from k3verify.kernels.registry import REGISTRY

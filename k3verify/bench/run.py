@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from k3verify.bench.floor import measure_copy_bandwidth
-from k3verify.bench.parity import (
+from k3verify.bench.profile import profile_decode, profile_prefill
+from k3verify.bench.speed_parity import (
     decode_parity,
     gold_logits,
     graph_parity,
     model_parity,
     prefill_graph_parity,
 )
-from k3verify.bench.profile import profile_decode, profile_prefill
 from k3verify.bench.speeds import runner_prefill, time_decode, time_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.config import ModelConfig

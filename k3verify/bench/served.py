@@ -2,7 +2,7 @@
 
 The engine runs over the bench's own runner (same model, same caches), decoding through CUDA graphs for
 every batch up to the largest concurrency, captured before any client connects at the bench path's decode
-context; the server is k3verify.server's app on 127.0.0.1; the clients run in a process of their own
+context; the server is k3verify.api's app on 127.0.0.1; the clients run in a process of their own
 (bench/clients.py). Token ids travel as text: the bench tokenizer renders id i as " i", so every generated
 token is one SSE chunk and the streamed text names the ids exactly.
 
@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
+from k3verify.api.app import create_app
+from k3verify.api.engine_link import ApiProcess, api_config
+from k3verify.api.metrics import EngineMetrics, ServerMetrics
+from k3verify.api.thread import ServerThread, server_impl
 from k3verify.bench import cpu_stat
-from k3verify.bench.parity import judge
+from k3verify.bench.speed_parity import judge
 from k3verify.bench.speeds import generate_ours, runner_prefill
 from k3verify.bench.timing import random_prompt
 from k3verify.gates import Kind, Trial
-from k3verify.server.app import create_app
-from k3verify.server.engine_link import ApiProcess, api_config
-from k3verify.server.metrics import EngineMetrics, ServerMetrics
-from k3verify.server.thread import ServerThread, server_impl
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import GraphDecoder, engine_buckets
 from k3verify.serving.prefill_graphs import GraphPrefill
@@ -106,7 +106,7 @@ def served_stack(runner: ModelRunner, graphs: GraphDecoder, max_concurrency: int
                  api_process: bool = True, **engine_kw: Any) -> Iterator[ServedStack]:
     """Engine (graph decode, overlap, chunked prefill) here + app + uvicorn on 127.0.0.1, in a process of its own
     linked to the engine as `serve` runs it (api_process) or in this one; stopped on exit. `engine_kw`: more Engine
-    settings (lab/gpu/served_profile.py sweeps the admission hold)."""
+    settings (the admission hold, say)."""
     cfg = runner.model.cfg
     warm_up(runner, graphs, step_tokens, engine_kw.get("prefill_graphs"))  # as `serve` does before its port opens
     observer = EngineMetrics() if api_process else ServerMetrics()
@@ -229,11 +229,9 @@ def run_client_processes(url: str, waves: list[list[list[int]]], new_tokens: int
     """The clients of `waves` split over one process per `per_process` clients, all starting at one moment; merged
     as one process reports them, with the wall from the first request's start to the last token's arrival
     (perf_counter is the system's monotonic clock: comparable across processes). One Python process parsing
-    64 streams bounded the measurement itself: a stub engine emitting a token to each of 64 requests every 6 ms
-    (lab/http_ceiling.py) was delivered at 0.39x its rate to one client process and 0.59x to four on the
-    2-core CPU machine. On the H200's host (16 CPUs), 16 clients in one process sent a wave's requests
-    over 27 ms, 64 in four processes over 40 ms: a client process's own turnaround spread each burst
-    over more than the engine's admission hold, hence 8 clients a process (2 processes at c16, 8 at c64)."""
+    many streams bounds the measurement itself (it cannot take tokens as fast as a fast engine sends them), and
+    a process with many clients spreads a wave's burst of requests over more than the engine's admission hold,
+    hence 8 clients a process (2 processes at c16, 8 at c64)."""
     n = len(waves[0])
     procs = -(-n // per_process)
     parts = [list(range(i * n // procs, (i + 1) * n // procs)) for i in range(procs)]
@@ -334,8 +332,8 @@ def served_speed(stack: ServedStack, cfg_vocab: int, concurrency: int, requests_
     """c clients x requests_per_client streaming requests, free-running: tok/s, TTFT, ITL. One untimed warm-up
     wave of the same shape runs first and is reported beside the timed ones: free-running arrivals make prefill
     steps of token counts the held waves never ran, and their first Triton compiles / fla autotuning (seconds
-    each, once per process) would otherwise land inside the timed wall. (On the H200, c = 64 without
-    it: 205 engine steps in 21.3 s of wall, TTFT p99 18.6 s, while ITL p50 was the bench path's 5.9 ms.)"""
+    each, once per process) would otherwise land inside the timed wall: the TTFT tail would time the compiler,
+    not the engine."""
     def waves(first_seed: int, n: int) -> list[list[list[int]]]:
         return [random_prompt(concurrency, prompt_len, cfg_vocab, first_seed + r, device).tolist() for r in range(n)]
 

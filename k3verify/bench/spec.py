@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from k3verify.bench import spec_parity
-from k3verify.bench.parity import gold_logits, model_parity
 from k3verify.bench.run import progress
 from k3verify.bench.spec_ref import SpecReference, continuation_match, converge_reference, expected_acceptance
+from k3verify.bench.speed_parity import gold_logits, model_parity
 from k3verify.bench.speeds import DeviceMarks, generate_ours
 from k3verify.bench.timing import cuda_time, random_prompt
 from k3verify.config import ModelConfig
@@ -38,9 +38,9 @@ from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.drafter import ControlledDrafter, Drafter, NgramDrafter
-from k3verify.serving.spec.graphs import ScoreGraphs
 from k3verify.serving.spec.offline import SpecRun, generate_speculative
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
+from k3verify.serving.spec.score_graphs import ScoreGraphs
 from k3verify.serving.spec.scorer import SpecScorer
 
 
@@ -135,7 +135,7 @@ def speed_rows(plan: SpecPlan, scorer: SpecScorer, vgraphs: ScoreGraphs | None, 
         row = {"batch": B, "drafter": plan.drafter, "accept_nominal": accept, "accept_measured": run.acceptance,
                "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
                # the decode phase alone (after the prefill's work is issued, both sides): the whole call holds a
-               # host-bound prefill of ~20-30 ms that neither side's decoding changes
+               # host-bound prefill that neither side's decoding changes
                "decode_speedup": plain_decode_s / spec_decode_s, "plain_decode_ms": 1e3 * plain_decode_s,
                "spec_decode_ms": 1e3 * spec_decode_s,
                "verify_steps": run.score_steps, "decode_steps": run.decode_steps,
@@ -162,7 +162,7 @@ def layer_cost(cfg: ModelConfig, device: torch.device, rows: int, num_draft: int
                calls: int = 20) -> dict[str, Any]:
     """Microseconds per KDA-layer score (one layer's dims, bf16), unfused vs fused, each as `calls` back-to-back
     calls in one CUDA graph (launch gaps of a real step, no host): median of 5 replays / calls."""
-    from k3verify.gates.checks._spec_common import op_case
+    from k3verify.gates.shared.spec_cases import op_case
 
     case = op_case(SimpleNamespace(cfg=cfg, device=device, generator=torch.Generator().manual_seed(seed)),
                    torch.bfloat16, rows=rows, num_draft=num_draft)

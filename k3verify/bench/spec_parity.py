@@ -1,6 +1,7 @@
 """The speculative bench's parity, run before any speed: teacher-forced score logits against the fp32 gold,
 the fused KDA score against the unfused one bit for bit (rows 1/4/8, eager and graph replay), and the captured
-score step against the same step eager. Each is a bench trial judged like the parity checks (bench.parity.judge)."""
+score step against the same step eager. Each is a bench trial judged like the parity checks
+(bench.speed_parity.judge)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Any
 
 import torch
 
-from k3verify.bench.parity import judge, judge_vs_gold
+from k3verify.bench.speed_parity import judge, judge_vs_gold
 from k3verify.config import ModelConfig
 from k3verify.gates import Kind, Trial
-from k3verify.serving.spec.graphs import ScoreGraphs
+from k3verify.serving.spec.score_graphs import ScoreGraphs
 from k3verify.serving.spec.scorer import SpecScorer
 
 
@@ -46,7 +47,7 @@ def score_logits_parity(scorer: SpecScorer, graphs: ScoreGraphs | None, ids: tor
 
 def fused_kernel_parity(cfg: ModelConfig, device: torch.device, rows: tuple[int, ...], seed: int) -> dict[str, Any]:
     """spec.fused.vs_unfused at this model's KDA dims (CUDA): same trial, judged here."""
-    from k3verify.gates.checks.serving_spec_kernels import fused_vs_unfused_trial
+    from k3verify.gates.shared.spec_score import fused_vs_unfused_trial
 
     ctx = SimpleNamespace(cfg=cfg, device=device, generator=torch.Generator().manual_seed(seed))
     return judge("bench.kda_fused_verify_vs_unfused", Kind.BITEXACT, fused_vs_unfused_trial(ctx, rows))

@@ -89,9 +89,9 @@ PREFILL_ROUNDS = 7
 
 def time_prefill(fn_ours: Any, fn_theirs: Any, T: int, rounds: int = PREFILL_ROUNDS) -> dict[str, Any]:
     """Both sides timed in alternation, `rounds` times each after three untimed calls, medians compared. A 1k prefill is
-    25-40 ms of mostly host work on either side, and three back-to-back calls per side instead let the
-    baseline's 1k row move from 24.8k to 41.0k tok/s between runs of one day on the H200; alternating
-    puts any drift of the machine on both sides. `*_spread` = (slowest - fastest) / median, for the reader."""
+    mostly host work on either side, so the machine's drift moves it between runs; back-to-back calls per side
+    would charge that drift to one side, alternating puts it on both. `*_spread` = (slowest - fastest) / median,
+    for the reader."""
     sides = {"ours": fn_ours} if fn_theirs is None else {"ours": fn_ours, "baseline": fn_theirs}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for fn in sides.values():

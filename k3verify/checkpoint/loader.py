@@ -16,10 +16,15 @@ from k3verify.checkpoint import mxfp4
 from k3verify.checkpoint.names import quantized_pair, to_module_name
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, fit_a_log, shape_rule
 from k3verify.config import ModelConfig
+from k3verify.errors import BadTargetData
 
 
 class WeightLoadError(ValueError):
     """Missing, unexpected or mis-shaped weights."""
+
+
+class NonFiniteWeight(WeightLoadError, BadTargetData):
+    """A checkpoint tensor that holds NaN or Inf as stored: the checkpoint is bad, whatever code reads it."""
 
 
 def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str]) -> dict[str, list[str]]:
@@ -59,10 +64,13 @@ def plan_sources(cfg: ModelConfig, ckpt_names: list[str], module_names: list[str
 
 
 @torch.no_grad()
-def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors into `module` (cast to each parameter's dtype), strictly."""
-    state = module.state_dict(keep_vars=True)
-    plan = plan_sources(cfg, list(tensors.keys()), list(state.keys()))
+def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Copy checkpoint tensors into `module` (cast to each parameter's dtype), strictly. With `prefix`, only the
+    module tensors named under it and the checkpoint tensors that map there (one layer of a streamed model:
+    the whole name map is checked once by `plan_sources` over every name)."""
+    state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
+    names = list(tensors.keys()) if not prefix else [n for n in tensors.keys() if _maps_under(cfg, n, prefix)]
+    plan = plan_sources(cfg, names, list(state.keys()))
     group = cfg.quant.group_size if cfg.quant is not None else mxfp4.GROUP
     for mod_name, sources in plan.items():
         dest = state[mod_name]
@@ -70,7 +78,7 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
             value = mxfp4.dequantize(tensors[sources[0]], tensors[sources[1]], torch.float32, group)
         else:
             value = tensors[sources[0]]
-        check_finite(" + ".join(sources), mod_name, value)
+        check_finite(" + ".join(sources), mod_name, value, stored=len(sources) == 1)
         if tuple(value.shape) != tuple(dest.shape):
             value = _fit_shape(cfg, sources[0], mod_name, value, tuple(dest.shape))
         if dest.dtype == torch.uint8 and value.dtype != torch.uint8:
@@ -78,9 +86,19 @@ def load_into(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, torch.T
         dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
-def check_finite(source: str, mod_name: str, value: torch.Tensor) -> None:
+def _maps_under(cfg: ModelConfig, name: str, prefix: str) -> bool:
+    try:
+        mod = to_module_name(cfg, name)
+    except KeyError:
+        return False
+    return mod is not None and mod.startswith(prefix)
+
+
+def check_finite(source: str, mod_name: str, value: torch.Tensor, *, stored: bool = False) -> None:
     """WeightLoadError naming the checkpoint tensor when it holds NaN or Inf: a model built from it would fail its
-    checks (or serve NaN logits) with nothing pointing back at the tensor."""
+    checks (or serve NaN logits) with nothing pointing back at the tensor. `stored`: `value` is the tensor as the
+    checkpoint stores it (not computed from it, as a dequantized one is), so the checkpoint itself is bad:
+    NonFiniteWeight, which stops a parity run at once."""
     if not value.is_floating_point() or value.is_meta:
         return
     bad = ~torch.isfinite(value)
@@ -88,8 +106,9 @@ def check_finite(source: str, mod_name: str, value: torch.Tensor) -> None:
         return
     nan, total = int(torch.isnan(value).sum()), int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0])
-    raise WeightLoadError(f"checkpoint tensor {source} (for {mod_name}, {tuple(value.shape)} {value.dtype}) holds "
-                          f"{nan} NaN and {total - nan} Inf value(s) of {value.numel()}, the first at index {first}")
+    error = NonFiniteWeight if stored else WeightLoadError
+    raise error(f"checkpoint tensor {source} (for {mod_name}, {tuple(value.shape)} {value.dtype}) holds "
+                f"{nan} NaN and {total - nan} Inf value(s) of {value.numel()}, the first at index {first}")
 
 
 def _fit_shape(cfg: ModelConfig, source: str, mod_name: str, value: torch.Tensor,

@@ -54,7 +54,7 @@ CACHE_ENV = "K3V_CACHE_DIR"
 
 # Sources whose change changes the bytes of a synthetic checkpoint (the cache key's code version).
 _PACKAGE = Path(__file__).resolve().parents[1]
-_CODE_FILES = ("config.py", "presets.py", "checkpoint/names.py", "checkpoint/synthetic_weights.py",
+_CODE_FILES = ("config.py", "config_json.py", "presets.py", "checkpoint/names.py", "checkpoint/synthetic_weights.py",
                "checkpoint/mxfp4.py", "checkpoint/writer.py", "checkpoint/synthetic.py", "tokenizer/widened.py")
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from k3verify.checkpoint.buckets import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.digest import checkpoint_digest
 from k3verify.checkpoint.hf_interop import uses_transformers_names
 from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader, read_index
-from k3verify.checkpoint.reconcile import Mismatch, PartialSlot, ReconcileResult, Unplaced, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_sparse_checkpoint, make_synthetic_checkpoint
 from k3verify.checkpoint.tolerances import A_LOG_PADDING, RULES
 from k3verify.commands import Subparsers
@@ -25,7 +25,7 @@ from k3verify.config import ConfigError, ModelConfig
 from k3verify.errors import UsageError
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout, check_layout
-from k3verify.serving.parallel.reconcile import reconcile_slices
+from k3verify.serving.parallel.slice_reconcile import reconcile_slices
 
 EXAMPLES_PER_BUCKET = 5
 
@@ -146,7 +146,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _slices_ok(args: argparse.Namespace, cfg: ModelConfig) -> bool:
-    """With --tp/--ep: every rank's slices against the shard headers (serving/parallel/reconcile.py)."""
+    """With --tp/--ep: every rank's slices against the shard headers (serving/parallel/slice_reconcile.py)."""
     try:
         layout = ParallelLayout(args.tp, args.ep)
         if layout.world == 1:

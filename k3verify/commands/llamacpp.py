@@ -52,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
             out = peer.convert(args.checkpoint, args.out, outtype=args.outtype)
             print(f"{out} (llama.cpp {peer.version()}, --outtype {args.outtype})")
             return 0
-        extra = shlex.split(args.server_args)
+        try:
+            extra = shlex.split(args.server_args)
+        except ValueError as exc:
+            raise UsageError(f"--server-args {args.server_args!r}: {exc} (quote as a shell would)") from None
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a terminated `serve` stops its server too
         log = Path(tempfile.mkstemp(prefix="llama-server.", suffix=".log")[1])
         with llama_server(peer, args.gguf, log=log, context=args.context, extra=extra) as server:

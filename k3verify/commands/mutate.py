@@ -22,9 +22,8 @@ import k3verify.gates.checks  # noqa: F401  (registration happens on import)
 from k3verify.commands import Subparsers
 from k3verify.errors import UsageError
 from k3verify.gates import REGISTRY
-from k3verify.gates.html import render_html
-from k3verify.gates.junit import render_junit
-from k3verify.gates.mutation import (
+from k3verify.gates.core.suite import collect_run_info
+from k3verify.gates.mutation.runner import (
     DEFAULT_CATALOG,
     PARITY_INCONCLUSIVE,
     PARITY_RAN,
@@ -39,8 +38,9 @@ from k3verify.gates.mutation import (
     select,
     stale_reason,
 )
-from k3verify.gates.report import MUTATION_STATUSES, atomic_write_text, validate_report
-from k3verify.gates.suite import collect_run_info
+from k3verify.gates.report.html import render_html
+from k3verify.gates.report.json_report import MUTATION_STATUSES, atomic_write_text, validate_report
+from k3verify.gates.report.junit import render_junit
 
 
 def register(sub: Subparsers) -> None:

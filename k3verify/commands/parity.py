@@ -1,7 +1,9 @@
 """`k3verify parity`: run the parity gates on a preset or a checkpoint, write report.json / report.html /
 junit.xml, and exit 0 (pass), 1 (any fail, vacuous or error), 2 (usage or setup problem) or 4 (inconclusive: nothing
-red, but the checks that compare the model's outputs did not run, gates/evidence.py). A setup problem
-with the target (a missing or unreadable shard, a bad config) still writes a report, with verdict "error".
+red, but the checks that compare the model's outputs did not run, gates/core/evidence.py). A setup problem
+with the target (a missing or unreadable shard, a bad config), and any run that started but could not finish (an
+endpoint that cannot be verified, a crash), still writes a report, with verdict "error": a previous verdict never
+stays in place.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -22,11 +25,10 @@ from k3verify.commands.parity_endpoint import (
     select_endpoint_checks,
 )
 from k3verify.errors import UsageError
-from k3verify.gates.binding import read_report_key
-from k3verify.gates.console import print_summary, progress_hooks
-from k3verify.gates.gate import Check, CheckContext
-from k3verify.gates.report import writable_dir_problem, write_reports
-from k3verify.gates.suite import (
+from k3verify.gates.core.binding import read_report_key
+from k3verify.gates.core.check import Check, CheckContext
+from k3verify.gates.core.suite import (
+    RunInfo,
     RunResult,
     check_import_errors,
     collect_run_info,
@@ -36,8 +38,13 @@ from k3verify.gates.suite import (
     run_suite,
     select_checks,
 )
+from k3verify.gates.report.console import print_summary, progress_hooks
+from k3verify.gates.report.json_report import writable_dir_problem, write_reports
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
+from k3verify.peers.gguf_target import GgufTarget, gguf_target
+from k3verify.peers.gguf_weights import GgufError
+from k3verify.peers.quant_report import quant_report, write_quant_report
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 
@@ -65,6 +72,10 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--weights-from", type=Path, metavar="GGUF",
+                   help="the oracle (and our serving model) run on this GGUF file's weights, dequantized by gguf-py "
+                        "and mapped back to the checkpoint's names; --dtype w-gguf-a8 adds llama.cpp's CPU "
+                        "rounding of every matmul input for its weight types")
     p.add_argument("--report-key", type=Path, metavar="FILE",
                    help="sign report.json with this local key (HMAC-SHA256); `serve --report-key FILE` verifies")
     register_endpoint_args(p)
@@ -99,6 +110,34 @@ def target_for(preset: str | None, checkpoint: Path | None) -> Target:
     except TargetError as exc:
         flag = f"--checkpoint {checkpoint}" if checkpoint is not None else f"--preset {preset or DEFAULT_PRESET}"
         raise UsageError(f"{flag}: {exc}") from exc
+def weights_from(target: Target, gguf: Path | None, dtype_name: str) -> Target:
+    """`target` with its weights from `gguf` (--weights-from), or unchanged; every problem a UsageError (exit 2)."""
+    if gguf is None:
+        if dtype_name == "w-gguf-a8":
+            raise UsageError("--dtype w-gguf-a8 is the arithmetic of a GGUF's weight types: give --weights-from GGUF")
+        return target
+    try:
+        return gguf_target(target, gguf)
+    except GgufError as exc:
+        raise UsageError(f"--weights-from {gguf}: {exc}") from exc
+
+
+def served_quantization(target: GgufTarget, cache: dict[str, object], accepted: list[Any],
+                        report_dir: Path) -> dict[str, Any] | None:
+    """The quantization report of the GGUF on the server's greedy answers (quant.json, quant.html beside the
+    report; its summary for report.json), when the endpoint checks got answers."""
+    answers = [g for g in cast(list[Any], cache.get("endpoint.greedy", [])) if g.tokens]
+    if not answers or target.base is None:
+        return None
+    sequences = [(g.prompt + g.tokens, len(g.prompt)) for g in answers]
+    server = [([s.top for s in g.answer.steps[:len(g.tokens)]], g.tokens) for g in answers]
+    report = quant_report(target.base, target, sequences, server, accepted)
+    write_quant_report(report, report_dir)
+    print(report["headline"])
+    weights = {k: v for k, v in report["weights"].items() if k != "tensors"}
+    return {**report, "weights": weights, "files": ["quant.json", "quant.html"]}
+
+
 def report_key(path: Path | None) -> bytes | None:
     if path is None:
         return None
@@ -177,13 +216,32 @@ def run_parity(args: argparse.Namespace) -> int:
     if unwritable is not None:
         raise UsageError(f"--report-dir: {unwritable}; nothing was run")
     try:
-        target = target_for(args.preset, args.checkpoint)
+        target = weights_from(target_for(args.preset, args.checkpoint), args.weights_from, dtype_name)
     except UsageError as exc:
         write_setup_error_report(args, device, str(exc), key)
         raise
     info = collect_run_info(device=device, seed=args.seed, suite=args.suite, preset=target.preset,
                             checkpoint=target.checkpoint_dir, checkpoint_digest=target.digest, only=args.only,
                             oracle=report_pins())
+    if args.endpoint is not None:  # marks the run as an endpoint run from its start, even if it cannot finish
+        info.endpoint = {"url": args.endpoint}
+    try:
+        run = _run_checks(args, target, device, dtype, parallel, checks, info)
+        write_reports(run, args.report_dir, key=key)
+    except BaseException as exc:
+        # A run that started always leaves its own report: a stale verdict must never stay in place.
+        reason = str(exc) if isinstance(exc, UsageError) else f"the run did not finish: {type(exc).__name__}: {exc}"
+        info.endpoint = None if args.endpoint is None else {"url": args.endpoint, "error": reason}
+        write_reports(RunResult(info, [], setup_error=reason), args.report_dir, key=key)
+        raise
+    print_summary(run, report_dir=str(args.report_dir))
+    return EXIT_CODES[run.verdict]
+
+
+def _run_checks(args: argparse.Namespace, target: Target, device: torch.device, dtype: torch.dtype,
+                parallel: tuple[int, int] | None, checks: list[Check], info: RunInfo) -> RunResult:
+    """The selected checks on the target (through the endpoint with --endpoint), the endpoint's record and
+    explanation added; run.dtypes set."""
     cache: dict[str, object] = {}
     with endpoint_session(args, target, device) as endpoint:
         factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
@@ -193,12 +251,15 @@ def run_parity(args: argparse.Namespace) -> int:
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
         if endpoint is not None:
             run.run.endpoint = endpoint.record()
+            if isinstance(target, GgufTarget):
+                run.run.endpoint["weights_from"] = target.describe()
+                quantization = served_quantization(target, cache, endpoint.accepted, args.report_dir)
+                if quantization is not None:
+                    run.run.endpoint["quantization"] = quantization
             explain_ctx = CheckContext(target, device, args.seed, torch.Generator().manual_seed(args.seed), args.suite,
                                        cache, endpoint, dtype=dtype)
             explanation = explain_endpoint(args, run.results, explain_ctx)
             if explanation is not None:
                 run.run.endpoint["explanation"] = explanation
     run.run.dtypes = covered_dtypes(run.results)
-    write_reports(run, args.report_dir, key=key)
-    print_summary(run, report_dir=str(args.report_dir))
-    return EXIT_CODES[run.verdict]
+    return run

@@ -18,11 +18,12 @@ from k3verify.endpoint.client import EndpointError, Limits
 from k3verify.endpoint.local import SELF, serve_locally
 from k3verify.endpoint.probe import SetupError
 from k3verify.endpoint.session import EndpointSession, open_session
+from k3verify.endpoint.transfer import DEFAULT_MAX_RESPONSE_BYTES
 from k3verify.errors import UsageError
-from k3verify.gates.checks._endpoint_common import TOP_K, greedy_answers
-from k3verify.gates.explain import explain
-from k3verify.gates.gate import Check, CheckContext, Result, SkipCheck, Status
-from k3verify.gates.suite import ENDPOINT_PREFIX
+from k3verify.gates.core.check import Check, CheckContext, Result, SkipCheck, Status
+from k3verify.gates.core.suite import ENDPOINT_PREFIX
+from k3verify.gates.shared.endpoint_common import TOP_K, greedy_answers
+from k3verify.gates.shared.explain import explain
 from k3verify.oracle.conventions import parse_assignment
 from k3verify.target import Target, TargetError
 
@@ -42,10 +43,20 @@ def register_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight at most (default 4)")
     g.add_argument("--max-requests", type=int, default=400, metavar="N",
                    help="requests sent at most, retries included (default 400)")
-    g.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per request, seconds (default 120)")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="per request, seconds: the whole exchange (connect, retries, the full answer) ends by then "
+                        "(default 120)")
+    g.add_argument("--run-timeout", type=float, default=3600.0, metavar="S",
+                   help="all requests of the run end by then, seconds (default 3600)")
+    g.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES, metavar="N",
+                   help=f"an answer longer than this is refused unread (default {DEFAULT_MAX_RESPONSE_BYTES})")
     g.add_argument("--accept-convention", action="append", default=[], metavar="NAME=VALUE",
                    help="evaluate the oracle with this known alternative convention (docs/conventions.md), an "
                         "explicit acceptance the report lists first (repeatable)")
+    g.add_argument("--excuse-rounding-ties", action="store_true",
+                   help="let the logprob checks excuse up to 4 rounding near-ties of an emulated precision per "
+                        "sequence (docs/conventions.md), each named: an explicit acceptance like "
+                        "--accept-convention, off by default because a small real deviation can hide behind it")
     g.add_argument("--explain", action=argparse.BooleanOptionalAction, default=None,
                    help="rank the catalog's conventions by how much of the endpoint's distance each explains "
                         "(default: when an output check fails)")
@@ -76,7 +87,8 @@ def select_endpoint_checks(checks: list[Check], args: argparse.Namespace) -> lis
 
 def _limits(args: argparse.Namespace) -> Limits:
     try:
-        return Limits(concurrency=args.concurrency, max_requests=args.max_requests, timeout_s=args.timeout)
+        return Limits(concurrency=args.concurrency, max_requests=args.max_requests, timeout_s=args.timeout,
+                      run_timeout_s=args.run_timeout, max_response_bytes=args.max_response_bytes)
     except ValueError as exc:
         raise UsageError(f"endpoint limits: {exc}") from exc
 
@@ -103,7 +115,8 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
             session = open_session(url, vocab=tokenizer, probe_prompt=[(97 * k + 11) % plain for k in range(1, 6)],
                                    eos_token=min(target.cfg.eos_token_ids), dtype=dtype, model=args.model,
                                    api_key=args.api_key, limits=_limits(args), note=note,
-                                   accepted=[parse_assignment(a, target.cfg) for a in args.accept_convention])
+                                   accepted=[parse_assignment(a, target.cfg) for a in args.accept_convention],
+                                   excuse_roundings=args.excuse_rounding_ties)
         except (SetupError, EndpointError, TargetError, ValueError) as exc:
             raise UsageError(f"--endpoint {args.endpoint}: {exc}") from exc
         stack.callback(session.client.close)
@@ -111,7 +124,7 @@ def endpoint_session(args: argparse.Namespace, target: Target, device: torch.dev
 
 
 def explain_endpoint(args: argparse.Namespace, results: list[Result], ctx: CheckContext) -> dict[str, Any] | None:
-    """The catalog's conventions ranked against the endpoint's answers (gates/explain.py): with --explain, or by
+    """The catalog's conventions ranked against the endpoint's answers (gates/shared/explain.py): with --explain, or by
     default when an output check failed; None when not asked or nothing can be explained."""
     failed = [r.id for r in results if r.id in OUTPUT_CHECKS and r.status in (Status.FAIL, Status.VACUOUS)]
     session = ctx.endpoint

@@ -1,8 +1,9 @@
 """`k3verify plan`: per-rank memory of a tensor/expert-parallel serving configuration, on the meta device.
 
-Weights (MXFP4 experts packed), MLA latent cache, KDA state pool, block-residual buffer and the peak
-transients of one prefill step of --segment tokens at --context, per rank; a table and, with --json, the
-same numbers as JSON. `--measure` (GPU, one rank) runs that step and prints predicted against measured.
+Weights (MXFP4 experts packed), MLA latent cache, KDA state pool, the prefix cache's snapshot budget,
+block-residual buffer and the peak transients of one prefill step of --segment tokens at --context, per rank; a
+table and, with --json, the same numbers as JSON. `--measure` (GPU, one rank) runs that step and prints predicted
+against measured.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 from k3verify.commands import Subparsers
 from k3verify.config import ConfigError, ModelConfig
 from k3verify.errors import UsageError
+from k3verify.plan.device_fit import KNOWN_CARDS, device_memory_gib
 from k3verify.plan.memory import EXPERT_MODES, PlanRequest, RankPlan, plan
 from k3verify.presets import PRESETS, get_preset
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
+from k3verify.serving.prefix_reuse import DEFAULT_SNAPSHOTS
 
 GIB = 2**30
-H200_GIB = 140.0  # what torch reports for one H200 (141 GB of HBM3e, less the driver's reserve)
 MEASURE_TOLERANCE = 0.10
 
 
@@ -41,7 +43,11 @@ def register(subparsers: Subparsers) -> None:
                    help="new tokens in one prefill step (default min(context, 8192))")
     p.add_argument("--experts", choices=EXPERT_MODES, default="packed",
                    help="MXFP4 experts kept packed, or with the bf16 copy the grouped-GEMM path caches")
-    p.add_argument("--gpu-memory-gib", type=float, default=H200_GIB, metavar="G")
+    p.add_argument("--prefix-snapshots", type=int, default=DEFAULT_SNAPSHOTS, metavar="N",
+                   help=f"the prefix cache's snapshot budget, in snapshots (serve's default {DEFAULT_SNAPSHOTS}; 0: "
+                        "--no-prefix-cache)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                   help=f"one card's memory (default: read from this machine's CUDA device; {KNOWN_CARDS})")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--measure", action="store_true", help="GPU: run the step and compare with the plan")
     p.set_defaults(func=run_plan)
@@ -72,7 +78,8 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         raise UsageError(f"--tp {tp} --ep {ep} is a world of {world} ranks, but --gpus is {args.gpus}")
     segment = args.segment if args.segment is not None else min(args.context, 8192)
     try:
-        return PlanRequest(tp, ep, args.context, args.batch, segment, torch.bfloat16, args.experts)
+        return PlanRequest(tp, ep, args.context, args.batch, segment, torch.bfloat16, args.experts,
+                           prefix_snapshots=args.prefix_snapshots)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -83,14 +90,16 @@ def _gib(n: int) -> str:
 
 def render(name: str, req: PlanRequest, ranks: list[RankPlan], capacity_gib: float) -> str:
     head = (f"{name}: tp={req.tp} ep={req.ep} ({max(req.tp, req.ep)} GPUs), context {req.context:,}, batch "
-            f"{req.batch}, prefill segment {req.segment:,}, experts {req.experts}; GiB per rank")
-    cols = ["ranks", "weights", "expert bf16 copy", "MLA cache", "KDA state", "block residual", "transients",
-            "total", f"fits {capacity_gib:g} GiB"]
+            f"{req.batch}, prefill segment {req.segment:,}, experts {req.experts}, prefix-cache snapshots "
+            f"{req.prefix_snapshots}; GiB per rank")
+    cols = ["ranks", "weights", "expert bf16 copy", "MLA cache", "KDA state", "prefix snapshots", "block residual",
+            "transients", "total", f"fits {capacity_gib:g} GiB"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in ranks:
         who = f"{r.ranks[0]}" if len(r.ranks) == 1 else f"{len(r.ranks)} ranks ({r.ranks[0]}..{r.ranks[-1]})"
         cells = [who, _gib(r.weights), _gib(r.expert_bf16_copy), _gib(r.mla_cache), _gib(r.kda_state),
-                 _gib(r.block_residual), f"{_gib(r.transient)} ({r.transient_at})", _gib(r.total),
+                 _gib(r.prefix_snapshots), _gib(r.block_residual), f"{_gib(r.transient)} ({r.transient_at})",
+                 _gib(r.total),
                  "yes" if r.total <= capacity_gib * GIB else "NO"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -105,6 +114,11 @@ def run_plan(args: argparse.Namespace) -> int:
         ranks = plan(cfg, req)
     except LayoutError as exc:
         raise UsageError(str(exc)) from None
+    if args.gpu_memory_gib is None:
+        try:
+            args.gpu_memory_gib = device_memory_gib()
+        except ValueError as exc:
+            raise UsageError(f"--gpu-memory-gib: {exc}") from None
     print(render(name, req, ranks, args.gpu_memory_gib))
     if args.json is not None:
         data: dict[str, Any] = {"model": name, "request": {**vars(req), "dtype": str(req.dtype)},

@@ -3,10 +3,10 @@
 The gate is checked before any weight is loaded: no report.json under --report-dir bound to this exact
 checkpoint digest, k3verify version and source, device kind and served dtype, whose recomputed verdict is
 pass (and, with --report-key, whose signature verifies) means exit 2 and a message naming the
-`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/report_lookup.py.
+`k3verify parity` command to run (or `--run-gates` runs the quick suite first). gates/trust/lookup.py.
 The engine is then built from one in-memory snapshot of the checkpoint whose digest must be the gated one
 (commands/serve_engine.py); by default it runs in a process of its own beside the HTTP front end's, both under a
-supervisor that restarts either (server/supervisor.py).
+supervisor that restarts either (api/supervisor.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3verify.api.api_process import FrontEndConfig, bind
+from k3verify.api.app import api_key_problem, create_app
+from k3verify.api.hosts import HostNameError, allowed_hosts, only_loopback
+from k3verify.api.metrics import ServerMetrics
+from k3verify.api.supervisor import Child, ChildError, Supervisor
+from k3verify.api.thread import describe_server_impl
 from k3verify.commands import Subparsers, parity, serve_parallel
 from k3verify.commands.serve_engine import (
     GatedTarget,
@@ -30,15 +36,10 @@ from k3verify.commands.serve_engine import (
 )
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.report_lookup import lookup_report
-from k3verify.server.api_process import FrontEndConfig, bind
-from k3verify.server.app import api_key_problem, create_app
-from k3verify.server.hosts import HostNameError, allowed_hosts, only_loopback
-from k3verify.server.metrics import ServerMetrics
-from k3verify.server.supervisor import Child, ChildError, Supervisor
-from k3verify.server.thread import describe_server_impl
+from k3verify.gates.trust.lookup import DEFAULT_MAX_AGE_DAYS, lookup_report
 from k3verify.serving.engine import ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, Engine
 from k3verify.serving.health import HealthPolicy
+from k3verify.serving.prefix_reuse import DEFAULT_SNAPSHOTS
 from k3verify.serving.spec.step import SPEC_DRAFTERS
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 from k3verify.tokenizer import KimiTokenizer
@@ -46,6 +47,9 @@ from k3verify.tokenizer import KimiTokenizer
 __all__ = ["GatedTarget", "build_engine", "register", "require_gate", "run_serve"]
 
 log = logging.getLogger(__name__)
+UNSIGNED_NOTE = ("Without --report-key, an edit of a report or of its index line is refused, but whoever can write "
+                 "under the report dir can still write a new, consistent report of their own, or delete a newer "
+                 "failing one with its index; --report-key stops the first (docs/serving.md, Threat model)")
 
 
 def register(subparsers: Subparsers) -> None:
@@ -62,7 +66,11 @@ def register(subparsers: Subparsers) -> None:
                         "names and the --host value are answered, anything else gets 421 (DNS rebinding). With "
                         "--host 0.0.0.0, list the names and addresses clients use")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/* (visible in `ps`: "
+                   "prefer --api-key-file or the K3V_API_KEY environment variable)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key, read from FILE's first line")
+    p.add_argument("--max-report-age", type=float, default=DEFAULT_MAX_AGE_DAYS, metavar="DAYS",
+                   help=f"refuse a passing gate report whose run started longer ago (default {DEFAULT_MAX_AGE_DAYS:g})")
     p.add_argument("--report-key", type=Path, metavar="FILE",
                    help="only reports signed with this key (parity --report-key) count; edited reports are refused")
     p.add_argument("--run-gates", action="store_true", help="run the quick parity suite first if no report passes")
@@ -81,9 +89,17 @@ def register(subparsers: Subparsers) -> None:
                    help="... or once the oldest has waited MS (default %(default)g)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="on CUDA, replay prefills of fresh prompts from CUDA graphs captured per bucket of (tokens, "
-                        "sequences, longest prompt), captured on a bucket's second use (default off: not yet "
-                        "measured on the H200)")
+                        "sequences, longest prompt), captured on a bucket's second use (default off: no served "
+                        "speed-up measured yet)")
     p.add_argument("--debug", action="store_true", help="check cache integrity after every engine step")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt from token 0 (default: resume shared prompt prefixes from the prefix "
+                        "cache, docs/prefix-caching.md; one rank only)")
+    p.add_argument("--prefix-cache-per-key", action="store_true",
+                   help="keep prefix-cache entries apart per bearer token (default: shared by every request)")
+    p.add_argument("--prefix-snapshots", type=int, default=DEFAULT_SNAPSHOTS, metavar="N",
+                   help=f"the prefix cache's snapshot budget in snapshots (default {DEFAULT_SNAPSHOTS}; "
+                        "`k3verify plan --prefix-snapshots N` sizes it)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up on CUDA (decode graphs of every bucket captured and a ladder of "
                         "prefill sizes run before the port opens, so no first request pays Triton compiles)")
@@ -170,6 +186,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
     if not 0 <= opts.port <= 65535:
         raise UsageError(f"--port must be in 0..65535; got {opts.port}")
     report_key(opts)
+    if not opts.max_report_age > 0:
+        raise UsageError(f"--max-report-age must be > 0 days; got {opts.max_report_age}")
     target = target_for(opts)
     want = gate_want(opts, target)
     found = lookup_report(opts.report_dir, want)
@@ -182,7 +200,8 @@ def require_gate(opts: ServeOptions) -> GatedTarget:
                              f"Refusing to serve; see the report under {opts.report_dir}")
     if found.passing is None:
         raise UsageError(f"refusing to serve: no passing gate report under {opts.report_dir} "
-                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates")
+                         f"({found.reason}). Run `{parity_command(opts)}` first, or pass --run-gates"
+                         + ("" if opts.report_key is not None else f". {UNSIGNED_NOTE}"))
     layout = serve_parallel.layout_of(opts)
     why = serve_parallel.dist_gate_reason(found.passing, layout) if layout.world > 1 else None
     if why is not None:
@@ -217,6 +236,7 @@ def serve_in_process(opts: ServeOptions, engine: Engine, tokenizer: KimiTokenize
 
     metrics = ServerMetrics()
     engine.observer = metrics
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     app = create_app(engine.start(), tokenizer, model_name=model_name, api_key=opts.api_key, metrics=metrics,
                      allowed_hosts=hosts_for(opts))
     print(f"k3verify serve: http://{opts.host}:{opts.port}/v1 (model {model_name!r}); {describe_server_impl()}, "
@@ -235,7 +255,7 @@ def serve_supervised(opts: ServeOptions, gated: GatedTarget) -> int:
     address, authkey = os.path.join(workdir, "engine.sock"), os.urandom(32)
     engine = Child("engine", "k3verify.commands.serve_engine", "engine_main", ("start", opts, gated, address, authkey))
     front_config = FrontEndConfig(address, authkey, gated.target.name, api_key=opts.api_key, allowed_hosts=hosts)
-    front = Child("HTTP front end", "k3verify.server.api_process", "supervised_main", ("start", front_config),
+    front = Child("HTTP front end", "k3verify.api.api_process", "supervised_main", ("start", front_config),
                   pass_fds=(sock.fileno(),))
     supervisor = Supervisor(engine, front, opts.max_restarts, opts.health_window)
     try:

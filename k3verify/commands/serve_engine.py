@@ -1,5 +1,5 @@
 """The engine side of `k3verify serve`: the checkpoint read once into memory and checked against the gate, the
-engine built from those bytes, and the engine's own process under the supervisor (server/supervisor.py).
+engine built from those bytes, and the engine's own process under the supervisor (api/supervisor.py).
 
 Hash what you load, load what you hashed: `load_served` reads every file the checkpoint digest covers into memory
 (checkpoint/snapshot.py) and compares the digest of those bytes with the one the gate report vouched for. The
@@ -23,19 +23,21 @@ from typing import Any
 import torch
 
 import k3verify
+from k3verify.api.engine_link import EngineHello, EngineHost, engine_state
+from k3verify.api.metrics import EngineMetrics
 from k3verify.checkpoint.loader import WeightLoadError
 from k3verify.commands import serve_parallel
 from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
-from k3verify.gates.binding import read_report_key, source_digest
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.server.engine_link import EngineHello, EngineHost, engine_state
-from k3verify.server.metrics import EngineMetrics
+from k3verify.gates.core.binding import read_report_key, source_digest
+from k3verify.gates.trust.lookup import GateWant, lookup_report
+from k3verify.plan.device_fit import DoesNotFit, require_plan_fits
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
 from k3verify.serving.health import HealthPolicy
 from k3verify.serving.parallel.world import ServingWorld
 from k3verify.serving.prefill_graphs import prefill_graphs_for
+from k3verify.serving.prefix_reuse import PrefixSettings
 from k3verify.serving.runner import ModelRunner, build_runner
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
@@ -96,7 +98,7 @@ def gate_want(opts: ServeOptions, target: Target) -> GateWant:
     except RuntimeError as exc:
         raise UsageError(f"--device {opts.device!r}: {exc}") from exc
     return GateWant(target.digest, k3verify.__version__, device_kind, opts.dtype, source_digest(), target.preset,
-                    report_key(opts))
+                    report_key(opts), max_age_s=opts.max_report_age * 86400)
 
 
 def load_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = False) -> ServedCheckpoint:
@@ -143,20 +145,41 @@ def build_served(opts: ServeOptions, gated: GatedTarget, *, recheck: bool = Fals
             world = serve_parallel.start_world(target, opts, layout)
             runner: ModelRunner = world.runner  # decodes eagerly: no graphs over collectives yet
         else:
+            context = (opts.num_pages or 256) * (opts.page_size or 16)
+            require_plan_fits(target.cfg, f"serve --dtype {opts.dtype}", context=context, batch=opts.max_batch,
+                              segment=opts.max_step_tokens, dtype=SERVING_DTYPES[opts.dtype], device=opts.device,
+                              hint="fewer --num-pages or --max-batch, --dtype bfloat16, or more GPUs (--tp/--ep)")
             runner = build_runner(target.cfg, served.weights(), dtype=SERVING_DTYPES[opts.dtype],
                                   device=torch.device(opts.device), num_slots=opts.max_batch, **cache_kw)
             graphs = graphs_for(runner.model, runner.max_context, runner.state_pool.num_slots)
             if opts.prefill_graphs:
                 prefill_graphs = prefill_graphs_for(runner.model, opts.max_step_tokens, runner.state_pool.num_slots)
+    except DoesNotFit as exc:
+        raise UsageError(str(exc)) from None
     except WeightLoadError as exc:
         raise UsageError(f"cannot serve {target.checkpoint_dir}: {exc}") from exc
     served.snapshot.drop_shards()  # the model holds its own copy now
+    _prefix_cache(opts, runner, target, layout.world)
     engine = Engine(runner, tokenizer, eos_token_ids=target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size,
                     max_step_tokens=opts.max_step_tokens, graphs=graphs, debug=opts.debug,
                     health_policy=health_policy(opts), admit_quiet_s=opts.admit_quiet_ms / 1e3,
                     admit_max_hold_s=opts.admit_max_hold_ms / 1e3,
                     speculator=_speculator(opts, runner), prefill_graphs=prefill_graphs)
     return BuiltEngine(engine, tokenizer, tokenizer_bytes, target, world)
+
+
+def _prefix_cache(opts: ServeOptions, runner: ModelRunner, target: Any, world: int) -> None:
+    """On unless --no-prefix-cache, on one rank: a parallel world's ranks do not replay the snapshots yet."""
+    if opts.no_prefix_cache:
+        return
+    if opts.prefix_snapshots < 0:
+        raise UsageError(f"--prefix-snapshots must be >= 0; got {opts.prefix_snapshots}")
+    if world > 1:
+        log.warning("prefix cache off: %d ranks do not replay its snapshots yet (serve on one rank to reuse prefixes)",
+                    world)
+        return
+    runner.enable_prefix_cache(target.digest, target.cfg.vocab_size,
+                               PrefixSettings(snapshots=opts.prefix_snapshots, per_key=opts.prefix_cache_per_key))
 
 
 def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | None:
@@ -202,12 +225,12 @@ def _serve_links(listener: Listener, engine: Engine, metrics: EngineMetrics, hel
 
 def engine_main(fd: int) -> int:
     """The engine's process under `serve`'s supervisor: FD is its control connection, whose first message is
-    ("start", opts, gated, address, authkey); it answers ("ready", pid), ("refused", why) (exit 2: the checkpoint
-    or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told to stop or
-    the supervisor is gone."""
+    ("start", opts, gated, address, authkey, restarts so far); it answers ("ready", pid), ("refused", why) (exit 2:
+    the checkpoint or its report no longer vouch) or ("failed", why), then serves front ends on `address` until told
+    to stop or the supervisor is gone."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [engine %(process)d] %(name)s: %(message)s")
     control = Connection(fd)
-    _, opts, gated, address, authkey = control.recv()
+    _, opts, gated, address, authkey, restarts = control.recv()
     try:
         built = build_served(opts, gated, recheck=True)
         warm_up_if_cuda(opts, built)
@@ -220,6 +243,11 @@ def engine_main(fd: int) -> int:
         return 1
     engine, metrics = built.engine, EngineMetrics()
     engine.observer = metrics
+    if restarts:  # a process the supervisor restarted: /health and the restart counter say so
+        engine.health_tracker.record_process_restarts(restarts, "the engine's process died and the supervisor "
+                                                                "restarted it")
+        metrics.restarts.inc(restarts)
+    metrics.watch_prefix_cache(lambda: engine.runner.prefix)
     engine.start()
     hello = EngineHello(engine.limits, engine_state(engine), built.tokenizer_bytes.load, built.target.digest)
     with contextlib.suppress(FileNotFoundError):

@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from k3verify.commands.serve_keys import resolve_api_key
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -21,6 +23,7 @@ class ServeOptions:
     port: int
     api_key: str | None
     report_key: Path | None
+    max_report_age: float  # days
     run_gates: bool
     device: str
     dtype: str
@@ -44,6 +47,9 @@ class ServeOptions:
     api_in_process: bool
     tp: int
     ep: int
+    no_prefix_cache: bool = False
+    prefix_cache_per_key: bool = False
+    prefix_snapshots: int = 64  # serving/prefix_reuse.py DEFAULT_SNAPSHOTS (serve's parser passes it)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -53,4 +59,5 @@ class ServeOptions:
             raise ValueError(f"not a parsed `serve` command line: no {', '.join(missing)}")
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
         values["allowed_host"] = tuple(values["allowed_host"])
+        values["api_key"] = resolve_api_key(args.api_key, getattr(args, "api_key_file", None))
         return cls(**values)

@@ -94,11 +94,16 @@ def _props(client: EndpointClient) -> dict[str, Any]:
 
 def _answer(reply: Reply, resolver: TokenResolver) -> Answer | None:
     """The completion's answer when it parses and carries logprobs for its token; None otherwise."""
+    return _parsed(reply, resolver)[0]
+
+
+def _parsed(reply: Reply, resolver: TokenResolver) -> tuple[Answer | None, str]:
+    """(the answer, "") when it parses and carries logprobs for its token; else (None, why not)."""
     try:
         answer = parse_completion(resolver, reply.body)
-    except WireError:
-        return None
-    return answer if answer.steps else None
+    except WireError as exc:
+        return None, f"its answer does not parse ({exc})"
+    return (answer, "") if answer.steps else (None, "")
 
 
 def _missing(what: str, reply: Reply) -> Feature:
@@ -110,10 +115,11 @@ def probe(client: EndpointClient, model: str, prompt: list[int], forced_token: i
     """Probe every optional feature with `prompt` (a few token ids); `forced_token` is what logit_bias forces."""
     base = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}
     plain = client.post("/v1/completions", base)
-    answer = _answer(plain, resolver) if plain.ok else None
+    answer, why = _parsed(plain, resolver) if plain.ok else (None, "")
     if answer is None:
         completions = _missing("completions with a token-id prompt and logprobs", plain) if not plain.ok else \
-            Feature(False, f"completions answered without logprobs this package can read: {str(plain.body)[:200]}")
+            Feature(False, f"completions answered without logprobs this package can read: "
+                           f"{why or str(plain.body)[:200]}")
         off = Feature(False, f"needs completions with logprobs, which failed ({completions.reason})")
         return Capabilities(completions, off, off, off, _chat(client, model), off, off,
                             native_ids=_native(client, prompt))
@@ -157,6 +163,9 @@ def _echo(client: EndpointClient, base: dict[str, Any], prompt_len: int) -> Feat
         values = reply.body["choices"][0]["logprobs"]["token_logprobs"]
     except (KeyError, IndexError, TypeError):
         return Feature(False, "echo=true answered without logprobs.token_logprobs")
+    if not isinstance(values, list) or len(values) < 2:
+        return Feature(False, f"echo=true answered logprobs.token_logprobs that is not a list of positions: "
+                              f"{str(values)[:120]}")
     if len(values) != prompt_len + 1 or values[0] is not None or values[1] is None:
         return Feature(False, f"echo=true gave {len(values)} logprob positions (expected {prompt_len} prompt + 1 "
                               f"generated, the first null): {str(values)[:120]}")

@@ -42,6 +42,7 @@ class EndpointSession:
     vocab: Vocabulary
     note: str = ""
     accepted: list[Assignment] = field(default_factory=list)  # conventions the oracle is evaluated with
+    excuse_roundings: bool = False  # rounding near-ties of the declared precision may be excused (opt-in)
     realigned: int = 0  # answers whose logprobs left positions out, put back by id from the native form
     unaligned: list[str] = field(default_factory=list)  # answers that could not be put back (their ids unreadable)
 
@@ -110,6 +111,7 @@ class EndpointSession:
         """What report.json["run"]["endpoint"] says about this endpoint and the traffic sent to it."""
         stats = self.client.stats
         return {"accepted_conventions": [accepted_record(a) for a in self.accepted],
+                "rounding_near_tie_excuse": self.excuse_roundings,
                 "url": self.url, "model": self.model, "declared_dtype": self.precision.name,
                 "precision": self.precision.description,
                 "server": {"models": self.identity.models, "headers": self.identity.headers,
@@ -133,7 +135,7 @@ def expect_ok(reply: Reply, what: str) -> Any:
 def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_token: int, dtype: str,
                  model: str | None = None, api_key: str | None = None, limits: Limits | None = None,
                  note: str = "", transport: httpx.BaseTransport | None = None,
-                 accepted: Sequence[Assignment] = ()) -> EndpointSession:
+                 accepted: Sequence[Assignment] = (), excuse_roundings: bool = False) -> EndpointSession:
     """Connect, identify the server and the model, probe its features (SetupError if it cannot be verified)."""
     if dtype not in PRECISIONS:
         raise ValueError(f"declared precision must be one of {', '.join(PRECISIONS)}; got {dtype!r}")
@@ -146,7 +148,7 @@ def open_session(url: str, *, vocab: Vocabulary, probe_prompt: list[int], eos_to
         client.close()
         raise
     return EndpointSession(url, client, name, PRECISIONS[dtype], caps, identity, resolver, vocab, note,
-                           list(accepted))
+                           list(accepted), excuse_roundings)
 
 
 def accepted_record(a: Assignment) -> dict[str, Any]:

@@ -104,6 +104,48 @@ class Answer:
         return out
 
 
+def _obj(value: Any, where: str, *, optional: bool = False) -> Mapping[str, Any]:
+    """`value` as a JSON object (an empty one for a missing optional value); WireError naming `where` otherwise."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, Mapping):
+        raise WireError(f"{where}: expected an object; got {type(value).__name__} {str(value)[:120]}")
+    return value
+
+
+def _list(value: Any, where: str, *, optional: bool = False) -> list[Any]:
+    if value is None and optional:
+        return []
+    if not isinstance(value, list):
+        raise WireError(f"{where}: expected a list; got {type(value).__name__} {str(value)[:120]}")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    """A logprob: a JSON number (NaN and Infinity, which some servers emit, are kept: the checks fail on them and
+    the report shows them); a string, a bool or anything else is a WireError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError(f"{where}: expected a number; got {type(value).__name__} {str(value)[:120]}")
+    return float(value)
+
+
+def _text(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise WireError(f"{where}: expected a string; got {type(value).__name__} {str(value)[:120]}")
+    return value
+
+
+def _finish(value: Any, where: str) -> str | None:
+    return None if value is None else _text(value, where)
+
+
+def _usage(body: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    usage = body.get("usage")
+    return None if usage is None else dict(_obj(usage, f"{where}: usage"))
+
+
 def _choice(body: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(body, Mapping) or not isinstance(body.get("choices"), list) or not body["choices"]:
         raise WireError(f"{where}: expected an object with a non-empty `choices` list; got {str(body)[:200]}")
@@ -113,14 +155,14 @@ def _choice(body: Any, where: str) -> Mapping[str, Any]:
     return choice
 
 
-def _top_map(resolver: TokenResolver, top: Mapping[str, float] | None) -> tuple[dict[int, float], int]:
+def _top_map(resolver: TokenResolver, top: Any, where: str) -> tuple[dict[int, float], int]:
     out, unresolved = {}, 0
-    for name, value in (top or {}).items():
-        token_id = resolver.resolve(name)
+    for name, value in _obj(top, where, optional=True).items():
+        token_id = resolver.resolve(str(name))
         if token_id is None:
             unresolved += 1
         else:
-            out[token_id] = float(value)
+            out[token_id] = _number(value, f"{where}[{str(name)[:40]!r}]")
     return out, unresolved
 
 
@@ -166,14 +208,17 @@ def completion_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None
     """Steps of a completions `logprobs` object {tokens, token_logprobs, top_logprobs, text_offset}."""
     if logprobs is None:
         return []
+    logprobs = _obj(logprobs, f"{where}: logprobs")
     tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
-    tops = logprobs.get("top_logprobs") or [None] * len(tokens or [])
-    if not isinstance(tokens, list) or not isinstance(values, list) or not len(tokens) == len(values) == len(tops):
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens if isinstance(tokens, list) else [])
+    if not isinstance(tokens, list) or not isinstance(values, list) or not isinstance(tops, list) \
+            or not len(tokens) == len(values) == len(tops):
         raise WireError(f"{where}: logprobs.tokens / token_logprobs / top_logprobs must be equal-length lists")
     steps = []
-    for token, value, top in zip(tokens, values, tops, strict=True):
-        ids, unresolved = _top_map(resolver, top)
-        steps.append(Step(resolver.resolve(str(token)), None if value is None else float(value), ids, unresolved))
+    for i, (token, value, top) in enumerate(zip(tokens, values, tops, strict=True)):
+        ids, unresolved = _top_map(resolver, top, f"{where}: logprobs.top_logprobs[{i}]")
+        logprob = None if value is None else _number(value, f"{where}: logprobs.token_logprobs[{i}]")
+        steps.append(Step(resolver.resolve(_text(token, f"{where}: logprobs.tokens[{i}]")), logprob, ids, unresolved))
     return steps
 
 
@@ -187,47 +232,72 @@ def parse_completion(resolver: TokenResolver, body: Any, *, echo_len: int | None
             raise WireError(f"completion: echo=true answered {len(steps)} logprob positions for a prompt of "
                             f"{echo_len} tokens")
         prompt_steps, steps = steps[:echo_len], steps[echo_len:]
-    return Answer(str(choice.get("text") or ""), choice.get("finish_reason"), steps, prompt_steps, body.get("usage"),
-                  form)
+    return Answer(_text(choice.get("text"), "completion: text"), _finish(choice.get("finish_reason"), "completion: "
+                  "finish_reason"), steps, prompt_steps, _usage(body, "completion"), form)
 
 
 def chat_steps(resolver: TokenResolver, logprobs: Mapping[str, Any] | None) -> list[Step]:
     """Steps of a chat `logprobs` object {content: [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     steps = []
-    for entry in (logprobs or {}).get("content") or []:
+    for i, raw in enumerate(_list(_obj(logprobs, "logprobs", optional=True).get("content"), "logprobs.content",
+                                  optional=True)):
+        entry = _obj(raw, f"logprobs.content[{i}]")
         top, unresolved = {}, 0
-        for alt in entry.get("top_logprobs") or []:
-            alt_id = resolver.resolve(str(alt.get("token", "")), alt.get("bytes"), alt.get("id"))
+        for j, raw_alt in enumerate(_list(entry.get("top_logprobs"), f"logprobs.content[{i}].top_logprobs",
+                                          optional=True)):
+            where = f"logprobs.content[{i}].top_logprobs[{j}]"
+            alt = _obj(raw_alt, where)
+            alt_id = resolver.resolve(_text(alt.get("token"), f"{where}.token"), _raw_bytes(alt.get("bytes"), where),
+                                      alt.get("id"))
             if alt_id is None:
                 unresolved += 1
             else:
-                top[alt_id] = float(alt["logprob"])
-        token_id = resolver.resolve(str(entry.get("token", "")), entry.get("bytes"), entry.get("id"))
-        steps.append(Step(token_id, float(entry["logprob"]), top, unresolved))
+                top[alt_id] = _number(alt.get("logprob"), f"{where}.logprob")
+        where = f"logprobs.content[{i}]"
+        token_id = resolver.resolve(_text(entry.get("token"), f"{where}.token"), _raw_bytes(entry.get("bytes"), where),
+                                    entry.get("id"))
+        steps.append(Step(token_id, _number(entry.get("logprob"), f"{where}.logprob"), top, unresolved))
     return steps
+
+
+def _raw_bytes(value: Any, where: str) -> list[int] | None:
+    """A token's `bytes` (a list of 0..255), or None when the server gives none."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256
+                                              for b in value):
+        raise WireError(f"{where}.bytes: expected a list of byte values; got {str(value)[:120]}")
+    return value
 
 
 def parse_chat(resolver: TokenResolver, body: Any) -> Answer:
     choice = _choice(body, "chat completion")
-    message = choice.get("message") or {}
+    message = _obj(choice.get("message"), "chat completion: message", optional=True)
     steps, form = logprob_steps(resolver, choice.get("logprobs"), "chat completion")
-    return Answer(str(message.get("content") or ""), choice.get("finish_reason"), steps, None, body.get("usage"), form)
+    return Answer(_text(message.get("content"), "chat completion: message.content"),
+                  _finish(choice.get("finish_reason"), "chat completion: finish_reason"), steps, None,
+                  _usage(body, "chat completion"), form)
 
 
 def parse_stream(resolver: TokenResolver, events: Sequence[Any], *, chat: bool) -> Answer:
     """The chunks of one streamed answer joined: text, steps, the last finish_reason, the usage chunk's usage."""
     text, steps, finish, usage, form = [], [], None, None, "none"
-    for event in events:
-        if isinstance(event, Mapping) and "error" in event:
+    for n, raw in enumerate(events):
+        event = _obj(raw, f"stream event {n}")
+        if "error" in event:
             raise WireError(f"stream carried an error event: {str(event['error'])[:300]}")
-        if isinstance(event, Mapping) and event.get("usage"):
-            usage = event["usage"]
-        for choice in (event.get("choices") or []) if isinstance(event, Mapping) else []:
-            text.append(((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or "")
+        if event.get("usage"):
+            usage = _usage(event, f"stream event {n}")
+        for i, raw_choice in enumerate(_list(event.get("choices"), f"stream event {n}: choices", optional=True)):
+            where = f"stream event {n}: choices[{i}]"
+            choice = _obj(raw_choice, where)
+            piece = _obj(choice.get("delta"), f"{where}.delta", optional=True).get("content") if chat \
+                else choice.get("text")
+            text.append(_text(piece, f"{where} text"))
             chunk_steps, chunk_form = logprob_steps(resolver, choice.get("logprobs"), "stream")
             steps.extend(chunk_steps)
             form = chunk_form if chunk_form != "none" else form
-            finish = choice.get("finish_reason") or finish
+            finish = _finish(choice.get("finish_reason"), f"{where}.finish_reason") or finish
     return Answer("".join(text), finish, steps, None, usage, form)
 
 
@@ -239,9 +309,12 @@ def parse_native(resolver: TokenResolver, body: Any) -> Answer:
     their logprobs in `completion_probabilities` (chat-style entries with ids), usage from its own counters."""
     if not isinstance(body, Mapping) or not isinstance(body.get("tokens"), list):
         raise WireError(f"/completion: expected an object with a `tokens` list (return_tokens); got {str(body)[:200]}")
-    ids = [int(t) for t in body["tokens"]]
-    steps = chat_steps(resolver, {"content": body.get("completion_probabilities") or []})
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in body["tokens"]):
+        raise WireError(f"/completion: `tokens` must list token ids (integers); got {str(body['tokens'])[:200]}")
+    ids = list(body["tokens"])
+    steps = chat_steps(resolver, {"content": _list(body.get("completion_probabilities"),
+                                                   "/completion: completion_probabilities", optional=True)})
     usage = {"completion_tokens": body.get("tokens_predicted", len(ids)), "prompt_tokens": body.get("tokens_evaluated")}
     stop = body.get("stop_type")
     finish = NATIVE_FINISH.get(str(stop)) if stop is not None else ("stop" if body.get("stopped_eos") else None)
-    return Answer(str(body.get("content") or ""), finish, steps, None, usage, "native", ids)
+    return Answer(_text(body.get("content"), "/completion: content"), finish, steps, None, usage, "native", ids)

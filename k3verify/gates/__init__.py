@@ -3,19 +3,7 @@
 Check writers need only: register_check, Trial, SkipCheck, CheckContext, Kind (docs/CHECK-API.md).
 """
 
-from k3verify.gates.compare import (
-    BF16_ATOL,
-    BF16_MAX_FAIL_FRACTION,
-    BF16_RTOL,
-    RMS_DEFAULT_BAR,
-    THIN_MARGIN,
-    Comparison,
-    Kind,
-    WorstElement,
-    compare,
-)
-from k3verify.gates.evaluate import evaluate_trial
-from k3verify.gates.gate import (
+from k3verify.gates.core.check import (
     REGISTRY,
     Check,
     CheckContext,
@@ -26,7 +14,19 @@ from k3verify.gates.gate import (
     Trial,
     register_check,
 )
-from k3verify.gates.suite import (
+from k3verify.gates.core.compare import (
+    BF16_ATOL,
+    BF16_MAX_FAIL_FRACTION,
+    BF16_RTOL,
+    RMS_DEFAULT_BAR,
+    THIN_MARGIN,
+    Comparison,
+    Kind,
+    WorstElement,
+    compare,
+)
+from k3verify.gates.core.evaluate import evaluate_trial
+from k3verify.gates.core.suite import (
     RunInfo,
     RunResult,
     collect_run_info,

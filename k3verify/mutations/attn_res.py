@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 RES = "k3verify.serving.layers.attn_res"
 DEC = "k3verify.serving.layers.decoder"

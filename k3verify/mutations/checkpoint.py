@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 CODEC = "k3verify.checkpoint.mxfp4"
 
@@ -42,7 +42,7 @@ MUTANTS = [
     Mutant(
         id="checkpoint.reconcile.ignores_shape_mismatch",
         fault="the reconciler matches a tensor whose header shape differs from its parameter",
-        target="k3verify.checkpoint.reconcile:_Matcher.check",
+        target="k3verify.checkpoint.buckets:_Matcher.check",
         old="bad_shape = got.shape is not None and tuple(got.shape) != tuple(shape)",
         new="bad_shape = False",
         killers=["weights.reconcile.buckets"],
@@ -74,7 +74,7 @@ MUTANTS = [
     Mutant(
         id="config.generation_eos_dropped",
         fault="the config keeps only config.json's eos id and drops generation_config.json's (163585 vs 163586)",
-        target="k3verify.config:_parse_text",
+        target="k3verify.config_json:_parse_text",
         old="eos_ids = eos_ids + tuple(e for e in generation_eos if e not in eos_ids)",
         new="eos_ids = eos_ids",
         killers=["serving.*"],

@@ -8,7 +8,7 @@ module-level checks built for them (norm.sites.*, mlp.act.*, attn_res.module.*, 
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 DEC = "k3verify.serving.layers.decoder"
 MODEL = "k3verify.serving.model"

@@ -5,7 +5,7 @@ arithmetic precision of a sum in bf16 runs and nothing in fp32 ones: only the bf
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 PRESETS = ("k3-tiny", "kl-tiny")
 
@@ -21,9 +21,11 @@ MUTANTS = [
     Mutant(
         id="dist.tp.attention_not_reduced", quick=True,
         fault="tensor-parallel KDA returns its partial sum over this rank's heads (the all-reduce is missing)",
-        target="k3verify.serving.parallel.layers:TPKimiDeltaAttention.forward",
-        old="return self.comm.all_reduce(partial)",
-        new="return partial",
+        target="k3verify.serving.parallel.layers:tp_attention",
+        old="KimiDeltaAttention(local, layer_idx, dtype, device, out_linear=row_parallel(comm),",
+        # o_proj's collective over a world of one: the identity
+        new="KimiDeltaAttention(local, layer_idx, dtype, device, "
+            "out_linear=row_parallel(Comm(type(comm.layout)(1, 1))),",
         killers=["dist.tp.logits", "dist.layout.logits", "dist.greedy"], presets=PRESETS,
     ),
     Mutant(

@@ -4,13 +4,14 @@ mutated package's own server (`parity --endpoint self --dtype float32`)."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(
         id="endpoint.scoring.prompt_logprobs_off_by_one", quick=True,
-        fault="echo's prompt logprobs score token i+1 with the distribution after token i+1 instead of after token i",
-        target="k3verify.serving.scoring:score_prompt",
+        fault="echo's prompt logprobs give token i+1 its logprob under the distribution after token i+1 instead of "
+              "after token i",
+        target="k3verify.serving.prompt_logprobs:prompt_logprobs",
         old="logits.all_logits[:-1], prompt_ids[1:]",
         new="logits.all_logits[1:], prompt_ids[1:]",
         killers=["endpoint.logprobs.prompt"],
@@ -18,7 +19,7 @@ MUTANTS = [
     Mutant(
         id="endpoint.render.token_ids_off_by_one",
         fault="return_tokens_as_token_ids names every token by its id plus one",
-        target="k3verify.server.render:Renderer.token",
+        target="k3verify.api.render:Renderer.token",
         old='f"token_id:{token_id}"',
         new='f"token_id:{token_id + 1}"',
         killers=["endpoint.greedy.tokens"],
@@ -26,7 +27,7 @@ MUTANTS = [
     Mutant(
         id="endpoint.render.stream_final_chunk_dropped",
         fault="a streamed answer never sends its final chunk: the last token and the finish reason are lost",
-        target="k3verify.server.render:Renderer.chunks",
+        target="k3verify.api.render:Renderer.chunks",
         old="if event.text or event.logprobs or event.finished:",
         new="if (event.text or event.logprobs) and not event.finished:",
         killers=["endpoint.stream.identity"],
@@ -50,7 +51,7 @@ MUTANTS = [
     Mutant(
         id="endpoint.chat.no_generation_prompt",
         fault="chat prompts are rendered without the generation prompt (the assistant turn is never opened)",
-        target="k3verify.server.state:template_chat_encoder",
+        target="k3verify.api.state:template_chat_encoder",
         old="return encode_chat(tokenizer, messages, tools=tools)",
         new="return encode_chat(tokenizer, messages, tools=tools, add_generation_prompt=False)",
         killers=["endpoint.chat.template"],
@@ -67,7 +68,7 @@ MUTANTS = [
         id="endpoint.render.topk_one_position_late",
         fault="a completion's top_logprobs are reported one position late (each generated position shows the "
               "alternatives of the position before it)",
-        target="k3verify.server.render:CompletionRenderer._logprobs",
+        target="k3verify.api.render:CompletionRenderer._logprobs",
         old="top_logprobs=[top(lp) for lp in prompt.logprobs] + [top(lp) for lp in entries],",
         new="top_logprobs=[top(lp) for lp in prompt.logprobs] + [top(lp) for lp in entries[:1] + entries[:-1]],",
         killers=["endpoint.logprobs.topk"],

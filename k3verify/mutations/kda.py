@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 KDA = "k3verify.serving.layers.kda"
 CONV = "k3verify.kernels.conv.torch_ref"

@@ -8,7 +8,7 @@ to the torch reference and they cannot matter."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 FLA = "k3verify.kernels.kda.fla_launch"
 NORM = "k3verify.kernels.norm.norm_kernel"
@@ -164,7 +164,7 @@ MUTANTS = [
         new="acc = acc.to(shared.dtype).to(tl.float32)",
         killers=["kernel.moe.*", "serving.*"],
         # K3's LatentMoE adds its shared expert after the latent norm and up-projection, outside the combine:
-        # on k3-tiny this line never runs (scored there on the H200 it survived, an equivalent pair)
+        # on k3-tiny this line never runs (scored there, it survives: an equivalent pair)
         presets=("kl-tiny",),
     ),
     Mutant(

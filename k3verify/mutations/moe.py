@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 MOE = "k3verify.serving.layers.moe"
 ROUTER = "k3verify.kernels.router.torch_ref"  # Router.forward's math after the fp32 linear

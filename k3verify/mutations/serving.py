@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 MUTANTS = [
     Mutant(

@@ -3,14 +3,14 @@ score step."""
 
 from __future__ import annotations
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 REF = "k3verify.kernels.kda.score_ref"
 ARENA = "k3verify.serving.spec.arena"
 ACCEPT = "k3verify.serving.spec.accept"
 MLA = "k3verify.serving.layers.mla"
 KERNELS = "k3verify.kernels.kda.score_kernel"
-GRAPHS = "k3verify.serving.spec.graphs"
+GRAPHS = "k3verify.serving.spec.score_graphs"
 OFFLINE = "k3verify.serving.spec.offline"
 PRESETS = ("k3-tiny", "kl-tiny")
 
@@ -69,7 +69,7 @@ MUTANTS = [
         fault="the engine goes from launch-ahead plain steps (the cost policy declining) to an in-order speculative "
               "step without reading the step in flight first: the drafter and the score see a stale last token",
         target="k3verify.serving.engine_loop:EngineLoop._step_in_order",
-        old="        if self._in_flight is not None:  # after launch-ahead steps: the drafter needs every token",
+        old="        if self.in_flight is not None:  # after launch-ahead steps: the drafter needs every token",
         new="        if False:  # after launch-ahead steps: the drafter needs every token",
         killers=("spec.engine.gated_vs_plain",), presets=PRESETS,
     ),

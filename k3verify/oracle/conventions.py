@@ -33,8 +33,9 @@ LLAMA_KL = "llama.cpp src/models/kimi-linear.cpp"
 _K3 = ("k3-tiny", "k3-syn-25", "k3-skew-10", "k3-tp4")
 _ALL = ("k3-tiny", "k3-syn-25", "k3-skew-10", "kl-tiny", "k3-tp4")
 # LatentMoE's routed_expert_norm normalises the scaling away except through its eps: visible where the latent
-# combine is small against that eps, and in Kimi-Linear (no LatentMoE)
-_SCALING_VISIBLE = ("k3-syn-25", "k3-skew-10", "kl-tiny")
+# combine is small against that eps, and in Kimi-Linear (no LatentMoE). Not claimed on k3-skew-10: there the oracle's
+# own fp32-vs-fp64 distance depends on the CPU's GEMM kernels, and on some CPUs it leaves the effect under the 100x rule
+_SCALING_VISIBLE = ("k3-syn-25", "kl-tiny")
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ CATALOG: tuple[Convention, ...] = (
                used_by_1e5=("vLLM vllm/model_executor/layers/kda.py (KimiDeltaAttention's rms_norm_eps defaults to "
                             "1e-5; models/kimi_linear.py does not pass the config's)",)),
     _layer_eps("moe.latent_norm_eps", "LatentMoE's routed_expert_norm after the combine", _LATENT_NORM,
-               mutant_1e6="norm.eps.routed_expert_norm", identifiable_1e6=("k3-syn-25",)),
+               mutant_1e6="norm.eps.routed_expert_norm"),  # k3-syn-25: under 100x its CPU-dependent own distance
     _layer_eps("attn_res.layer_mix_eps", "the key norm of the depth mixes inside the layers", _ATTN_RES,
                mutant_1e6="attn_res.eps.layer_mix", identifiable_1e6=("k3-syn-25",)),
     _layer_eps("attn_res.output_mix_eps", "the key norm of the model-level output mix", _ATTN_RES,

@@ -48,7 +48,7 @@ def _fla_function(module: str, name: str) -> Callable[..., Any]:
 @functools.cache
 def _naive_module() -> ModuleType:
     """fla/ops/kda/naive.py, the pinned file itself. It needs only torch and einops, so unless fla is
-    already imported it is loaded on its own: importing the fla package costs ~7 s of CPU (triton,
+    already imported it is loaded on its own: importing the fla package costs seconds of CPU (triton,
     its layers) that a CPU reference never uses."""
     if "fla.ops.kda.naive" in sys.modules:
         return sys.modules["fla.ops.kda.naive"]

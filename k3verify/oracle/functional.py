@@ -8,6 +8,7 @@ Nothing here imports serving/ or kernels/ (tests/oracle/test_oracle_isolation.py
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,23 @@ MLA_LORA_EPS = 1e-6  # the two MLA LoRA norms, whatever rms_norm_eps says (SPEC 
 Q8_0_BLOCK = 32  # llama.cpp's Q8_0: 32 values share one fp16 scale max|x|/127
 
 
+# A weight tagged with this attribute (oracle/gguf_arith.py's `tag`) computes in a GGUF's llama.cpp arithmetic
+# while that module's knob is on; the module registers how here when it is imported (a hook: this module imports
+# nothing of the oracle above it). Untagged weights never consult it.
+ACTIVATION_TAG = "k3v_activation"
+GGUF_HOOKS: dict[str, Callable[..., Any]] = {}
+
+
 def hi(x: torch.Tensor) -> torch.Tensor:
     """x in the spec's "fp32" precision: fp32, or fp64 when x is already fp64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]ᵀ -> [..., out] in x's dtype (the weight is cast at the call site)."""
+    """x [..., in] @ weight[out, in]ᵀ -> [..., out] in x's dtype (the weight is cast at the call site). A weight
+    tagged with a GGUF activation format rounds x first while that arithmetic is on (oracle/gguf_arith.py)."""
+    if getattr(weight, ACTIVATION_TAG, None) is not None:
+        x = GGUF_HOOKS["linear_input"](x, weight)
     return x @ weight.to(x.dtype).t()
 
 
@@ -194,9 +205,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     Scores in the activation dtype, softmax in fp32 (as eager attention does), cast back.
     `softmax_in_activation` runs the softmax's exp, sum and division in the activation dtype instead."""
-    T = q.shape[1]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [h, T, T]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    h, T = q.shape[0], q.shape[1]
+    block = attention_query_block(h, T)
+    if block >= T:
+        return _attention_rows(q, k, v, 0, scale, softmax_in_activation)
+    out = q.new_empty(h, T, v.shape[-1])
+    for t0 in range(0, T, block):
+        out[:, t0:t0 + block] = _attention_rows(q[:, t0:t0 + block], k, v, t0, scale, softmax_in_activation)
+    return out
+
+
+ATTENTION_MAX_SCORES = 1 << 28  # heads x queries x keys held at once by causal_attention: 1 GiB in fp32
+ATTENTION_MAX_BLOCK = 1024
+
+
+def attention_query_block(heads: int, T: int) -> int:
+    """Queries per block of causal_attention: all T while heads x T x T scores stay within ATTENTION_MAX_SCORES,
+    else blocks of at most ATTENTION_MAX_BLOCK rows, a multiple of 64 (a CPU GEMM's rows then round as in one
+    pass; a sliver of rows would take another kernel)."""
+    most = min(ATTENTION_MAX_BLOCK, ATTENTION_MAX_SCORES // max(1, heads * T))
+    if most >= T:
+        return T
+    if most < 64:
+        return max(1, most)
+    even = -(-T // -(-T // most))
+    return -(-even // 64) * 64
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int, scale: float,
+                    softmax_in_activation: bool) -> torch.Tensor:
+    """Queries t0..t0+B-1 (q [h, B, dq]) against all T keys, the future masked -> [h, B, dv]."""
+    B, T = q.shape[1], k.shape[1]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [h, B, T]
+    future = torch.arange(T, device=q.device)[None, :] > torch.arange(t0, t0 + B, device=q.device)[:, None]
     scores = scores.masked_fill(future, float("-inf"))
     if softmax_in_activation:
         e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
@@ -242,12 +283,21 @@ def mla(x: torch.Tensor, *, heads: int, qk_nope: int, qk_rope: int, v_dim: int, 
     scale (qk_nope + qk_rope)^-0.5; causal softmax; out *= sigmoid(g_proj(x)) when gated; o_proj.
     Both LoRA norms use eps 1e-6 (q_a_eps, kv_a_eps) whatever the layer eps is."""
     T = x.shape[0]
+    absorbed = getattr(kv_b_proj, ACTIVATION_TAG, None) is not None and GGUF_HOOKS["on"]()
     if q_proj is not None:
         q = linear(x, q_proj)
     elif q_a_proj is not None and q_a_norm is not None and q_b_proj is not None:
         q = linear(rms_norm(linear(x, q_a_proj), q_a_norm, q_a_eps), q_b_proj)
     else:
         raise ValueError("mla needs q_proj, or q_a_proj, q_a_norm and q_b_proj")
+    if absorbed:
+        out = GGUF_HOOKS["mla_absorbed"](x, q, heads=heads, qk_nope=qk_nope, qk_rope=qk_rope, v_dim=v_dim,
+                                         kv_lora_rank=kv_lora_rank, kv_a_proj=kv_a_proj, kv_a_norm=kv_a_norm,
+                                         kv_b_proj=kv_b_proj, kv_a_eps=kv_a_eps,
+                                         softmax_in_activation=softmax_in_activation)
+        if g_proj is not None:
+            out = out * torch.sigmoid(linear(x, g_proj))
+        return linear(out, o_proj)
     q = q.view(T, heads, qk_nope + qk_rope).transpose(0, 1)  # [h, T, dq]
     c, k_rot = linear(x, kv_a_proj).split([kv_lora_rank, qk_rope], dim=-1)
     kv = linear(rms_norm(c, kv_a_norm, kv_a_eps), kv_b_proj).view(T, heads, qk_nope + v_dim).transpose(0, 1)

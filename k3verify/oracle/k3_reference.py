@@ -30,6 +30,15 @@ class ReferenceOutput:
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class Carry:
+    """What one decoder layer hands the next: the residual stream [T, H] (K3: the current block's partial sum)
+    and, for K3's Block Attention Residuals, the finished block sums."""
+
+    partial: torch.Tensor
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -81,12 +90,10 @@ class Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, captures: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """ids [T] -> final hidden [T, H] after the final norm. Fills `captures` when given."""
-        x = self.embed_tokens.weight[input_ids]
-        h = self._attn_res(x, captures) if self.cfg.uses_attn_res else self._pre_norm(x, captures)
-        out = self.norm(h)
-        if captures is not None:
-            captures["final_hidden"] = out
-        return out
+        carry = self.start(self.embed_tokens.weight[input_ids])
+        for i, layer in enumerate(self.decoder_layers()):
+            carry = self.step(i, layer, carry, captures)
+        return self.finish(carry, captures)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
@@ -94,39 +101,48 @@ class Model(nn.Module):
             raise TypeError("Model.layers holds a module that is not a DecoderLayer")
         return layers
 
-    def _pre_norm(self, h: torch.Tensor, captures: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """Kimi-Linear: plain pre-norm residual, h += a; h += f."""
-        for i, layer in enumerate(self.decoder_layers()):
+    def start(self, x: torch.Tensor) -> Carry:
+        """The state carried into layer 0 from the embeddings x [T, H]."""
+        return Carry(partial=x)
+
+    def step(self, i: int, layer: DecoderLayer, carry: Carry, captures: dict[str, torch.Tensor] | None) -> Carry:
+        """Layer i over the carried state -> the state carried into layer i + 1. Kimi-Linear: plain pre-norm
+        residual, h += a; h += f (h is carry.partial). K3 Block Attention Residuals (SPEC §5): partial is the
+        running sum of the current block, blocks the finished block sums; the mixed h feeds only norms, never
+        partial."""
+        if not self.cfg.uses_attn_res:
+            h = carry.partial
             a = layer.attn_sublayer(h)
             h = h + a
             f = layer.ffn_sublayer(h)
-            h = h + f
             _record(captures, i, a, f)
-        return h
-
-    def _attn_res(self, p: torch.Tensor, captures: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """K3 Block Attention Residuals (SPEC §5): p is the running partial sum of the current block,
-        blocks the finished block sums. The mixed h feeds only norms, never p. Returns the mixed
-        output h (mix-then-norm: the caller applies the final norm)."""
-        block_size = self.cfg.residual_block_size
-        blocks: list[torch.Tensor] = []
-        partial: torch.Tensor | None = p
-        for i, layer in enumerate(self.decoder_layers()):
-            assert partial is not None  # only None between the append and the attention output
-            h = layer.mix("self_attention_res", partial, blocks) if blocks else partial
-            if i % block_size == 0:
-                blocks.append(partial)
-                partial = None
-            a = layer.attn_sublayer(h)
-            partial = a if partial is None else partial + a
-            h = layer.mix("mlp_res", partial, blocks)
-            f = layer.ffn_sublayer(h)
-            partial = partial + f
-            _record(captures, i, a, f)
+            return Carry(partial=h + f)
+        blocks = list(carry.blocks)
+        partial: torch.Tensor | None = carry.partial
         assert partial is not None
-        return Fn.attn_res_mix(partial, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                               active.current("attn_res.output_mix_eps", self.cfg.rms_norm_eps),
-                               active.in_activation("attn_res.softmax_precision"))
+        h = layer.mix("self_attention_res", partial, blocks) if blocks else partial
+        if i % self.cfg.residual_block_size == 0:
+            blocks.append(partial)
+            partial = None
+        a = layer.attn_sublayer(h)
+        partial = a if partial is None else partial + a
+        h = layer.mix("mlp_res", partial, blocks)
+        f = layer.ffn_sublayer(h)
+        _record(captures, i, a, f)
+        return Carry(partial=partial + f, blocks=blocks)
+
+    def finish(self, carry: Carry, captures: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The carried state after the last layer -> final hidden [T, H]: the output mix (K3, mix-then-norm), then
+        the final norm."""
+        h = carry.partial
+        if self.cfg.uses_attn_res:
+            h = Fn.attn_res_mix(h, carry.blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                                active.current("attn_res.output_mix_eps", self.cfg.rms_norm_eps),
+                                active.in_activation("attn_res.softmax_precision"))
+        out = self.norm(h)
+        if captures is not None:
+            captures["final_hidden"] = out
+        return out
 
 
 def _record(captures: dict[str, torch.Tensor] | None, i: int, a: torch.Tensor, f: torch.Tensor) -> None:

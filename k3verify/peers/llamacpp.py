@@ -39,6 +39,11 @@ class LlamaCpp:
     tree: Path
     server: Path
 
+    @property
+    def quantizer(self) -> Path:
+        """llama-quantize, built beside the server (tools/build_llamacpp.sh builds both)."""
+        return self.server.parent / "llama-quantize"
+
     @classmethod
     def at(cls, root: str | Path) -> LlamaCpp:
         root = Path(root).resolve()
@@ -66,14 +71,34 @@ class LlamaCpp:
     def convert(self, checkpoint: str | Path, out: str | Path, *, outtype: str = "f32", vocab: str = "checkpoint",
                 extra: Sequence[str] = ()) -> Path:
         """The checkpoint as a GGUF file, made by llama.cpp's own converter (the vocabulary step replaced:
-        peers/llamacpp_convert.py)."""
+        peers/llamacpp_convert.py). The converter writes beside `out` under a temporary name, renamed to `out` only
+        when it succeeded: a failed conversion (a truncated shard, say) leaves no partial GGUF behind."""
         out = Path(out)
+        partial = out.with_name(f".{out.stem}.partial{out.suffix}")  # renamed to `out` only once complete
         cmd = [sys.executable, "-m", "k3verify.peers.llamacpp_convert", "--tree", str(self.tree), "--vocab", vocab,
-               "--", str(checkpoint), "--outfile", str(out), "--outtype", outtype, *extra]
+               "--", str(checkpoint), "--outfile", str(partial), "--outtype", outtype, *extra]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0 or not partial.is_file():
+                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+                raise LlamaCppError(f"llama.cpp's converter failed on {checkpoint} (exit {done.returncode}); "
+                                    f"nothing was written to {out}:\n{tail}")
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
+        return out
+
+
+    def quantize(self, source: str | Path, out: str | Path, file_type: str, extra: Sequence[str] = ()) -> Path:
+        """`source` (a GGUF) re-quantized by llama-quantize to `file_type` (Q8_0, Q4_K_M, ...), one thread."""
+        if not os.access(self.quantizer, os.X_OK):
+            raise LlamaCppError(f"no llama-quantize build at {self.quantizer}; tools/build_llamacpp.sh builds it")
+        out = Path(out)
+        cmd = [str(self.quantizer), *extra, str(source), str(out), file_type, "1"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not out.is_file():
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
-            raise LlamaCppError(f"llama.cpp's converter failed on {checkpoint} (exit {done.returncode}):\n{tail}")
+            raise LlamaCppError(f"llama-quantize {file_type} failed on {source} (exit {done.returncode}):\n{tail}")
         return out
 
 

@@ -95,7 +95,8 @@ def measure(cfg: ModelConfig, req: PlanRequest, device: torch.device, seed: int 
     for h in handles:
         h.remove()
     predicted = plan_rank(cfg, ParallelLayout(1, 1), PlanRequest(
-        1, 1, req.context, 1, req.segment, req.dtype, "cached" if mode == "cached" else "packed", req.page_size))
+        1, 1, req.context, 1, req.segment, req.dtype, "cached" if mode == "cached" else "packed", req.page_size,
+        prefix_snapshots=0))  # the measured step runs without the prefix cache
     pred_kinds = kind_totals(cfg, ParallelLayout(1, 1), Step(req.segment, req.context, 1, req.dtype.itemsize))
     return {"experts_mode": mode, "context": req.context, "segment": req.segment, "predicted": predicted.to_dict(),
             "measured": {"weights": weights, "caches": caches, "resident_after_warmup": resident, "peak": peak,

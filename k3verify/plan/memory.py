@@ -3,7 +3,9 @@
 Weights: this rank's ParallelServingModel built on meta (the very modules a rank would load), MXFP4 experts
 as their packed codes + scales; with `experts="cached"` the bf16 copy the grouped-GEMM path keeps is added.
 Caches: PagedLatentCache and KDAStatePool built on meta at this rank's width for `batch` sequences of
-`context` tokens. Block-residual buffer: the per-pass [T, blocks, H] buffer. Transients: plan/transients.py.
+`context` tokens. Block-residual buffer: the per-pass [T, blocks, H] buffer. Prefix-cache snapshots: the
+budget `serve` gives them (serving/prefix_reuse.py: that many copies of one slot's KDA state and conv windows,
+each with a logits row; 0 with the cache off). Transients: plan/transients.py.
 Ranks whose shares are the same size are planned once (`ranks` lists them).
 """
 
@@ -22,6 +24,8 @@ from k3verify.serving.layers.attn_res import num_blocks
 from k3verify.serving.parallel.comm import Comm
 from k3verify.serving.parallel.layout import ParallelLayout, check_layout, local_config
 from k3verify.serving.parallel.model import ParallelServingModel
+from k3verify.serving.prefix_reuse import DEFAULT_SNAPSHOTS
+from k3verify.serving.prefix_snapshots import snapshot_bytes
 from k3verify.serving.state_cache import KDAStatePool
 
 EXPERT_MODES = ("packed", "cached")
@@ -39,8 +43,11 @@ class PlanRequest:
     dtype: torch.dtype = torch.bfloat16
     experts: str = "packed"
     page_size: int = PAGE_SIZE
+    prefix_snapshots: int = DEFAULT_SNAPSHOTS  # the prefix cache's snapshot budget (0: the cache is off)
 
     def __post_init__(self) -> None:
+        if self.prefix_snapshots < 0:
+            raise ValueError(f"prefix_snapshots must be >= 0; got {self.prefix_snapshots}")
         for name in ("context", "batch", "segment", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -62,11 +69,12 @@ class RankPlan:
     transient: int
     transient_at: str
     transient_terms: dict[str, int] = field(default_factory=dict)
+    prefix_snapshots: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.expert_bf16_copy + self.mla_cache + self.kda_state + self.block_residual
-                + self.transient)
+                + self.transient + self.prefix_snapshots)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -91,12 +99,14 @@ def plan_rank(cfg: ModelConfig, layout: ParallelLayout, req: PlanRequest) -> Ran
     local = local_config(cfg, layout)
     pages = req.batch * math.ceil(req.context / req.page_size) + 1  # + the scratch page
     mla = _nbytes([PagedLatentCache(local, pages, req.page_size, req.dtype, META).data]) if cfg.has_mla else 0
-    kda = _nbytes(KDAStatePool(local, req.batch, META).tensors().values()) if cfg.has_kda else 0
+    pool = KDAStatePool(local, req.batch, META)
+    kda = _nbytes(pool.tensors().values()) if cfg.has_kda else 0
+    snapshots = req.prefix_snapshots * snapshot_bytes(pool, cfg.vocab_size)
     blocks = req.segment * num_blocks(cfg) * cfg.hidden_size * req.dtype.itemsize if cfg.uses_attn_res else 0
     step = Step(req.segment, req.context, 1, req.dtype.itemsize)
     transient, at, terms = peak_transient(cfg, layout, step)
     copy = expert_copy_bytes(cfg, layout, req.dtype) if req.experts == "cached" else 0
-    return RankPlan([layout.rank], weights, copy, mla, kda, blocks, transient, at, terms)
+    return RankPlan([layout.rank], weights, copy, mla, kda, blocks, transient, at, terms, snapshots)
 
 
 def _signature(cfg: ModelConfig, layout: ParallelLayout) -> tuple[int, ...]:

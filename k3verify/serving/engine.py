@@ -11,9 +11,10 @@ request fails that request only. Non-finite logits fail their request with the r
 caches are reallocated, waiting requests stay queued, and the restart is counted; past
 `HealthPolicy.max_restarts` restarts in the window it gives up and the loop stays dead.
 
-The engine is three layers of one object on one thread: this module (the public API called from any thread,
-and the supervisor), serving/engine_loop.py (commands, admission, launching and collecting steps) and
-serving/request_book.py (the live requests and every event that reaches their sinks).
+The Engine holds its parts: a RequestBook (serving/request_book.py: the live requests, their scheduler and every
+event that reaches their sinks), an EngineLoop (serving/engine_loop.py: commands, launching and collecting steps)
+with its AdmissionHold (serving/admission_hold.py) and StepLauncher, and the RequestLimits checked at submit. This
+module is the public API called from any thread, and the supervisor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import queue
 import sys
 import threading
 import time
@@ -30,13 +30,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from k3verify.serving.admission import (
-    ADMIT_HISTORY,
-    ADMIT_MAX_HOLD_S,
-    ADMIT_QUIET_S,
-    AdmissionHold,
-    RequestLimits,
-)
+from k3verify.serving.admission_hold import ADMIT_HISTORY, ADMIT_MAX_HOLD_S, ADMIT_QUIET_S, AdmissionHold
 from k3verify.serving.engine_loop import EngineLoop
 from k3verify.serving.events import (
     ContextLengthError,
@@ -50,12 +44,14 @@ from k3verify.serving.events import (
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.health import EngineHealth, HealthPolicy, HealthStatus
 from k3verify.serving.prefill_graphs import GraphPrefill
+from k3verify.serving.prompt_logprobs import prompt_logprobs
 from k3verify.serving.request import Request
+from k3verify.serving.request_book import RequestBook
+from k3verify.serving.request_limits import RequestLimits
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.sampler import SamplingParams, TokenLogprob, request_seed
 from k3verify.serving.scheduler import Scheduler
-from k3verify.serving.scoring import score_prompt
-from k3verify.serving.step_loop import LaunchedStep, StepLauncher
+from k3verify.serving.step_loop import StepLauncher
 from k3verify.tokenizer.streaming import IncrementalDecoder
 
 if TYPE_CHECKING:
@@ -65,9 +61,9 @@ log = logging.getLogger(__name__)
 
 # The longest a thread that wants the GIL waits before the holder is made to drop it (CPython's default: 5 ms).
 # The engine thread gives the GIL up while it waits for a step's results; the HTTP thread then renders and sends
-# the previous step's tokens and, at the default, kept the engine from launching the next step for up to 5 ms
-# after the GPU was done: a kl-48b-8l step of 64 streams went from launch to launch in 8.2 ms served against
-# 4.6 ms in process (H200). Engine.start lowers the interval to this (never raises it).
+# the previous step's tokens and, at the default, can keep the engine from launching the next step for up to 5 ms
+# after the GPU is done, longer than a decode step of a large batch takes on the GPU. Engine.start lowers the
+# interval to this (never raises it).
 GIL_SWITCH_S = 0.0005
 
 
@@ -75,7 +71,7 @@ __all__ = ["ADMIT_HISTORY", "ADMIT_MAX_HOLD_S", "ADMIT_QUIET_S", "ContextLengthE
            "EngineEvent", "InjectedFault"]
 
 
-class Engine(EngineLoop):
+class Engine:
     """Continuous batching on one engine thread; submit, abort and call from any thread."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, eos_token_ids: Collection[int], vocab_size: int,
@@ -99,31 +95,18 @@ class Engine(EngineLoop):
         self.vocab_size = vocab_size
         self.max_step_tokens, self.max_running = max_step_tokens, max_running
         self.speculator = speculator  # None: plain decode only (serve --speculative turns it on)
-        self.scheduler = self._new_scheduler()
-        self.launcher = StepLauncher(runner, graphs, prefill_graphs)
-        self.debug = debug
         self.observer = observer
         self.stall_timeout_s = stall_timeout_s
-        self.idle_wait_s = idle_wait_s
-        self.admission = AdmissionHold(admit_quiet_s, admit_max_hold_s)
-        self.num_held = 0  # times the loop waited for more arrivals before admitting (nothing else to run)
         self.health_tracker = EngineHealth(health_policy or HealthPolicy())
-        self.num_waiting = 0
-        self.num_running = 0
-        self.num_steps = 0
+        self.book = RequestBook(self._new_scheduler(), self.health_tracker, observer)
+        self.loop = EngineLoop(self.book, runner, StepLauncher(runner, graphs, prefill_graphs),
+                               AdmissionHold(admit_quiet_s, admit_max_hold_s), speculator=speculator,
+                               max_running=max_running, debug=debug, idle_wait_s=idle_wait_s)
         self.num_submitted = 0  # requests queued by submit since start (the served bench waits on it)
-        # (launch time, decode rows, prefill tokens) per step while record_steps() is on: the served bench's
-        # breakdown of where a wave's wall time goes (bench/served.step_breakdown)
-        self.step_log: deque[tuple[float, int, int]] | None = None
-        self.arrival_log: deque[float] | None = None  # each request's submit time, under record_steps() too
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._requests: dict[int, Request] = {}
-        self._in_flight: LaunchedStep | None = None
+        self.arrival_log: deque[float] | None = None  # each request's submit time, under record_steps()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._error: str | None = None
-        self._fault: BaseException | None = None
-        self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="k3verify-engine", daemon=True)
 
     def _new_scheduler(self) -> Scheduler:
@@ -132,6 +115,40 @@ class Engine(EngineLoop):
         extra = self.speculator.scorer.num_draft if self.speculator is not None else 0
         return Scheduler(self.runner, max_step_tokens=self.max_step_tokens, max_running=self.max_running,
                          reserve_extra=extra, max_reserve=self.max_context)
+
+    # the parts' state that callers read (bench, /health, tests)
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.book.scheduler
+
+    @property
+    def launcher(self) -> StepLauncher:
+        return self.loop.launcher
+
+    @property
+    def admission(self) -> AdmissionHold:
+        return self.loop.admission
+
+    @property
+    def num_waiting(self) -> int:
+        return self.book.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.book.num_running
+
+    @property
+    def num_steps(self) -> int:
+        return self.loop.num_steps
+
+    @property
+    def num_held(self) -> int:
+        return self.loop.num_held
+
+    @property
+    def step_log(self) -> deque[tuple[float, int, int]] | None:
+        """(launch time, decode rows, prefill tokens) per step while record_steps() is on."""
+        return self.loop.step_log
 
     def start(self) -> Engine:
         if sys.getswitchinterval() > GIL_SWITCH_S:
@@ -145,7 +162,7 @@ class Engine(EngineLoop):
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread.is_alive():
-            self._commands.put(("stop",))
+            self.loop.commands.put(("stop",))
             self._thread.join(timeout)
 
     def health(self) -> str | None:
@@ -155,7 +172,7 @@ class Engine(EngineLoop):
             return self._error
         if not self._thread.is_alive():
             return "engine loop is not running"
-        stalled = time.monotonic() - self._heartbeat
+        stalled = time.monotonic() - self.loop.heartbeat
         if stalled > self.stall_timeout_s:
             return f"engine loop stalled: no progress for {stalled:.1f}s (limit {self.stall_timeout_s}s)"
         return None
@@ -166,10 +183,10 @@ class Engine(EngineLoop):
 
     def inject_fault(self, message: str = "injected engine fault") -> None:
         """Make the next engine step raise InjectedFault once its admissions are done (the supervisor's test hook)."""
-        self._fault = InjectedFault(message)
+        self.loop.inject_fault(InjectedFault(message))
 
     def validate(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """Raise ValueError/ContextLengthError for a request that could never be served (serving/admission.py)."""
+        """Raise ValueError/ContextLengthError for a request that could never be served (serving/request_limits.py)."""
         self.limits.check(prompt_ids, max_tokens)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
@@ -187,7 +204,7 @@ class Engine(EngineLoop):
         with self._lock:
             if self.health() is not None:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
-            self._commands.put(("add", req))
+            self.loop.commands.put(("add", req))
             self.num_submitted += 1
             if self.arrival_log is not None:
                 self.arrival_log.append(req.arrival)
@@ -195,7 +212,7 @@ class Engine(EngineLoop):
 
     def abort(self, seq_id: int) -> None:
         """Drop a request (client gone): its cache is released on the engine thread's next turn."""
-        self._commands.put(("abort", seq_id))
+        self.loop.commands.put(("abort", seq_id))
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run fn on the engine thread between steps (the runner is not thread-safe)."""
@@ -203,14 +220,14 @@ class Engine(EngineLoop):
         with self._lock:
             if self.health() is not None:
                 raise EngineDeadError(f"engine is not running: {self.health()}")
-            self._commands.put(("call", fn, fut))
+            self.loop.commands.put(("call", fn, fut))
         return fut.result(timeout)
 
-    def score_prompt(self, prompt_ids: list[int], num_top: int, timeout: float = 60.0) -> list[TokenLogprob | None]:
+    def prompt_logprobs(self, prompt_ids: list[int], num_top: int, timeout: float = 60.0) -> list[TokenLogprob | None]:
         """Every prompt token's logprob given the tokens before it (None first), by the served model, on the engine
-        thread between steps (serving/scoring.py)."""
-        result: list[TokenLogprob | None] = self.call(functools.partial(score_prompt, self.runner.model, prompt_ids,
-                                                                         num_top), timeout)
+        thread between steps (serving/prompt_logprobs.py)."""
+        result: list[TokenLogprob | None] = self.call(
+            functools.partial(prompt_logprobs, self.runner.model, prompt_ids, num_top), timeout)
         return result
 
     def check_integrity(self, timeout: float = 60.0) -> None:
@@ -219,14 +236,14 @@ class Engine(EngineLoop):
     def record_steps(self, on: bool) -> None:
         """Start (fresh logs) or stop recording each step's launch time and shape in `step_log` and each request's
         arrival in `arrival_log`."""
-        self.step_log = deque(maxlen=1_000_000) if on else None
+        self.loop.step_log = deque(maxlen=1_000_000) if on else None
         self.arrival_log = deque(maxlen=1_000_000) if on else None
 
     def _run(self) -> None:
         """The supervisor: run the loop; when a step raises, restart it with fresh caches (or give up)."""
         while True:
             try:
-                self._loop()
+                self.loop.run()
             except Exception as exc:
                 log.exception("engine loop failed")
                 reason = f"engine fault: {type(exc).__name__}: {exc}"
@@ -242,45 +259,28 @@ class Engine(EngineLoop):
         """Fail the admitted requests, reallocate the caches, keep the waiting queue. False: give up."""
         if not self.health_tracker.record_restart(reason):
             return False
-        waiting = list(self.scheduler.waiting)
-        lost = [r for sid, r in self._requests.items() if sid not in {w.seq_id for w in waiting}]
-        self._in_flight = None  # its rows belong to the lost requests
+        self.loop.in_flight = None  # its rows belong to the requests lost below
         try:
             self.runner.reset_caches()
         except Exception:
             log.exception("engine restart failed: the caches could not be reallocated")
             return False
-        self.scheduler = self._new_scheduler()
-        for seq in waiting:
-            self.scheduler.add(seq)
-        for req in lost:
-            self._requests.pop(req.seq_id, None)
-            self._emit(req, EngineEvent(error=f"{reason}; this request was in flight and is lost (the engine "
+        for req in self.book.restart(self._new_scheduler()):
+            self.book.emit(req, EngineEvent(error=f"{reason}; this request was in flight and is lost (the engine "
                                               "restarted with fresh caches: retry it)", code="engine_unavailable",
                                         prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))
         if self.observer is not None:
             self.observer.count_restart()
-        self._heartbeat = time.monotonic()
+        self.loop.heartbeat = time.monotonic()
         log.warning("engine restarted (%d so far): %s", self.health_tracker.restarts, reason)
         return True
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             self._error = reason
-        pending = list(self._requests.values())
-        self._requests.clear()
-        self._in_flight = None
-        self.scheduler.drain()
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                pending.append(cmd[1])
-            elif cmd[0] == "call":
-                cmd[2].set_exception(EngineDeadError(reason))
+        self.loop.in_flight = None
+        pending = self.book.drain() + self.loop.drain_commands(reason)
         for req in pending:
-            self._emit(req, EngineEvent(error=reason, code="engine_unavailable", prompt_tokens=len(req.prompt_ids),
+            self.book.emit(req, EngineEvent(error=reason, code="engine_unavailable", prompt_tokens=len(req.prompt_ids),
                                         completion_tokens=len(req.output_ids)))
-        self._publish_load()
+        self.book.publish_load()

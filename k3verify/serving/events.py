@@ -54,6 +54,7 @@ class EngineEvent:
     code: str | None = None  # with error: "engine_unavailable" (restart, loop dead), "nonfinite_logits", ...
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (never prefilled)
 
     @property
     def finished(self) -> bool:

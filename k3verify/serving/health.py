@@ -75,6 +75,13 @@ class EngineHealth:
             self.last_restart_reason = reason
             return True
 
+    def record_process_restarts(self, count: int, reason: str) -> None:
+        """Count restarts of the engine's process (a fresh process, so a fresh tracker): the latest is recent."""
+        with self._lock:
+            self.restarts += count
+            self.last_restart_reason = reason
+            self._restart_times.append(self.clock())
+
     def record_nonfinite(self) -> None:
         with self._lock:
             self.nonfinite_failures += 1

@@ -23,6 +23,7 @@ from k3verify.serving.layers.embed import Embedding, LMHead
 from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
 from k3verify.serving.layers.norm import RMSNorm
+from k3verify.serving.prefix_pages import SharedLatentCache
 from k3verify.serving.spec.arena import ScorePass
 from k3verify.serving.state_cache import KDAStatePool
 
@@ -38,13 +39,19 @@ class ForwardOutput:
 
 
 class KimiModel(nn.Module):
+    """embed_tokens and layers, when given, are the embedding and the decoder layers (a tensor-parallel rank's
+    split ones); otherwise the model builds them from cfg."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str | None, mxfp4_mode: str,
-                 tile_tokens: int | None) -> None:
+                 tile_tokens: int | None, *, embed_tokens: nn.Module | None = None,
+                 layers: Sequence[DecoderLayer] | None = None) -> None:
         super().__init__()
         H = cfg.hidden_size
-        self.embed_tokens = Embedding(cfg.vocab_size, H, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, mxfp4_mode, tile_tokens)
-                                    for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = embed_tokens if embed_tokens is not None else Embedding(cfg.vocab_size, H, dtype, device)
+        if layers is None:
+            layers = [DecoderLayer(cfg, i, dtype, device, mxfp4_mode, tile_tokens)
+                      for i in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         if cfg.uses_attn_res:
             self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
@@ -66,7 +73,7 @@ class ServingModel(nn.Module):
         self.attn_res_storage = "prealloc"
         self.mxfp4_mode = resolve_mxfp4_mode(mxfp4_mode, cfg.experts_quantized, dtype, self.device)
         self.model = KimiModel(cfg, dtype, self.device, self.mxfp4_mode, tile_tokens)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
+        self.lm_head: nn.Module = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
         self.to(self.device)
         self.kv_cache: PagedLatentCache | None = None
         self.state_pool: KDAStatePool | None = None
@@ -80,7 +87,7 @@ class ServingModel(nn.Module):
         return self
 
     def allocate_caches(self, num_pages: int, page_size: int, num_slots: int) -> None:
-        self.kv_cache = PagedLatentCache(self.cfg, num_pages, page_size, self.dtype, self.device)
+        self.kv_cache = SharedLatentCache(self.cfg, num_pages, page_size, self.dtype, self.device)
         self.state_pool = KDAStatePool(self.cfg, num_slots, self.device)
 
     @torch.no_grad()

@@ -1,8 +1,8 @@
 """CUDA-graph prefill: a pack of fresh sequences replayed from a graph captured per bucket of its shape.
 
-Why: an eager prefill is host-bound on the H200. A 1 x 1024 prefill of kl-48b-8l took 29 ms of wall time for
-11.4 ms of kernels (595 launches, ~105 of them Triton launches through Python; lab/gpu/prefill_diag.py),
-and every served TTFT pays the same. A replay pays one launch.
+Why: an eager prefill is host-bound on a fast GPU: its hundreds of kernel launches, a hundred or so of them Triton
+launches through Python, take the host longer than their kernels take the device, and every served TTFT pays that.
+A replay pays one launch.
 
 A bucket (`PrefillShape`) fixes what a graph bakes in: T tokens, B sequences, no sequence longer than L. A pack of
 n fresh sequences fits a bucket by padding: its tokens first, then filler sequences of at most L tokens that make

@@ -45,6 +45,9 @@ class Request(ScheduledSeq):
     sent: int = 0
     last_token_at: float | None = None
 
+    def __post_init__(self) -> None:
+        self.cache_key = self.params.cache_key
+
     @property
     def next_position(self) -> int:
         """The position of the token to be sampled next (what the sampler's draws are keyed by with the seed)."""

@@ -8,8 +8,9 @@ advances each by one token. Token positions are tracked here; the scheduler only
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,8 @@ from k3verify.config import ModelConfig
 from k3verify.serving.batch import SCRATCH, PackedBatch
 from k3verify.serving.kv_cache import CacheError
 from k3verify.serving.model import ServingModel
+from k3verify.serving.prefix_pages import SharedLatentCache
+from k3verify.serving.prefix_reuse import PrefixReuse, PrefixSettings
 from k3verify.serving.staging import HostStaging
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ class SequenceCache:
     slot: int
     budget: int  # tokens reserved (prompt + max new)
     cached: int = 0  # tokens already run through the model
+    cuts: list[int] = field(default_factory=list)  # prompt positions where a prefill (or a cached prefix) ended
 
 
 class ModelRunner:
@@ -43,6 +47,7 @@ class ModelRunner:
         self.max_context = max_context
         self._cache_shape = (num_pages, page_size, num_slots)
         self._seqs: dict[int, SequenceCache] = {}
+        self.prefix: PrefixReuse | None = None  # the prefix cache, once enable_prefix_cache turned it on
         self._allocate_caches()
         # Per state slot, on the device: the page table (pages are reserved whole at admission, so a row is
         # written once) and the token the next decode feeds (written by set_next_tokens from sampled ids).
@@ -68,6 +73,16 @@ class ModelRunner:
         self.model.allocate_caches(*self._cache_shape)
         assert self.model.kv_cache is not None and self.model.state_pool is not None
         self.kv_cache, self.state_pool = self.model.kv_cache, self.model.state_pool
+        if self.prefix is not None:  # entries name pages and states of the old caches: start empty
+            self.enable_prefix_cache(self.prefix.weights, self.prefix.vocab_size, self.prefix.settings)
+
+    def enable_prefix_cache(self, weights: str, vocab_size: int, settings: PrefixSettings) -> PrefixReuse:
+        """Reuse cached prompt prefixes from now on (serving/prefix_reuse.py); `weights` names the served weights."""
+        if not isinstance(self.kv_cache, SharedLatentCache):
+            raise TypeError(f"prefix caching needs a SharedLatentCache; the model allocated {type(self.kv_cache)}")
+        self.prefix = PrefixReuse(self.kv_cache, self.state_pool, list(self.model.parameters()), weights,
+                                  vocab_size, settings)
+        return self.prefix
 
     @property
     def active_ids(self) -> list[int]:
@@ -102,10 +117,16 @@ class ModelRunner:
         return self.state_pool.num_free
 
     def can_admit(self, num_tokens: int) -> bool:
+        if self.prefix is not None and self.can_ever_fit(num_tokens):
+            self.prefix.make_room(self.kv_cache.pages_needed(num_tokens))
         return (self.can_ever_fit(num_tokens) and self.state_pool.num_free >= 1
                 and self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_free_pages)
 
-    def admit(self, seq_id: int, num_tokens: int) -> None:
+    def admit(self, seq_id: int, num_tokens: int, shared: list[int] | None = None, cached: int = 0,
+              cuts: tuple[int, ...] = ()) -> None:
+        """Reserve `num_tokens` tokens; a prefix-cache hit passes its prefix's pages (`shared`, first in the table),
+        how many tokens they and the restored state already hold (`cached`) and where the prefills that made
+        them were cut (`cuts`)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already admitted")
         if not self.can_ever_fit(num_tokens):
@@ -115,14 +136,36 @@ class ModelRunner:
         if not self.can_admit(num_tokens):
             raise CacheError(f"sequence {seq_id}: {num_tokens} tokens do not fit now "
                              f"({self.kv_cache.num_free_pages} free pages, {self.state_pool.num_free} free slots)")
+        if not 0 <= cached < num_tokens:
+            raise CacheError(f"sequence {seq_id}: {cached} cached tokens for a budget of {num_tokens}")
         slot = self.state_pool.allocate()
-        self.kv_cache.reserve(seq_id, num_tokens)
-        self._seqs[seq_id] = SequenceCache(slot, num_tokens)
+        try:
+            if shared:
+                assert isinstance(self.kv_cache, SharedLatentCache)
+                self.kv_cache.reserve(seq_id, num_tokens, shared=shared)
+            else:
+                self.kv_cache.reserve(seq_id, num_tokens)
+        except CacheError:
+            self.state_pool.free(slot)
+            raise
+        self._seqs[seq_id] = SequenceCache(slot, num_tokens, cached, [*cuts, cached] if cached else [])
+        self._stage_table(seq_id)
+
+    def _stage_table(self, seq_id: int) -> None:
         table = self.kv_cache.table(seq_id)
-        self.staging.copy_into(self.pages_by_slot[slot], table + [SCRATCH] * (self.max_pages - len(table)))
+        padded = table + [SCRATCH] * (self.max_pages - len(table))
+        self.staging.copy_into(self.pages_by_slot[self.slot_of(seq_id)], padded)
+
+    def own_page(self, seq_id: int, index: int) -> None:
+        """Copy the `index`-th page of the sequence's table if it is shared (it is about to write there)."""
+        assert isinstance(self.kv_cache, SharedLatentCache)
+        self.kv_cache.copy_on_write(seq_id, index)
+        self._stage_table(seq_id)
 
     def release(self, seq_id: int) -> None:
         seq = self._get(seq_id)
+        if self.prefix is not None:
+            self.prefix.forget(seq_id)
         self.kv_cache.free(seq_id)
         self.state_pool.free(seq.slot)
         del self._seqs[seq_id]
@@ -149,8 +192,15 @@ class ModelRunner:
         if logits is None:
             logits = self._prefill_eager(seqs, states)
         for (_, tokens), st in zip(seqs, states, strict=True):
+            if st.cached and (not st.cuts or st.cuts[-1] != st.cached):
+                st.cuts.append(st.cached)
             st.cached += len(tokens)
         return logits
+
+    def cuts_of(self, seq_id: int) -> tuple[int, ...]:
+        """Where the sequence's prompt was cut between prefills (a cached prefix's cuts and its end included): a
+        cold prefill cut at the same positions computes the same bits."""
+        return tuple(self._get(seq_id).cuts)
 
     def _prefill_eager(self, seqs: list[tuple[int, list[int]]], states: list[SequenceCache]) -> torch.Tensor:
         ids = torch.tensor([t for _, tokens in seqs for t in tokens], dtype=torch.long)
@@ -223,6 +273,8 @@ class ModelRunner:
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
         self.state_pool.check_integrity()
+        if self.prefix is not None:
+            self.prefix.cache.check_integrity()
         slots = [s.slot for s in self._seqs.values()]
         if len(set(slots)) != len(slots):
             raise CacheError(f"two sequences share a KDA state slot: {slots}")
@@ -238,6 +290,18 @@ class ModelRunner:
         owners = set(self.kv_cache.owners)
         if owners != set(self._seqs):
             raise CacheError(f"page owners {sorted(owners)} != running sequences {sorted(self._seqs)}")
+        if isinstance(self.kv_cache, SharedLatentCache):
+            self._check_write_targets(self.kv_cache)
+
+    def _check_write_targets(self, kv: SharedLatentCache) -> None:
+        """No page a sequence will still write (from the one holding its next position on) is in another
+        sequence's table: a prefix's shared pages lie wholly before the position a sequence resumed at."""
+        tables = {sid: kv.table(sid) for sid in self._seqs}
+        in_tables = Counter(p for t in tables.values() for p in t)
+        for sid, seq in self._seqs.items():
+            shared = [p for p in tables[sid][seq.cached // kv.page_size:] if in_tables[p] > 1]
+            if shared:
+                raise CacheError(f"sequence {sid} will write page(s) {shared} that another sequence holds too")
 
     def _get(self, seq_id: int) -> SequenceCache:
         if seq_id not in self._seqs:

@@ -71,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token plus the top k
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
+    cache_key: str | None = None  # whose prefix-cache entries the request may use (--prefix-cache-per-key); None: all
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from k3verify.serving.runner import ModelRunner
 
@@ -30,6 +31,10 @@ class ScheduledSeq:
     output_ids: list[int] = field(default_factory=list)  # tokens that reached the host
     num_prefilled: int = 0  # prompt tokens whose chunk was launched
     num_launched: int = 0  # generated tokens whose sampling was launched (reached the host or not)
+    cache_key: str | None = None  # whose prefix-cache entries it may use (per-key isolation), else None
+    num_cached: int = 0  # prompt tokens a prefix-cache hit served (never prefilled)
+    snapshot_points: tuple[int, ...] = ()  # prompt positions its prefill stops at for a prefix-cache snapshot
+    cached_logits: Any = None  # a whole-prompt hit: its last position's logits (torch.Tensor), sampled from
 
     @property
     def num_reserved_tokens(self) -> int:
@@ -87,9 +92,8 @@ class StepPlan:
 def spec_reservation(runner: ModelRunner, need: int, num_draft: int, limit: int) -> int:
     """Positions to reserve for a speculating sequence that needs `need`: k more where they fit (under `limit` and
     in the free cache), so that a row within k tokens of its end can still be scored or ride along (what a
-    score accepts past max_new_tokens is dropped). Without them every such row took a decode step of its own next
-    to the batch's score pass: a kl-48b-8l batch of 16 at 50% acceptance ran 35 decode steps beside 36 score
-    steps on the H200 although riders had landed."""
+    score accepts past max_new_tokens is dropped). Without them every such row takes a decode step of its own next
+    to the batch's score pass, riders or not: close to one decode step per score step."""
     more = need + num_draft
     return more if more <= limit and runner.can_admit(more) else need
 
@@ -151,7 +155,7 @@ class Scheduler:
                 break
             if not self.runner.can_admit(seq.num_reserved_tokens):
                 break
-            self.runner.admit(seq.seq_id, self._reservation(seq))
+            self._admit(seq)
             self.waiting.popleft()
             self.running[seq.seq_id] = seq
             budget -= self._chunk(plan, seq, budget)
@@ -159,12 +163,25 @@ class Scheduler:
             seq.num_launched += 1
         return plan
 
+    def _admit(self, seq: ScheduledSeq) -> None:
+        """Reserve the sequence's cache; with the prefix cache on, it starts at the deepest cached position."""
+        if self.runner.prefix is None:
+            self.runner.admit(seq.seq_id, self._reservation(seq))
+            return
+        resume = self.runner.prefix.admit(self.runner, seq.seq_id, self._reservation(seq), seq.prompt_ids,
+                                          seq.cache_key)
+        seq.num_prefilled = seq.num_cached = resume.position
+        seq.snapshot_points, seq.cached_logits = resume.points, resume.logits
+
     def _chunk(self, plan: StepPlan, seq: ScheduledSeq, budget: int) -> int:
         """Append the next chunk of seq's prompt (at most `budget` tokens) to the plan; returns its length.
         A chunk that does not end the prompt is cut on the chunk_align grid when the budget allows."""
         start, left = seq.num_prefilled, len(seq.prompt_ids) - seq.num_prefilled
         n = min(left, budget)
-        if n < left and n >= self.chunk_align:
+        stop = next((p for p in seq.snapshot_points if p > start), None)
+        if stop is not None and stop < start + n:
+            n = stop - start  # a prefix-cache snapshot position (on the chunk grid)
+        elif n < left and n >= self.chunk_align:
             n -= (start + n) % self.chunk_align
         plan.prefill.append(PrefillChunk(seq, start, start + n))
         seq.num_prefilled += n

@@ -78,15 +78,23 @@ class StepLauncher:
         rows: list[Request] = []
         parts: list[torch.Tensor] = []
         if plan.prefill:
-            seqs = [(c.seq.seq_id, c.tokens) for c in plan.prefill]
-            logits = self.runner.prefill(seqs) if self.prefill_graphs is None else \
-                self.runner.prefill(seqs, self.prefill_graphs)
-            last = [i for i, c in enumerate(plan.prefill) if c.is_last]
-            if last:
-                keep = logits if len(last) == len(plan.prefill) else \
-                    logits.index_select(0, self.staging.to_device(last))
-                parts.append(keep)
-                rows += [requests[plan.prefill[i].seq.seq_id] for i in last]
+            run = [c for c in plan.prefill if c.end > c.start]  # an empty chunk: a whole prompt from the cache
+            logits = None
+            if run:
+                seqs = [(c.seq.seq_id, c.tokens) for c in run]
+                logits = self.runner.prefill(seqs) if self.prefill_graphs is None else \
+                    self.runner.prefill(seqs, self.prefill_graphs)
+                if self.runner.prefix is not None:
+                    self.runner.prefix.after_prefill(self.runner, [(c.seq.seq_id, c.end, c.is_last) for c in run],
+                                                     logits)
+            last = [i for i, c in enumerate(run) if c.is_last]
+            if logits is not None and last:
+                parts.append(logits if len(last) == len(run) else logits.index_select(0, self.staging.to_device(last)))
+                rows += [requests[run[i].seq.seq_id] for i in last]
+            cached = [c for c in plan.prefill if c.end == c.start]
+            if cached:
+                parts.append(torch.stack([c.seq.cached_logits.to(self.device) for c in cached]))
+                rows += [requests[c.seq.seq_id] for c in cached]
         if plan.decode:
             parts.append(self.runner.decode_next([s.seq_id for s in plan.decode], self.graphs))
             rows += [requests[s.seq_id] for s in plan.decode]

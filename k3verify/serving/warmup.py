@@ -1,13 +1,12 @@
 """Start-up warm-up: pay Triton's compiles, fla's autotuning and the CUDA-graph captures before the first request.
 
 A Triton kernel compiles once per specialisation of its integer arguments (== 1, divisible by 16, other) and
-fla's autotuners run once per key, so the first prefill of a new token count can stall every stream for seconds;
-on the H200 64 free-running clients saw a first token after 18.6 s while the engine itself ran 205
-steps in 21 s. The warm-up captures every decode bucket (the captures' own warm-up steps run on scratch rows)
-and prefills a ladder of token counts, one sequence and a pack of several, on sequences it admits and releases:
-afterwards the caches hold no sequence, every slot and page is free again, and what the warm-up wrote is
-overwritten before anything reads it (a slot is zeroed when allocated; attention reads only positions a
-sequence has written).
+fla's autotuners run once per key, so the first prefill of a new token count can stall every stream for seconds,
+and a cold server's first clients wait for compiles instead of tokens. The warm-up captures every decode bucket
+(the captures' own warm-up steps run on scratch rows) and prefills a ladder of token counts, one sequence and a
+pack of several, on sequences it admits and releases: afterwards the caches hold no sequence, every slot and page
+is free again, and what the warm-up wrote is overwritten before anything reads it (a slot is zeroed when allocated;
+attention reads only positions a sequence has written).
 """
 
 from __future__ import annotations

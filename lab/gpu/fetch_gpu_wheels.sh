@@ -2,8 +2,9 @@
 # Wheels the H200 image lacks (it has torch 2.11, triton 3.6, transformers 5.17, no fla, no jsonschema, no fastapi).
 # Run here (registries reachable), then carry `.whl` in the device call: lab/gpu/gpu_session.sh installs them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"  # the repository root (this script lives in lab/gpu/)
+exclude="$(git rev-parse --git-path info/exclude)"  # a worktree's .git is a file, not a folder
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     fla-core==0.6.0 flash-linear-attention==0.6.0 transformers==5.24.0 \

@@ -145,7 +145,7 @@ show_bench() {  # the stage lines, parity, speeds and profile of each run, then 
 case "${1:-}" in
 parity)
     step "gpu tests (background) + cuda parity k3-syn-25"
-    # tests/server needs fastapi/openai, which the GPU image lacks: collect only the GPU-bearing folders
+    # tests/api needs fastapi/openai, which the GPU image lacks: collect only the GPU-bearing folders
     timeout "${PYTEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/oracle \
         tests/serving tests/bench >"$OUT/gpu-pytest.log" 2>&1 &
     start=$(date +%s)

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from k3verify.bench.timing import cuda_time
-from k3verify.gates.checks._spec_common import bits, op_case
+from k3verify.gates.shared.spec_cases import bits, op_case
 from k3verify.kernels.kda import score_launch as vt
 from k3verify.presets import get_preset
 

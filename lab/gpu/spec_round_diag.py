@@ -45,8 +45,8 @@ from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner
 from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import ControlledDrafter
-from k3verify.serving.spec.graphs import ScoreGraphs, ScoreInputs
 from k3verify.serving.spec.offline import generate_speculative, pad_drafts
+from k3verify.serving.spec.score_graphs import ScoreGraphs, ScoreInputs
 from k3verify.serving.spec.scorer import SpecScorer
 
 

@@ -83,12 +83,13 @@ def hf_tiny_config(specials: dict[str, int], kda_heads: int = 3) -> dict[str, An
 
 
 def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0, *, kda_heads: int = 3,
-                        released_spelling: bool = False) -> Any:
+                        released_spelling: bool = False, overrides: dict[str, Any] | None = None) -> Any:
     """save_pretrained of a bf16 KimiLinearForCausalLM (random init, seed `seed`) plus its own tokenizer.
 
     `released_spelling`: the dense layer's MLP renamed from transformers' `block_sparse_moe.*` to the released
     checkpoints' `mlp.*` (what llama.cpp's converter reads); `kda_heads` equal to the 4 MLA heads suits
-    llama.cpp's Kimi graphs, which assume one head count for both."""
+    llama.cpp's Kimi graphs, which assume one head count for both; `overrides`: config.json keys replaced (a
+    `linear_attn_config` dict is merged)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from transformers import AutoModelForCausalLM, KimiLinearConfig
@@ -96,7 +97,10 @@ def write_hf_checkpoint(out: Path, chat_template: str | None = CHAT_TEMPLATE, se
         out.mkdir(parents=True)
         specials = write_tokenizer(out, chat_template)
         torch.manual_seed(seed)
-        config = KimiLinearConfig(**hf_tiny_config(specials, kda_heads))
+        values = hf_tiny_config(specials, kda_heads)
+        for key, value in (overrides or {}).items():
+            values[key] = {**values[key], **value} if key == "linear_attn_config" else value
+        config = KimiLinearConfig(**values)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(out)
     if released_spelling:

@@ -83,11 +83,23 @@ MANUAL = (
            "the same llama-server started with --no-cache-prompt: PASS 8 pass, endpoint.logprobs.prompt skipped "
            "(llama-server ignores echo), the accepted deviation listed first; with its prompt cache on (its default), "
            "endpoint.repeat.identity fails: a repeated 3-token prompt is answered from a wrong cached state"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset kl-tiny --timeout 1.5 --run-timeou"
+           "t 60 --max-response-bytes 8388608",
+           "against a server that sends one byte every 5 s (tests/endpoint/test_endpoint_hostile.py): exit 2 wit"
+           "hin about 2.5 s naming the deadline, a report marked error written"),
     Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --preset k3-tp4 --dtype w4a8-q8act "
-           "--accept-convention mla.lora_norm_eps=rms_norm_eps --accept-convention kda.l2norm_eps=rms_norm_eps",
+           "--accept-convention mla.lora_norm_eps=rms_norm_eps --accept-convention kda.l2norm_eps=rms_norm_eps "
+           "--excuse-rounding-ties",
            "against llama-server on k3-tp4 (MXFP4 experts; tests/peers, run in CI): PASS 8 pass, "
            "endpoint.logprobs.prompt skipped; endpoint.logprobs.topk 3.72e-6 against a bar of 5.33e-5 after one Q8_0 "
            "rounding near-tie excused (MoE layer 1's expert input, token 4, element 32: 2.0e-4 from the boundary, "
            "window 2.3e-4); without the near-tie 0.0125. With only the MLA eps accepted: FAIL, 5.13e-5 against "
            "3.98e-5 (the KDA L2-norm eps); float32 declared: FAIL, 0.066"),
+    Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --weights-from KL_Q8_0_GGUF "
+           "--dtype w-gguf-a8 --accept-convention kda.l2norm_eps=rms_norm_eps",
+           "against llama-server on llama-quantize's Q8_0 of a transformers-written Kimi-Linear (tests/peers, run in "
+           "CI): PASS 8 pass, endpoint.logprobs.prompt skipped; endpoint.logprobs.topk 0.0354 against a bar of "
+           "0.0511, no rounding excused; the quantization costs mean KL 0.0131 (p99 0.0684), top-1 79.2% against "
+           "the checkpoint, the server adds top-k KL 3.6e-5. A copy with one block's scale negated: FAIL (0.807 "
+           "against 5.7e-6); the Q4_K_M of kl-256: INCONCLUSIVE (top-k skipped, the oracle's own distance 0.871)"),
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 from invocations import CELLS, MANUAL
 
 from k3verify.cli import build_parser
-from k3verify.gates.suite import load_all_checks
+from k3verify.gates.core.suite import load_all_checks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "invocations.md"
 

@@ -12,7 +12,7 @@ import pytest
 from invocations import CELLS, Cell
 
 from k3verify.cli import main
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 
 
 def _assert_green(report_dir: Path) -> dict:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from hf_checkpoint import write_hf_checkpoint
 
-from k3verify import config as config_mod
+from k3verify import config_json as config_mod
 from k3verify.checkpoint.names import checkpoint_specs
 from k3verify.checkpoint.reader import CheckpointReader
 from k3verify.checkpoint.synthetic import TOKENIZER_ASSETS, _tokenizer_writer, make_synthetic_checkpoint
@@ -31,8 +31,8 @@ from k3verify.checkpoint.synthetic_weights import synthetic_group
 from k3verify.checkpoint.writer import write_checkpoint, write_streamed_checkpoint
 from k3verify.cli import main
 from k3verify.config import ModelConfig
-from k3verify.gates import fixtures
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
+from k3verify.gates.shared import builders
 from k3verify.oracle.hf_kimi_linear import torch_kda_paths
 from k3verify.presets import preset_hf_config
 from k3verify.tokenizer import KimiTokenizer, encode_chat
@@ -201,19 +201,17 @@ def _real_vocab_kl_tiny(out: Path) -> Path:
 def test_real_size_chain_on_cpu_gates_layer_by_layer_and_serves(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU `realsize` chain in miniature: a real-vocab checkpoint treated as real size (no whole model may be
-    built but the served one) passes parity through model.layerwise.sublayers and the transformers-gold model
-    check, the whole-model checks skip naming the sizes, and serve answers a request from that report."""
+    built but the served one) runs model.layerwise.sublayers and the transformers-gold model check, but the
+    whole-model checks skip for size, naming the sizes, so the verdict is INCONCLUSIVE (a PASS needs no size skip)
+    until they run layer-streamed or on a slice."""
     ckpt = _real_vocab_kl_tiny(tmp_path / "kl-real-vocab")
-    monkeypatch.setattr(fixtures, "WHOLE_MODEL_BYTES", 1 << 20)
-    assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "report")]) == 0
-    data = _assert_green(tmp_path / "report")
+    monkeypatch.setattr(builders, "WHOLE_MODEL_BYTES", 1 << 20)
+    assert main(["parity", "--checkpoint", str(ckpt), "--report-dir", str(tmp_path / "report")]) == 4
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
     status = {r["id"]: (r["status"], r["reason"] or "") for r in data["results"]}
     for check in ("model.layerwise.sublayers", "served.vs_transformers", "serving.engine.eos_ids",
                   "serving.state.slot_reuse", "weights.reconcile.buckets", "tokenizer.encode.exact_ids"):
         assert status[check][0] == "pass", (check, status[check])
     for check in ("model.logits.fp32", "weights.loader.strict", "served.vs_gold", "kda.module.fp32"):
         assert status[check][0] == "skipped" and "real size:" in status[check][1], (check, status[check])
-    assert data["run"]["dtypes"] == ["bfloat16"]
-    [text] = _served_texts(ckpt, tmp_path / "report", dtype="bfloat16", prompts=["hello"],
-                           chat_messages=[{"role": "user", "content": "hi [EOS]"}])
-    assert isinstance(text, str)
+    assert data["summary"]["verdict"] == "inconclusive"

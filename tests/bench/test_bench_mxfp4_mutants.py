@@ -16,7 +16,7 @@ import torch
 
 from k3verify.bench import mxfp4
 from k3verify.bench import mxfp4_parity as mp
-from k3verify.gates.mutation import load_catalog
+from k3verify.gates.mutation.runner import load_catalog
 from k3verify.kernels import mxfp4 as mxfp4_ops
 from k3verify.kernels.mxfp4 import torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH

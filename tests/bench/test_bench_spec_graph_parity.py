@@ -1,4 +1,4 @@
-"""The speculative bench's `bench.verify_graph_vs_eager` on CPU: score graphs recorded by gates.replay's
+"""The speculative bench's `bench.verify_graph_vs_eager` on CPU: score graphs recorded by gates.shared.replay's
 rerun recorder (each replay runs the static step again over the graph's static buffers), so the harness's
 bookkeeping (what it snapshots, restores and refills between the eager run, the replay and the control) is
 tested without a GPU. The H200 run of 2026-12-01 failed this row at batch 1 and 16 with the metric half the
@@ -14,7 +14,7 @@ import torch
 
 from k3verify.bench.spec_parity import score_graph_parity
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
-from k3verify.gates.replay import RerunStep, rerun_recorder
+from k3verify.gates.shared.replay import RerunStep, rerun_recorder
 from k3verify.presets import get_preset
 from k3verify.serving.model import ServingModel
 from k3verify.serving.runner import ModelRunner

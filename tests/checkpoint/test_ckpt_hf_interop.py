@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from k3verify.checkpoint.buckets import build_param_module, reconcile_checkpoint
 from k3verify.checkpoint.hf_interop import HfNameError, normalize_hf_names
 from k3verify.checkpoint.loader import load_into
 from k3verify.checkpoint.names import module_specs
 from k3verify.checkpoint.reader import CheckpointReader
-from k3verify.checkpoint.reconcile import build_param_module, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import make_synthetic_checkpoint
 from k3verify.checkpoint.synthetic_weights import synthetic_tensors
 from k3verify.config import ModelConfig

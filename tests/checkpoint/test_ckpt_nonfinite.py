@@ -56,11 +56,15 @@ def test_serve_refuses_a_nan_weight_naming_it(tmp_path: Path) -> None:
         serve.build_engine(args, gated)
 
 
-def test_parity_check_that_loads_a_nan_weight_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The whole-model check errors naming the tensor (it used to fail on NaN outputs with no pointer back)."""
+def test_parity_stops_at_a_nan_weight_with_exit_2_naming_it_once(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad checkpoint is a setup error: the first check that loads the NaN weight stops the run (the second
+    selected check never runs), exit 2 naming the tensor once, and the report says verdict error with the reason."""
     ckpt = nan_copy(tmp_path)
-    assert main(["parity", "--checkpoint", str(ckpt), "--only", "model.logits.fp32", "--report-dir",
-                 str(tmp_path / "rep")]) == 1
-    capsys.readouterr()
-    [result] = json.loads((tmp_path / "rep" / "report.json").read_text())["results"]
-    assert result["status"] == "error" and f"checkpoint tensor {VICTIM}" in result["reason"], result["reason"]
+    assert main(["parity", "--checkpoint", str(ckpt), "--only", "model.logits.fp32", "--only",
+                 "model.layerwise.sublayers", "--report-dir", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"checkpoint tensor {VICTIM}") == 1 and "holds 1 NaN" in err, err
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert data["results"] == [] and data["summary"]["verdict"] == "error"
+    assert f"checkpoint tensor {VICTIM}" in data["summary"]["setup_error"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from k3verify.checkpoint import mxfp4
+from k3verify.checkpoint.buckets import build_param_module
 from k3verify.checkpoint.loader import WeightLoadError, load_into
 from k3verify.checkpoint.names import TensorSpec, module_specs
 from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
-from k3verify.checkpoint.reconcile import build_param_module
 from k3verify.checkpoint.writer import INDEX_FILE, SINGLE_FILE, write_checkpoint
 from k3verify.cli import main
 from k3verify.config import ModelConfig

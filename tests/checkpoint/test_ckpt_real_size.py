@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3verify.checkpoint.buckets import expected_from_module, reconcile_checkpoint
 from k3verify.checkpoint.names import checkpoint_specs
-from k3verify.checkpoint.reconcile import expected_from_module, reconcile_checkpoint
 from k3verify.checkpoint.synthetic import _tokenizer_writer, make_sparse_checkpoint
 from k3verify.checkpoint.synthetic_weights import synthetic_group, synthetic_tensors
 from k3verify.checkpoint.writer import write_checkpoint, write_streamed_checkpoint

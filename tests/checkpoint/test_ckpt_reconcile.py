@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3verify.checkpoint.names import module_specs
-from k3verify.checkpoint.reconcile import (
+from k3verify.checkpoint.buckets import (
     ExpectedTensor,
     PartialSlot,
     ReconcileResult,
@@ -19,6 +18,7 @@ from k3verify.checkpoint.reconcile import (
     expected_from_module,
     reconcile_checkpoint,
 )
+from k3verify.checkpoint.names import module_specs
 from k3verify.cli import main
 from k3verify.config import ModelConfig
 

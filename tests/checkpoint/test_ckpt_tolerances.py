@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3verify.checkpoint.buckets import reconcile_checkpoint
 from k3verify.checkpoint.loader import WeightLoadError
 from k3verify.checkpoint.reader import CheckpointReader
-from k3verify.checkpoint.reconcile import reconcile_checkpoint
 from k3verify.cli import main
 from k3verify.config import ModelConfig
 from k3verify.serving.batch import PackedBatch

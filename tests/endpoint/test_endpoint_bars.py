@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3verify.checkpoint.loader import load_into
-from k3verify.gates.checks.endpoint_tokens import FP32_REFERENCE_SPREAD
+from k3verify.gates.checks.endpoint.tokens import FP32_REFERENCE_SPREAD
 from k3verify.oracle.hf_kimi_linear import build_hf_model, hf_forward
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.target import resolve_target

@@ -13,17 +13,18 @@ import torch
 from endpoint_fakes import WrongTokenAt, proxy_app
 
 import k3verify
+from k3verify.api.thread import ServerThread
 from k3verify.cli import main
 from k3verify.endpoint.local import serve_locally
-from k3verify.gates.binding import source_digest
-from k3verify.gates.report import load_report
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.server.thread import ServerThread
+from k3verify.gates.core.binding import source_digest
+from k3verify.gates.report.json_report import load_report
+from k3verify.gates.trust.lookup import GateWant, lookup_report
 from k3verify.target import resolve_target
 
 ENDPOINT_CHECKS = {"endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.logprobs.prompt",
                    "endpoint.chat.template", "endpoint.stop.strings", "endpoint.stop.eos",
-                   "endpoint.stream.identity", "endpoint.batch.invariance", "endpoint.repeat.identity"}
+                   "endpoint.stream.identity", "endpoint.batch.invariance", "endpoint.repeat.identity",
+                   "endpoint.prefix.reuse"}
 
 
 def parity(report: Path, *args: str, preset: str = "k3-tiny") -> tuple[int, dict[str, Any]]:

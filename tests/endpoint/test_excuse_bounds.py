@@ -1,6 +1,6 @@
 """The bounds on the rounding near-tie excuse, each shown to bite by switching it off: the window's absolute cap,
 windows measured only before the oracle's two runs diverge, candidates nearest their boundary first, and the
-plausibility count (oracle/rounding.py, gates/checks/_endpoint_oracle.py). Synthetic ledgers: no model runs."""
+plausibility count (oracle/rounding.py, gates/shared/endpoint_oracle.py). Synthetic ledgers: no model runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from k3verify.gates.checks._endpoint_oracle import IMPLAUSIBLE, plausible
+from k3verify.gates.shared.endpoint_oracle import IMPLAUSIBLE, plausible
 from k3verify.oracle import rounding
 from k3verify.oracle.rounding import DOWN, INPUT, WINDOW_CAP, Ledger, clean_rows, expected_flips, near_ties
 

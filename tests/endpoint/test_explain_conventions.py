@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from k3verify.gates.explain import MIN_EXPLAINED
-from k3verify.gates.mutation import DEFAULT_CATALOG, load_catalog, run_child
+from k3verify.gates.mutation.runner import DEFAULT_CATALOG, load_catalog, run_child
+from k3verify.gates.shared.explain import MIN_EXPLAINED
 from k3verify.oracle.conventions import CATALOG
 
 PREFERRED = ("kl-tiny", "k3-tiny", "k3-tp4", "k3-skew-10", "k3-syn-25")  # cheapest first

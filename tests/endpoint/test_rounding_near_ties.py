@@ -11,18 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.gates.checks import _endpoint_oracle as eo
-from k3verify.gates.checks._endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
-from k3verify.gates.checks.endpoint_tokens import Answer, Rows, _measured_trial
-from k3verify.gates.evaluate import evaluate_trial
-from k3verify.gates.gate import REGISTRY, CheckContext, Status
+from k3verify.gates.checks.endpoint.tokens import Answer, Rows, _measured_trial
+from k3verify.gates.core.check import REGISTRY, CheckContext, Status
+from k3verify.gates.core.evaluate import evaluate_trial
+from k3verify.gates.shared import endpoint_oracle as eo
+from k3verify.gates.shared.endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
 from k3verify.oracle import functional as Fn
 from k3verify.oracle import rounding
 from k3verify.oracle.precision import get_precision
 from k3verify.oracle.rounding import DOWN, INPUT, SCALE, Ledger, Site, near_ties
 from k3verify.target import resolve_target
 
-FACTOR = 5.1  # the fp32 logprob checks' bar factor (endpoint_tokens.BAR_FACTOR)
+FACTOR = 5.1  # the fp32 logprob checks' bar factor (gates/checks/endpoint/tokens.py BAR_FACTOR)
 
 
 def test_forced_code_changes_exactly_that_value_and_is_recorded() -> None:
@@ -68,7 +68,8 @@ def test_near_ties_are_values_within_the_factor_of_the_site_noise_of_a_boundary(
 @pytest.fixture(scope="module")
 def ctx() -> CheckContext:
     target = resolve_target("k3-tp4")
-    endpoint = SimpleNamespace(precision=get_precision("w4a8-q8act"), dtype=torch.float32, accepted=())
+    endpoint = SimpleNamespace(precision=get_precision("w4a8-q8act"), dtype=torch.float32, accepted=(),
+                               excuse_roundings=True)
     return CheckContext(target, torch.device("cpu"), 0, torch.Generator(), "quick", {}, endpoint)  # type: ignore[arg-type]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3verify.gates import Check, CheckContext, Kind, Registry, SkipCheck, Trial, make_context_factory, run_suite
-from k3verify.gates.suite import RunResult, collect_run_info
+from k3verify.gates.core.suite import RunResult, collect_run_info
 from k3verify.presets import get_preset
 from k3verify.target import Target
 

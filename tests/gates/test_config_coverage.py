@@ -1,6 +1,6 @@
 """Config-field coverage: every ModelConfig field the serving stack reads turns at least one check red when the
 serving model alone gets a wrong value (the oracle keeps the true one); fields that cannot matter on a preset
-are listed with the reason (k3verify/gates/config_coverage.py). Only each entry's own checks run, with the
+are listed with the reason (k3verify/gates/core/config_coverage.py). Only each entry's own checks run, with the
 oracle models and checkpoint tensors shared per preset."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from k3verify.gates import fixtures as fx
-from k3verify.gates.config_coverage import (
+from k3verify.gates.core.check import REGISTRY, Result
+from k3verify.gates.core.config_coverage import (
     IRRELEVANT,
     PERTURBATIONS,
     Perturbation,
@@ -18,8 +18,8 @@ from k3verify.gates.config_coverage import (
     fields_read,
     perturbed,
 )
-from k3verify.gates.gate import REGISTRY, Result
-from k3verify.gates.suite import load_all_checks, make_context_factory, run_check
+from k3verify.gates.core.suite import load_all_checks, make_context_factory, run_check
+from k3verify.gates.shared import builders
 from k3verify.target import Target, resolve_target
 
 CASES = [(preset, p) for p in PERTURBATIONS for preset in p.presets]
@@ -39,17 +39,17 @@ def _run(shared: dict[str, tuple[Target, dict[str, Any]]], preset: str, check_id
         shared[preset] = (resolve_target(preset, None), {})
     target, cache = shared[preset]
     if serving_cfg is not None:
-        cache[fx.SERVING_CONFIG] = serving_cfg
+        cache[builders.SERVING_CONFIG] = serving_cfg
     factory = make_context_factory(target, device="cpu", seed=0, suite="full", cache=cache)
     try:
         return [run_check(REGISTRY.get(check_id), factory, 0, "cpu") for check_id in check_ids]
     finally:  # the next case builds its serving model from its own config
-        for key in [k for k in cache if k.startswith("serving.model.") or k == fx.SERVING_CONFIG]:
+        for key in [k for k in cache if k.startswith("serving.model.") or k == builders.SERVING_CONFIG]:
             del cache[key]
 
 
 def test_the_table_names_every_field_the_serving_stack_reads() -> None:
-    """A field read by serving/, kernels/ or server/ without an entry is untested; an entry for a field nothing
+    """A field read by serving/, kernels/ or api/ without an entry is untested; an entry for a field nothing
     reads is stale."""
     read = fields_read()
     listed = {p.field for p in PERTURBATIONS} | {i.field for i in IRRELEVANT}

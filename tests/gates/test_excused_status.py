@@ -11,13 +11,13 @@ import torch
 from rich.console import Console
 
 from k3verify.gates import CheckContext, Kind, Registry, Trial
-from k3verify.gates.admission import result_problem
-from k3verify.gates.binding import summary_problem, verdict_from_counts
-from k3verify.gates.console import summary_table
-from k3verify.gates.evaluate import status_of
-from k3verify.gates.excused import EXCUSED_METRIC
-from k3verify.gates.gate import Status
-from k3verify.gates.report import load_report, write_reports
+from k3verify.gates.core.binding import summary_problem, verdict_from_counts
+from k3verify.gates.core.check import Status
+from k3verify.gates.core.evaluate import status_of
+from k3verify.gates.core.excused import EXCUSED_METRIC
+from k3verify.gates.report.console import summary_table
+from k3verify.gates.report.json_report import load_report, write_reports
+from k3verify.gates.trust.rederive import result_problem
 from tests.gates.conftest import RunFactory
 
 

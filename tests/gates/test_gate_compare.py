@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3verify.gates.compare import (
+from k3verify.gates.core.compare import (
     BF16_ATOL,
     BF16_MAX_FAIL_FRACTION,
     BF16_RTOL,

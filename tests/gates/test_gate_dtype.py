@@ -11,7 +11,7 @@ import torch
 from k3verify.cli import build_parser, main
 from k3verify.commands import serve
 from k3verify.commands.serve_options import ServeOptions
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 
 
 def _parity(tmp_path: Path, *argv: str) -> dict:
@@ -48,11 +48,12 @@ def test_serve_builds_the_model_in_the_requested_dtype(tmp_path: Path) -> None:
 
 def test_an_fp64_instrument_model_is_not_coverage() -> None:
     """A serving-level check may build an fp64 serving model as an instrument: that is no dtype `serve` runs."""
-    from k3verify.gates import CheckContext, fixtures
+    from k3verify.gates import CheckContext
+    from k3verify.gates.shared import builders
     from k3verify.target import resolve_target
 
     ctx = CheckContext(resolve_target("kl-tiny"), torch.device("cpu"), 0, torch.Generator(), "quick", {},
                        level="serving")
-    fixtures.serving_model(ctx, torch.float64)
-    fixtures.serving_model(ctx, torch.float32)
+    builders.serving_model(ctx, torch.float64)
+    builders.serving_model(ctx, torch.float32)
     assert sorted(ctx.serving_dtypes) == ["float32"]

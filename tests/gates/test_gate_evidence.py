@@ -12,11 +12,11 @@ import torch
 
 from k3verify.commands.parity import EXIT_CODES
 from k3verify.gates import CheckContext, Kind, Registry, SkipCheck, Trial
-from k3verify.gates.binding import recompute_summary, summary_problem
-from k3verify.gates.console import verdict_line
-from k3verify.gates.evidence import MIN_ENDPOINT_POSITIONS, missing_evidence
-from k3verify.gates.report import load_report, write_reports
-from k3verify.gates.suite import RunResult
+from k3verify.gates.core.binding import recompute_summary, summary_problem
+from k3verify.gates.core.evidence import MIN_ENDPOINT_POSITIONS, missing_evidence
+from k3verify.gates.core.suite import RunResult
+from k3verify.gates.report.console import verdict_line
+from k3verify.gates.report.json_report import load_report, write_reports
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 

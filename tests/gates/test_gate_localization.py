@@ -7,11 +7,11 @@ import math
 import torch
 
 from k3verify.gates import Kind, Trial, evaluate_trial
-from k3verify.gates.compare import error_over_position, localize_layers
-from k3verify.gates.gate import make_check
-from k3verify.gates.html import render_html
-from k3verify.gates.report import report_dict
-from k3verify.gates.suite import RunResult, collect_run_info
+from k3verify.gates.core.check import make_check
+from k3verify.gates.core.compare import error_over_position, localize_layers
+from k3verify.gates.core.suite import RunResult, collect_run_info
+from k3verify.gates.report.html import render_html
+from k3verify.gates.report.json_report import report_dict
 
 
 def _layers(fault_at: int | None, n: int = 6) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from k3verify.gates import Check, CheckContext, Kind, Registry, Trial
-from k3verify.gates.suite import RunResult
+from k3verify.gates.core.suite import RunResult
 
 RunFactory = Callable[[Sequence[Check]], RunResult]
 

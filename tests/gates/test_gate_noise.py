@@ -1,4 +1,4 @@
-"""Bars from measured noise (gates/noise.py): the rule, where the noise comes from, the recording, the report."""
+"""Bars from measured noise (gates/core/noise.py): the rule, where the noise comes from, the recording, the report."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from k3verify.gates import Check, CheckContext, Kind, Registry, Status, Trial, evaluate_trial
-from k3verify.gates import noise as nz
-from k3verify.gates.gate import make_check
-from k3verify.gates.report import load_report, write_reports
-from k3verify.gates.suite import RunResult, load_all_checks, make_context_factory, run_check
+from k3verify.gates.core import noise as nz
+from k3verify.gates.core.check import make_check
+from k3verify.gates.core.suite import RunResult, load_all_checks, make_context_factory, run_check
+from k3verify.gates.report.json_report import load_report, write_reports
 from k3verify.target import Target, resolve_target
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)

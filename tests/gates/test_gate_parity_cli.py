@@ -13,7 +13,7 @@ import torch
 from k3verify.cli import main
 from k3verify.commands import parity
 from k3verify.gates import CheckContext, Kind, Registry, Trial, load_all_checks
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 from k3verify.presets import get_preset
 from k3verify.target import Target
 
@@ -50,21 +50,23 @@ def test_bad_device_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--device must be cpu or cuda" in capsys.readouterr().err
 
 
-def test_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """An unknown preset is a usage error naming it and the known ones, before anything is built."""
-    assert main(["parity", "--preset", "k3-nope", "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--preset", "k3-nope", "--only", "gates.selftest", "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'k3-nope'" in err and "k3-tiny" in err
 
 
-def test_real_shape_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_real_shape_preset_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A real shape has no data to check: exit 2 saying how to get a checkpoint instead."""
-    assert main(["parity", "--preset", "kimi-linear-48b", "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--preset", "kimi-linear-48b", "--only", "gates.selftest", "--report-dir",
+                 str(tmp_path)]) == 2
     assert "checkpoint make" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_config_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["parity", "--checkpoint", str(tmp_path), "--only", "gates.selftest"]) == 2
+    assert main(["parity", "--checkpoint", str(tmp_path), "--only", "gates.selftest", "--report-dir",
+                 str(tmp_path / "reports")]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 
@@ -147,7 +149,7 @@ def test_setup_error_exits_2_naming_the_file_and_writes_an_error_report(
 
 def test_report_key_signs_the_report(fake_target: None, tmp_path: Path) -> None:
     """--report-key FILE: report.json carries an HMAC that verifies with that key."""
-    from k3verify.gates.binding import signature_problem
+    from k3verify.gates.core.binding import signature_problem
 
     key = tmp_path / "k"
     key.write_text("a-key-of-enough-bytes\n")

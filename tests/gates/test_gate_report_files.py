@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -13,15 +14,15 @@ import jsonschema
 import pytest
 
 from k3verify.gates import Registry
-from k3verify.gates.binding import signature_problem
-from k3verify.gates.report import (
+from k3verify.gates.core.binding import signature_problem
+from k3verify.gates.core.suite import RunResult, collect_run_info
+from k3verify.gates.report.json_report import (
     atomic_write_text,
     load_report,
     report_dict,
     write_reports,
 )
-from k3verify.gates.report_lookup import GateWant, lookup_report
-from k3verify.gates.suite import RunResult, collect_run_info
+from k3verify.gates.trust.lookup import GateWant, lookup_report
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def mixed_run(mixed_registry: Registry, run_checks: RunFactory) -> RunResult:
 
 
 def test_package_schema_and_reports_schema_are_identical() -> None:
-    package = (ROOT / "k3verify" / "gates" / "schema.json").read_bytes()
+    package = (ROOT / "k3verify" / "gates" / "report" / "schema.json").read_bytes()
     assert package == (ROOT / "reports" / "schema.json").read_bytes()
     jsonschema.Draft202012Validator.check_schema(json.loads(package))
 
@@ -137,7 +138,7 @@ def test_serve_lookup_on_real_reports(mixed_registry: Registry, run_checks: RunF
     green = run_checks([passing])
     red = run_checks([passing, failing])
     want = GateWant(str(green.run.checkpoint_digest), green.run.k3verify_version, "cpu", "bfloat16",
-                    green.run.source_digest, "test", checks=lambda: [passing, failing])
+                    green.run.source_digest, "test", checks=lambda: [passing, failing], max_age_s=math.inf)
     _report_at(green, tmp_path, "a", "2026-01-01T00:00:00+00:00")
     _report_at(green, tmp_path, "other-ckpt", "2026-01-05T00:00:00+00:00", checkpoint_digest="sha256:other")
     _report_at(green, tmp_path, "other-device", "2026-01-05T00:00:00+00:00", device="cuda")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from k3verify.gates import CheckContext, Kind, Registry, Status, Trial, evaluate_trial
-from k3verify.gates.gate import make_check
-from k3verify.gates.suite import RunResult
+from k3verify.gates.core.check import make_check
+from k3verify.gates.core.suite import RunResult
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 

@@ -12,7 +12,7 @@ import torch
 import k3verify
 from k3verify.errors import UsageError
 from k3verify.gates import CheckContext, Kind, Registry, Status, Trial, load_all_checks, select_checks
-from k3verify.gates.suite import RunResult, derive_seed, import_error_results, verdict
+from k3verify.gates.core.suite import RunResult, derive_seed, import_error_results, verdict
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)
 
@@ -63,7 +63,7 @@ def test_select_by_suite_glob_and_prefix(registry: Registry) -> None:
     ([Status.PASS, Status.ERROR], "fail"),
 ])
 def test_verdict_red_on_any_red_result_inconclusive_when_nothing_ran(statuses: list[Status], expected: str) -> None:
-    from k3verify.gates.gate import Result
+    from k3verify.gates.core.check import Result
 
     results = [Result(id=f"gates.t.r{i}", component="gates", level="module", kind="rms", bar=5e-3, bar_reason=None,
                       status=s) for i, s in enumerate(statuses)]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from k3verify.gates import Registry, load_all_checks, select_checks
-from k3verify.gates.report import write_reports
-from k3verify.gates.suite import RunResult
+from k3verify.gates.core.suite import RunResult
+from k3verify.gates.report.json_report import write_reports
 from tools.screenshot_report import find_browser
 
 RunFactory = Callable[..., RunResult]  # the run_checks fixture (conftest.py)

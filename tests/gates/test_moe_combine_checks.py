@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from k3verify.gates import compare
-from k3verify.gates.checks.kernel_moe_combine import combine_trial
-from k3verify.gates.gate import REGISTRY as CHECKS
-from k3verify.gates.suite import load_all_checks, make_context_factory
+from k3verify.gates.checks.kernels.moe_combine import combine_trial
+from k3verify.gates.core.check import REGISTRY as CHECKS
+from k3verify.gates.core.suite import load_all_checks, make_context_factory
 from k3verify.kernels.moe import grouped
 from k3verify.target import resolve_target
 

@@ -80,7 +80,7 @@ def readout(launch: Any) -> dict[str, float]:
 
 def faulted_kernels(tmp: str) -> dict[str, Any]:
     """Each CUDA catalog entry that targets the kernel module, applied to its source: id -> launch function."""
-    from k3verify.gates.mutation import load_catalog
+    from k3verify.gates.mutation.runner import load_catalog
     from k3verify.kernels.mxfp4 import grouped_kernel, grouped_launch
 
     source = Path(grouped_kernel.__file__).read_text()
@@ -168,9 +168,9 @@ def bench_decode(faulted: dict[str, Any]) -> dict[str, dict[str, float | str]]:
 def check_dry_run() -> dict[str, Any]:
     """kernel.mxfp4.grouped_vs_torch's own code (CUDA-only) on small shapes, the Triton path forced."""
     from k3verify.gates import CheckContext
-    from k3verify.gates.checks import serving_mxfp4
-    from k3verify.gates.evaluate import evaluate_trial
-    from k3verify.gates.gate import REGISTRY as CHECKS
+    from k3verify.gates.checks.kernels import mxfp4_grouped as serving_mxfp4
+    from k3verify.gates.core.check import REGISTRY as CHECKS
+    from k3verify.gates.core.evaluate import evaluate_trial
     from k3verify.kernels import mxfp4
     from k3verify.kernels.mxfp4 import grouped_launch
     from k3verify.kernels.registry import REGISTRY, TRITON
@@ -195,7 +195,7 @@ def main(tmp: str) -> None:
     from triton_interp import patch_interpreter
 
     patch_interpreter()
-    from k3verify.gates.checks.serving_mxfp4 import swap_nibbles
+    from k3verify.gates.checks.kernels.mxfp4_grouped import swap_nibbles
     from k3verify.kernels.mxfp4 import grouped_launch
 
     kernel = grouped_launch.grouped_mm_triton

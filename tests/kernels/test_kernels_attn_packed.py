@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3verify.gates import Kind, compare
-from k3verify.gates.checks.kernel_attn_packed import PACKS, _pack
+from k3verify.gates.checks.kernels.attn_packed import PACKS, _pack
 from k3verify.kernels import attn as attn_ops
 from k3verify.kernels.attn import packed, sdpa
 from k3verify.kernels.registry import CUDA, REGISTRY, TORCH

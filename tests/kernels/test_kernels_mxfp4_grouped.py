@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import k3verify
 from k3verify.checkpoint import mxfp4 as ckpt_mxfp4
-from k3verify.gates.mutation import load_catalog
+from k3verify.gates.mutation.runner import load_catalog
 from k3verify.kernels import mxfp4
 from k3verify.kernels.mxfp4 import grouped_launch, torch_ref
 from k3verify.kernels.registry import REGISTRY, TORCH, TRITON

@@ -148,15 +148,15 @@ def test_fast_path_check_helpers_skip_with_reason_and_refuse_an_unrouted_run() -
     """The CUDA kernel checks use these two: no fast path -> a skip that prints why; a run the registry
     did not route to the fast path -> an error (comparing torch with torch would pass vacuously)."""
     from k3verify.gates import SkipCheck
-    from k3verify.gates import fixtures as fx
+    from k3verify.gates.shared import builders
 
     with pytest.raises(SkipCheck, match="the Triton KDA path is not available here: CUDA is not available"):
-        fx.require_fast_path("Triton KDA path", "CUDA is not available")
-    fx.require_fast_path("Triton KDA path", None)
+        builders.require_fast_path("Triton KDA path", "CUDA is not available")
+    builders.require_fast_path("Triton KDA path", None)
     kda_ops.kda_prefill(*_kda_args("cpu"))  # CPU: the torch reference ran
-    fx.assert_routed(kda_ops.PREFILL, backend=TORCH)
+    builders.assert_routed(kda_ops.PREFILL, backend=TORCH)
     with pytest.raises(RuntimeError, match="not triton"):
-        fx.assert_routed(kda_ops.PREFILL, backend=TRITON)
+        builders.assert_routed(kda_ops.PREFILL, backend=TRITON)
 
 
 def test_run_inside_refuses_runs_and_disables_a_raising_path(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,6 @@
 """Every catalog entry edits code that its presets run: the mutation runner's clean run of the entries' killers,
-on a copy of the package probed at the edited functions (gates/line_probe.py), executes at least one edited line
-of every entry on every preset the entry names. A mutant whose line never runs there is absent, not killed."""
+on a copy of the package probed at the edited functions (gates/mutation/line_probe.py), executes at least one edited
+line of every entry on every preset the entry names. A mutant whose line never runs there is absent, not killed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from k3verify.checkpoint.synthetic import default_cache_root
 from k3verify.commands.mutate import registered_check_ids
-from k3verify.gates.line_probe import absent_on, spans
-from k3verify.gates.mutation import PACKAGE_DIR, PARITY_RAN, load_catalog, select
+from k3verify.gates.mutation.line_probe import absent_on, spans
+from k3verify.gates.mutation.runner import PACKAGE_DIR, PARITY_RAN, load_catalog, select
 
 PAIRS = [(m, p) for m, p in select(load_catalog()) if not m.equivalent]
 PRESETS = sorted({p for _, p in PAIRS})

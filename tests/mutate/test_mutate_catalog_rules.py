@@ -10,15 +10,23 @@ from typing import Any
 import pytest
 
 from k3verify.cli import main
-from k3verify.gates.mutation import CatalogError, ChildRun, Mutant, classify, expand_killers, load_catalog, stale_reason
-from k3verify.gates.report import load_report
+from k3verify.gates.mutation.runner import (
+    CatalogError,
+    ChildRun,
+    Mutant,
+    classify,
+    expand_killers,
+    load_catalog,
+    stale_reason,
+)
+from k3verify.gates.report.json_report import load_report
 
 MXFP4 = "k3verify.checkpoint.mxfp4:decode_codes"
 
 
 def write_catalog(folder: Path, body: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "entries.py").write_text("from k3verify.gates.mutation import Mutant\n\n" + textwrap.dedent(body))
+    (folder / "entries.py").write_text("from k3verify.gates.mutation.runner import Mutant\n\n" + textwrap.dedent(body))
     return folder
 
 
@@ -69,8 +77,8 @@ def test_equivalent_mutants_leave_the_denominator(tmp_path: Path, capsys: pytest
     assert rows["stale.two"]["status"] == "error"
 
 
-@pytest.mark.parametrize("target", ["k3verify.oracle.k3_reference:forward", "k3verify.gates.compare:compare",
-                                    "k3verify.gates.mutation:classify"])
+@pytest.mark.parametrize("target", ["k3verify.oracle.k3_reference:forward", "k3verify.gates.core.compare:compare",
+                                    "k3verify.gates.mutation.runner:classify"])
 def test_judge_code_cannot_be_mutated(target: str) -> None:
     """Mutating the oracle or the gates proves nothing: such entries are rejected when the catalog loads."""
     with pytest.raises(CatalogError, match="not mutable"):

@@ -15,13 +15,13 @@ import pytest
 
 import k3verify.commands.mutate as command
 from k3verify.cli import main
-from k3verify.gates.mutation import PACKAGE_DIR, Mutant, run_child
-from k3verify.gates.report import load_report
+from k3verify.gates.mutation.runner import PACKAGE_DIR, Mutant, run_child
+from k3verify.gates.report.json_report import load_report
 
 CATALOG = '''
 import torch
 
-from k3verify.gates.mutation import Mutant
+from k3verify.gates.mutation.runner import Mutant
 
 
 def doubled(original):

@@ -190,7 +190,7 @@ def test_assignment_of_an_uncatalogued_value_has_no_mutant() -> None:
 
 def test_every_named_mutant_is_in_the_mutation_catalog() -> None:
     """A mutant id the catalog names must exist in k3verify/mutations/: the endpoint tests inject it into our server."""
-    from k3verify.gates.mutation import load_catalog
+    from k3verify.gates.mutation.runner import load_catalog
 
     known = {m.id for m in load_catalog()}
     named = [m for c in CATALOG for m in c.mutants]

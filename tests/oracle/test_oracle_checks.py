@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-import k3verify.gates.checks.oracle_checks  # noqa: F401  (registers the checks)
+import k3verify.gates.checks.oracle.references  # noqa: F401  (registers the checks)
 from k3verify.gates import REGISTRY, CheckContext, Status, evaluate_trial
-from k3verify.gates.gate import SkipCheck
-from k3verify.gates.suite import derive_seed
+from k3verify.gates.core.check import SkipCheck
+from k3verify.gates.core.suite import derive_seed
 from k3verify.target import resolve_target
 
 ORACLE_CHECKS = ("oracle.kda.naive_recurrent_vs_chunk", "oracle.kda.gate_vs_fla", "oracle.mxfp4.dequant_vs_hand",

@@ -75,11 +75,13 @@ def test_q8_0_blocks_run_along_the_last_dim_and_refuse_partial_blocks() -> None:
 
 
 def test_precisions_declare_base_and_gold_dtypes() -> None:
-    """Plain dtypes have gold one step up; w4a8-q8act runs fp32 against fp64; unknown names list the known."""
+    """Plain dtypes have gold one step up; the emulated ones run fp32 against fp64; unknown names list the known."""
     assert {n: (p.dtype, p.gold_dtype) for n, p in PRECISIONS.items()} == {
         "bfloat16": (torch.bfloat16, torch.float32), "float16": (torch.float16, torch.float32),
-        "float32": (torch.float32, torch.float64), "w4a8-q8act": (torch.float32, torch.float64)}
-    with pytest.raises(KeyError, match="unknown precision 'bf16'; known: bfloat16, float16, float32, w4a8-q8act"):
+        "float32": (torch.float32, torch.float64), "w4a8-q8act": (torch.float32, torch.float64),
+        "w-gguf-a8": (torch.float32, torch.float64)}
+    with pytest.raises(KeyError, match="unknown precision 'bf16'; known: bfloat16, float16, float32, w4a8-q8act, "
+                                       "w-gguf-a8"):
         get_precision("bf16")
 
 

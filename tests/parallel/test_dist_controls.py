@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from k3verify.gates.dist_session import mis_sliced_read, splits_anything
+from k3verify.gates.shared.dist_session import mis_sliced_read, splits_anything
 from k3verify.presets import get_preset
 from k3verify.serving.parallel import Comm, ParallelLayout, ParallelServingModel
 from k3verify.serving.parallel.shards import load_rank

@@ -12,11 +12,15 @@ from k3verify.checkpoint.reader import CheckpointError, CheckpointReader
 from k3verify.config import ModelConfig
 from k3verify.presets import get_preset
 from k3verify.serving.batch import PackedBatch
+from k3verify.serving.layers.kda import KimiDeltaAttention
+from k3verify.serving.layers.mla import MultiHeadLatentAttention
+from k3verify.serving.layers.mlp import GatedMLP
 from k3verify.serving.model import ServingModel
 from k3verify.serving.parallel import Comm, LayoutError, ParallelLayout, ParallelServingModel, check_layout
+from k3verify.serving.parallel.layers import RowParallelLinear
 from k3verify.serving.parallel.layout import split_range
-from k3verify.serving.parallel.reconcile import rank_shapes, reconcile_slices
 from k3verify.serving.parallel.shards import load_rank, read_spec
+from k3verify.serving.parallel.slice_reconcile import rank_shapes, reconcile_slices
 from k3verify.target import resolve_target
 
 
@@ -180,3 +184,16 @@ def test_expert_dispatch_of_one_rank_equals_the_moe_block(preset: str, mode: str
     x = torch.randn(37, target.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     assert torch.equal(par(x), moe(x))
     assert par.rows_routed == 37 * target.cfg.num_experts_per_token
+
+
+def test_a_tensor_parallel_rank_is_built_from_the_plain_layers() -> None:
+    """k3-tiny at tp = 2: every attention and dense MLP is the plain layer class whose output projection is a
+    RowParallelLinear (the one collective); at tp = 1 (control) the same model holds plain nn.Linear there."""
+    cfg = get_preset("k3-tiny")
+    for tp, want in ((2, RowParallelLinear), (1, torch.nn.Linear)):
+        model = ParallelServingModel(cfg, Comm(ParallelLayout(tp, 1), planning=True), torch.float32, "meta")
+        for layer in model.model.decoder_layers():
+            assert type(layer.self_attn) in (KimiDeltaAttention, MultiHeadLatentAttention)
+            assert type(layer.self_attn.o_proj) is want, (tp, layer.layer_idx)
+            if not layer.is_moe:
+                assert type(layer.mlp) is GatedMLP and type(layer.mlp.down_proj) is want

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
+from k3verify.api.app import create_app
+from k3verify.api.thread import ServerThread
 from k3verify.commands.serve_parallel import DIST_CHECKS, dist_gate_reason
-from k3verify.server.app import create_app
-from k3verify.server.thread import ServerThread
 from k3verify.serving.engine import Engine
 from k3verify.serving.parallel.layout import ParallelLayout
 from k3verify.serving.parallel.world import ServingWorld, WorldSpec

@@ -13,6 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "acceptance"))  # hf_checkpoint: a transformers-written checkpoint
 
+from hf_checkpoint import write_hf_checkpoint  # noqa: E402
+
 from k3verify.peers.llamacpp import LlamaCpp, LlamaCppError  # noqa: E402
 
 
@@ -25,3 +27,18 @@ def llamacpp() -> LlamaCpp:
             pytest.fail(f"K3V_REQUIRE_LLAMACPP=1 but llama.cpp is not available: {exc}")
         pytest.skip(f"llama.cpp not available ({exc}); `bash tools/build_llamacpp.sh .llamacpp` and "
                     "K3V_LLAMACPP_DIR=.llamacpp run these tests")
+
+
+@pytest.fixture(scope="session")
+def kl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' save_pretrained of a tiny Kimi-Linear, one head count for KDA and MLA (llama.cpp's graph
+    assumes it), the dense MLP under the released checkpoints' name."""
+    out = tmp_path_factory.mktemp("kl") / "checkpoint"
+    write_hf_checkpoint(out, kda_heads=4, released_spelling=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def kl_gguf(llamacpp: LlamaCpp, kl_checkpoint: Path) -> Path:
+    return llamacpp.convert(kl_checkpoint, kl_checkpoint.parent / "kl-f32.gguf")
+

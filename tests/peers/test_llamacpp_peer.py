@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_checkpoint import write_hf_checkpoint
+from gguf_helpers import gguf_module
 
 from k3verify.cli import main
-from k3verify.gates.report import load_report
+from k3verify.gates.report.json_report import load_report
 from k3verify.peers.llamacpp import LlamaCpp, RunningServer, llama_server
 from k3verify.target import resolve_target
 
@@ -28,20 +27,7 @@ def by_id(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in data["results"]}
 
 
-@pytest.fixture(scope="module")
-def kl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """transformers' save_pretrained of a tiny Kimi-Linear, one head count for KDA and MLA (llama.cpp's graph
-    assumes it), the dense MLP under the released checkpoints' name."""
-    out = tmp_path_factory.mktemp("kl") / "checkpoint"
-    write_hf_checkpoint(out, kda_heads=4, released_spelling=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def kl_gguf(llamacpp: LlamaCpp, kl_checkpoint: Path) -> Path:
-    return llamacpp.convert(kl_checkpoint, kl_checkpoint.parent / "kl-f32.gguf")
-
-
+EXCUSE = ("--excuse-rounding-ties",)  # the near-tie excuse is an explicit acceptance, off by default
 NO_PROMPT_CACHE = ("--no-cache-prompt",)  # see test_a_repeated_short_prompt_from_the_prompt_cache_fails
 
 
@@ -49,17 +35,6 @@ NO_PROMPT_CACHE = ("--no-cache-prompt",)  # see test_a_repeated_short_prompt_fro
 def kl_server(llamacpp: LlamaCpp, kl_gguf: Path) -> Iterator[RunningServer]:
     with llama_server(llamacpp, kl_gguf, log=kl_gguf.with_suffix(".log"), extra=NO_PROMPT_CACHE) as server:
         yield server
-
-
-def gguf_module(llamacpp: LlamaCpp) -> Any:
-    """The tree's own gguf-py, imported without leaving its folder on sys.path (it holds a `tests` package)."""
-    path = str(llamacpp.tree / "gguf-py")
-    sys.path.insert(0, path)
-    try:
-        import gguf
-    finally:
-        sys.path.remove(path)
-    return gguf
 
 
 def test_vocabulary_hook_changes_only_tokenizer_keys(llamacpp: LlamaCpp, kl_checkpoint: Path, kl_gguf: Path) -> None:
@@ -110,7 +85,7 @@ def test_kimi_linear_deviation_is_named_and_passes_once_accepted(kl_server: Runn
     assert code == 0 and data["summary"]["verdict"] == "pass", data["summary"]
     for check in ("endpoint.greedy.tokens", "endpoint.logprobs.topk", "endpoint.stream.identity",
                   "endpoint.stop.strings", "endpoint.stop.eos", "endpoint.batch.invariance",
-                  "endpoint.repeat.identity"):
+                  "endpoint.repeat.identity", "endpoint.prefix.reuse"):
         assert results[check]["status"] == "pass", (check, results[check]["reason"])
     assert results["endpoint.logprobs.prompt"]["status"] == "skipped"  # llama-server ignores echo
     endpoint = data["run"]["endpoint"]
@@ -126,13 +101,17 @@ def test_a_repeated_short_prompt_from_the_prompt_cache_fails(llamacpp: LlamaCpp,
                                                              tmp_path: Path) -> None:
     """llama-server with its prompt cache on (its default) answers a greedy request with a prompt of three tokens
     differently the second time: its cache restores a KDA state that is not the one after the prompt. Everything
-    else passes (the deviation accepted); endpoint.repeat.identity fails and names the prompt and the position."""
+    else passes (the deviation accepted); endpoint.repeat.identity fails and names the prompt and the position, and
+    so does endpoint.prefix.reuse (the prefix check any server is held to) on its repeated 3-token prompt."""
     with llama_server(llamacpp, kl_gguf, log=tmp_path / "server.log") as server:
         code, data = parity(tmp_path / "report", server.url, *ACCEPT_L2, target=("--checkpoint", str(kl_checkpoint)))
     failed = {r["id"]: r for r in data["results"] if r["status"] == "fail"}
-    assert code == 1 and list(failed) == ["endpoint.repeat.identity"], list(failed)
+    assert code == 1 and set(failed) == {"endpoint.repeat.identity", "endpoint.prefix.reuse"}, list(failed)
     notes = failed["endpoint.repeat.identity"]["notes"]
     assert any("prompt 0 (3 tokens): the repeat answers" in n for n in notes), notes
+    notes = failed["endpoint.prefix.reuse"]["notes"]
+    assert any(n.startswith("request ") and "prompt short (3 tokens" in n and " at position " in n
+               for n in notes), notes
 
 
 def scale_tensor(src: Path, dst: Path, name: str, factor: float) -> None:
@@ -173,8 +152,9 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
     logprobs differ from the first differing positions on, which the report names; the explanation ranks the MLA
     LoRA norms' eps (rms_norm_eps instead of 1e-6) first. Declared as w4a8-q8act (its CPU arithmetic for MXFP4
     experts) the eps is still named first and still fails unaccepted; with it accepted, the KDA L2-norm eps
-    (llama.cpp's other deviation) still fails the run and is named first; with both accepted the run passes, the
-    one Q8_0 rounding near-tie that llama.cpp took the other way named as excused. The same deployment with one
+    (llama.cpp's other deviation) still fails the run and is named first; with both accepted and the near-tie
+    excuse accepted (--excuse-rounding-ties) the run passes, any Q8_0 rounding near-tie that llama.cpp took the
+    other way (at most 4) named as excused. The same deployment with one
     tensor scaled by 1.01 fails with both accepted: a fault is not a few near-tie roundings."""
     target = resolve_target("k3-tp4")
     gguf = llamacpp.convert(target.checkpoint_dir, tmp_path / "k3-tp4.gguf")
@@ -197,18 +177,22 @@ def test_kimi_k3_through_llama_server_fails_names_the_mla_eps_and_the_precision(
         code, data = parity(tmp_path / "w4a8-mla", server.url, *w4a8, *mla, target=preset)
         assert code == 1 and by_id(data)["endpoint.logprobs.topk"]["status"] == "fail"
         assert "kda.l2norm_eps=rms_norm_eps" in first_group(data), data["run"]["endpoint"]["explanation"]["headline"]
-        code, data = parity(tmp_path / "w4a8-both", server.url, *w4a8, *mla, *ACCEPT_L2, target=preset)
+        code, data = parity(tmp_path / "w4a8-both", server.url, *w4a8, *mla, *ACCEPT_L2, *EXCUSE, target=preset)
         assert code == 0, [(r["id"], r["status"]) for r in data["results"]]
         accepted = [a["convention"] for a in data["run"]["endpoint"]["accepted_conventions"]]
         assert accepted == ["mla.lora_norm_eps", "kda.l2norm_eps"], accepted
         topk = by_id(data)["endpoint.logprobs.topk"]
-        assert 1 <= topk["metrics"]["excused_rounding_near_ties"] <= 4, topk["metrics"]
-        assert any("rounding near-tie excused at layer" in n for n in topk["notes"]), topk["notes"]
+        # whether llama.cpp's arithmetic lands on the other side of a near-tie depends on the CPU it was built for
+        # (one x86 build needed one excused rounding, another none): at most 4, each named
+        excused = topk["metrics"]["excused_rounding_near_ties"]
+        assert 0 <= excused <= 4, topk["metrics"]
+        named = sum("rounding near-tie excused at layer" in n for n in topk["notes"])
+        assert named == excused, topk["notes"]
     scale_tensor(target.checkpoint_dir, tmp_path / "scaled", "language_model.model.layers.3.self_attn.o_proj.weight",
                  1.01)
     scaled = llamacpp.convert(tmp_path / "scaled", tmp_path / "scaled.gguf")
     with llama_server(llamacpp, scaled, log=tmp_path / "scaled.log", extra=NO_PROMPT_CACHE) as server:
-        code, data = parity(tmp_path / "scaled-w4a8", server.url, *w4a8, *mla, *ACCEPT_L2, target=preset)
+        code, data = parity(tmp_path / "scaled-w4a8", server.url, *w4a8, *mla, *ACCEPT_L2, *EXCUSE, target=preset)
     topk = by_id(data)["endpoint.logprobs.topk"]
     assert code == 1 and topk["status"] == "fail", topk
     assert not any("rounding near-tie excused" in n for n in topk["notes"]), topk["notes"]

@@ -39,6 +39,10 @@ def test_caches_and_block_buffer_match_their_shapes() -> None:
     dk, D, W = cfg.kda_head_dim, cfg.kda_dim, cfg.conv_kernel_size
     assert p.kda_state == len(cfg.kda_layers) * 3 * (cfg.kda_num_heads * dk * dk + 3 * D * (W - 1)) * 4
     assert p.block_residual == 128 * 3 * cfg.hidden_size * 2  # 6 layers, block size 2 -> 3 entries
+    one_slot = len(cfg.kda_layers) * (cfg.kda_num_heads * dk * dk + 3 * D * (W - 1)) * 4
+    assert p.prefix_snapshots == 64 * (one_slot + 4 * cfg.vocab_size)  # serve's default budget: 64 snapshots
+    (off,) = plan(cfg, PlanRequest(1, 1, 256, 2, 128, prefix_snapshots=0))
+    assert off.prefix_snapshots == 0 and p.total - off.total == p.prefix_snapshots
 
 
 def test_ranks_split_weights_and_kda_state() -> None:
@@ -73,13 +77,13 @@ def test_cached_experts_add_the_bf16_copy() -> None:
 def test_plan_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     rc = main(["plan", "--preset", "k3-slice-4l", "--gpus", "1", "--context", "8192", "--segment", "4096",
-               "--json", str(out)])
+               "--gpu-memory-gib", "79.1", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "| ranks | weights |" in text and "k3-slice-4l: tp=1 ep=1" in text
     data = json.loads(out.read_text())
     (rank,) = data["ranks"]
     assert rank["total"] == sum(rank[k] for k in ("weights", "expert_bf16_copy", "mla_cache", "kda_state",
-                                                  "block_residual", "transient"))
+                                                  "block_residual", "transient", "prefix_snapshots"))
     assert 10 * 2**30 < rank["weights"] < 14 * 2**30  # K3 widths cut to 4 layers and 64 experts, MXFP4 packed
 
 

@@ -104,7 +104,7 @@ def test_bucket_selection_and_overflow() -> None:
 def test_replay_vs_eager_helper_runs_the_same_step_twice() -> None:
     """Without graphs both sides are the eager static step: equal, caches restored between them, and the
     sequences released afterwards (the helper the CUDA check and the bench share)."""
-    from k3verify.gates.replay import replay_vs_eager
+    from k3verify.gates.shared.replay import replay_vs_eager
 
     runner, _ = _prefilled("k3-tiny")
     for i in range(len(PROMPTS)):

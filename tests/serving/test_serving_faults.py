@@ -10,8 +10,8 @@ import torch
 
 import k3verify.gates.checks  # noqa: F401 - registers the checks
 from k3verify.gates import REGISTRY, Status, make_context_factory
-from k3verify.gates.checks.serving_packing import plain_triangle
-from k3verify.gates.suite import ContextFactory, run_check
+from k3verify.gates.checks.serving.packing import plain_triangle
+from k3verify.gates.core.suite import ContextFactory, run_check
 from k3verify.kernels.conv import torch_ref as conv_ref
 from k3verify.kernels.kda import torch_ref as kda_ref
 from k3verify.serving.layers import attn_res, kda, mla, mlp
@@ -117,18 +117,18 @@ def test_bf16_module_check_runs_mla_on_the_torch_kernels(factory: ContextFactory
     """mla.module.bf16 compares the module's math in the oracle's op order: inside it, SDPA and the Triton
     norms are pinned to torch (the H200 showed 15% of elements off with them routed in). A pin placed
     above @register_check would never run: this proves it is active while the check executes."""
-    from k3verify.gates import fixtures
+    from k3verify.gates.shared import builders
     from k3verify.kernels import attn, norm
     from k3verify.kernels.registry import REGISTRY as KERNELS
 
     seen: list[dict[str, str]] = []
-    serving_model = fixtures.serving_model
+    serving_model = builders.serving_model
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(dict(KERNELS._forced))
         return serving_model(*args, **kwargs)
 
-    monkeypatch.setattr(fixtures, "serving_model", spy)
+    monkeypatch.setattr(builders, "serving_model", spy)
     status, why = _status(factory, "mla.module.bf16")
     assert status is Status.PASS, why
     assert seen and all(s.get(op) == "torch" for s in seen for op in (attn.CAUSAL, norm.RMS, norm.GATED_RMS))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from k3verify.gates.engine_run import collect_events
+from k3verify.gates.shared.engine_run import collect_events
 from k3verify.serving.engine import Engine, EngineEvent
 from k3verify.serving.graphs import GraphDecoder
 from k3verify.serving.model import ServingModel
@@ -20,7 +20,7 @@ from k3verify.serving.spec.offline import generate_speculative
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
 from k3verify.serving.spec.scorer import SpecScorer
 from k3verify.serving.spec.step import SpeculativeStep, build_speculative_step
-from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.spec.step_timer import StepTimer
 from k3verify.tokenizer import default_tokenizer
 
 K = 4

@@ -1,7 +1,7 @@
 """The maintained tools in tools/ run as their docstrings say (`python tools/X.py`, from any directory; chaos, which
 imports its siblings, as `python -m tools.chaos` from the repository root), each on a small real workload.
 Tools exercised elsewhere in the suite: build_tokenizer (tests/tokenizer), load_test, chaos and chaos_kill
-(tests/server), screenshot_report (tests/gates/test_html_render.py), size_report (test_size_report.py here),
+(tests/api), screenshot_report (tests/gates/test_html_render.py), size_report (test_size_report.py here),
 build_llamacpp.sh (.ci/run builds with it; tests/peers run what it built)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_measure_noise_records_every_recorded_check_of_k3_tiny(tmp_path: Path) -
     out = tmp_path / "noise.json"
     run_tool("measure_noise.py", "--preset", "k3-tiny", "--out", str(out), cwd=tmp_path)
     got = json.loads(out.read_text())["presets"]["k3-tiny"]
-    recorded = json.loads((ROOT / "k3verify" / "gates" / "noise.json").read_text())["presets"]["k3-tiny"]
+    recorded = json.loads((ROOT / "k3verify" / "gates" / "core" / "noise.json").read_text())["presets"]["k3-tiny"]
     assert got["digest"] == recorded["digest"]
     assert set(got["checks"]) == set(recorded["checks"]) and got["checks"], sorted(got["checks"])
     assert all(c["bar"] > 0 for c in got["checks"].values())

@@ -5,8 +5,10 @@ query t seeing keys 0..offset+t, for (k0, k1, offset) = ranges[i] (serving/layer
 The torch reference runs one sequence at a time (torch_ref.causal_attention, the eager order). The CUDA path
 pads the pack to [B, L] once and makes one fused SDPA call: is_causal when every sequence is fresh (its keys are
 its own queries; a shorter one's padding comes after all its real queries, so they never see it: no mask tensor
-at all), else a [B, Lq, Lk] boolean mask. The backend, and the padded lengths, come from sdpa.py (cuDNN only for
-large calls, at bucketed lengths: it builds a graph per new shape). The per-sequence offsets and the kept rows go
+at all), else a [B, Lq, Lk] boolean mask up to MAX_MASK_ELEMENTS, and past it one call per sequence with the
+causal mask aligned to the lower right (no mask tensor: a long prompt chunked over its cached prefix). The
+backend, and the padded lengths, come from sdpa.py (cuDNN only for large calls, at bucketed lengths: it builds a
+graph per new shape). The per-sequence offsets and the kept rows go
 to the device from pinned memory: a non_blocking copy from pageable memory may wait for the stream.
 """
 
@@ -21,6 +23,7 @@ from k3verify.kernels.varlen import DeviceSeqlens
 
 KeyRange = tuple[int, int, int]
 _DTYPES = (torch.bfloat16, torch.float16)
+MAX_MASK_ELEMENTS = 1 << 26  # a pack over cached prefixes builds a [B, Lq, Lk] boolean mask only up to 64 MB
 
 
 def causal_attention_packed_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int],
@@ -73,6 +76,8 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q_rows = q_start[:, None] + torch.minimum(tq[None, :], q_len[:, None] - 1)  # [B, Lq]
     k_rows = k_start[:, None] + torch.minimum(tk[None, :], k_len[:, None] - 1)  # [B, Lk]
     fresh = k_lens == q_lens and all(r[2] == 0 for r in ranges)
+    if not fresh and B * Lq * Lk > MAX_MASK_ELEMENTS:
+        return _per_sequence(q, k, v, q_cu, ranges, scale)
     # [B, Lq, Lk]; key 0 is always allowed (no empty row). A live query never reaches a padded key:
     # accepts() guarantees k1 - k0 >= offset + its queries, so causality alone stops it in time.
     allowed = None if fresh else tk[None, None, :] <= tq[None, :, None] + offset[:, None, None]
@@ -80,6 +85,19 @@ def causal_attention_packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if all(n == Lq for n in q_lens):  # no padded query rows to drop
         return out
     return out.index_select(0, to_device([b * Lq + t for b, n in enumerate(q_lens) for t in range(n)], dev))
+
+
+def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu: list[int], ranges: list[KeyRange],
+                  scale: float) -> torch.Tensor:
+    """A pack whose mask would pass MAX_MASK_ELEMENTS (a long prompt chunked over its cached prefix): one fused
+    call per sequence, its causal mask aligned to the lower right (keys = prefix + queries), no mask tensor."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for i, (k0, k1, offset) in enumerate(ranges):
+        q0, q1 = q_cu[i], q_cu[i + 1]
+        keys = min(k1, k0 + offset + q1 - q0)  # accepts(): the keys this sequence's queries can see are all there
+        out[q0:q1] = sdpa.causal_attention_sdpa(q[q0:q1].transpose(0, 1), k[k0:keys].transpose(0, 1),
+                                                v[k0:keys].transpose(0, 1), offset, scale).transpose(0, 1)
+    return out
 
 
 def causal_attention_static_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: DeviceSeqlens,

@@ -5,15 +5,14 @@ and 32 heads that is 12 GB of traffic per MLA layer. SDPA (memory-efficient / cu
 value head dim differs from the key's, which rules FlashAttention-2 out) streams it instead. Other
 accumulation order, so it is held to the oracle by RMS gates, never bit-exactly.
 
-Which fused backend (`fused_backends`): torch picks cuDNN on the H200, and cuDNN builds an execution graph for
-every new shape, per thread: 50-85 ms of host time (lab/gpu/sdpa_probe.py) where a cached call takes
-0.1 ms. A served prefill step brings a new (batch, length) almost every time, so that build was most of a 98 ms
-step at 32 prompts of 128 tokens. The memory-efficient kernel builds nothing (0.4 ms on a new shape) and is
-within 15% of cuDNN's GPU time up to a few million scores, but 4x slower at one 8k sequence (4.8 vs 1.3 ms): calls
-of at least CUDNN_MIN_SCORES (batch x queries x keys) go to cuDNN with their lengths rounded up to a multiple of
-CUDNN_LEN_BUCKET, so prompts of nearby lengths share one graph; smaller calls never reach it. Flash attention
-(no build either) takes what it can; the math backend only shapes no fused kernel takes (the gates' toy head dims,
-not a multiple of 8: the memory-efficient kernel refuses them).
+Which fused backend (`fused_backends`): where torch picks cuDNN, cuDNN builds an execution graph for every new shape,
+per thread, at a host cost hundreds of times a cached call's. A served prefill step brings a new (batch, length) almost
+every time, so that build would dominate a small prefill step. The memory-efficient kernel builds nothing and is close
+to cuDNN's GPU time up to a few million scores, but several times slower at one long sequence: calls of at least
+CUDNN_MIN_SCORES (batch x queries x keys) go to cuDNN with their lengths rounded up to a multiple of CUDNN_LEN_BUCKET,
+so prompts of nearby lengths share one graph; smaller calls never reach it. Flash attention (no build either) takes what
+it can; the math backend only shapes no fused kernel takes (the gates' toy head dims, not a multiple of 8: the
+memory-efficient kernel refuses them).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 _DTYPES = (torch.bfloat16, torch.float16)
 CUDNN_MIN_SCORES = 1 << 22  # batch x queries x keys: one 2k sequence, 32 of 362 tokens
@@ -64,5 +64,9 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off
     with fused_backends(q.device, uses_cudnn(1, Lq, Lk)):
         if offset == 0:  # fresh sequence: square causal mask, no mask tensor needed
             return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+        if Lk == offset + Lq:  # what accepts() admits: "query t sees keys 0..offset+t" is the causal mask aligned
+            # to the lower right, so no [Lq, Lk] mask tensor (over a 128K prefix it would be 16 GB per chunk)
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(Lq, Lk),
+                                                  scale=scale)[0]
         allowed = torch.arange(Lk, device=q.device)[None, :] <= (torch.arange(Lq, device=q.device)[:, None] + offset)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale)[0]

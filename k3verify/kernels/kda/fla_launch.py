@@ -159,12 +159,10 @@ DECODE_SLOTS_GATED = "kda.decode_slots_gated"
 DIRECT = "direct launch"  # the path's name in the registry's refusals and disabled paths
 
 # fla's decode recurrence launched with 2 warps where fla's own wrapper launches 4 (value block 32 and 2 stages as
-# fla's). On the H200 (lab/gpu/kda_decode_tune.py, kl-48b-8l's 32 heads x 128, two runs in docs/results/) one layer's
-# step took 80.9 / 84.6 -> 73.6 / 74.7 us at 64 rows, 19.2 / 19.6 -> 14.5 / 17.3 us at 16 and 3.5 / 3.8 -> 3.5 / 4.1
-# us at 1. One launch at every batch size: a row's bits must not depend on how many rows share its step (a value
-# block of 16 with one warp was faster at 1 and 16 rows, slower at 64, and gives other bits). Only the launch
-# differs: the kernel, its arguments and its math are fla's (its outputs differ from fla's launch in the last bits:
-# the reductions over dk split over other warps).
+# fla's): faster at 16 and 64 rows, no slower at 1 (docs/results/ has the runs). One launch at every batch size: a row's
+# bits must not depend on how many rows share its step (a value block of 16 with one warp was faster at 1 and 16 rows,
+# slower at 64, and gives other bits). Only the launch differs: the kernel, its arguments and its math are fla's (its
+# outputs differ from fla's launch in the last bits: the reductions over dk split over other warps).
 DECODE_LAUNCH = (32, 2, 2)  # (value block, warps, stages)
 _RECURRENT_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "ssm_state_indices",
                    "num_accepted_tokens", "lower_bound", "scale", "N", "T", "H", "HV", "K", "V", "BK", "BV",
@@ -195,7 +193,7 @@ def _recurrent(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """One decode token per row [B, 1, ...] through fla's recurrence, state read and written in place by slot,
     q/k L2-normalised in the kernel; the forget gate from its raw input and beta's sigmoid in the kernel when
     asked. Returns o [B, 1, HV, V]. `op`: the registry op this call serves (its refusals are logged under it);
-    `launch`: (value block, warps, stages) of the direct launch (lab/gpu/kda_decode_tune.py sweeps it)."""
+    `launch`: (value block, warps, stages) of the direct launch (a tuning sweep passes its own)."""
     kernel = _recurrent_kernel()
 
     def direct() -> torch.Tensor:

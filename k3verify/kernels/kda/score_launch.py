@@ -39,10 +39,9 @@ class Launch:
 
 
 # Capped at 128 registers (the compiler spills ~90 bytes): a program of either kernel otherwise holds 170-200
-# (Triton 3.6, H200), two fit on an SM, and rows x heads x value blocks run in waves of 264 programs. Measured on
-# one layer of kl-48b-8l (lab/gpu/score_tune.py; docs/results/ has the runs): record+conv+norm
-# 46.9/56.5/94.2/141/240 us -> 46.4/55.1/80.1/122/207 at 1/2/4/8/16 rows; fused 29.1/40.1/78.7/149/308 ->
-# 30.4/41.6/66.0/121/225.
+# (Triton 3.6), two fit on an SM, and rows x heads x value blocks run in waves of 264 programs. On one layer of
+# kl-48b-8l the cap is as fast at 1-2 rows and faster from 4 rows on, for the unfused chain and the fused kernel
+# alike (docs/results/ has the runs).
 RECORD_LAUNCH = Launch(VALUE_BLOCK, 4, 128)
 FUSED_LAUNCH = Launch(VALUE_BLOCK, 4, 128)
 MAX_HEAD_TICKETS = 1 << 16  # rows x heads of one fused launch

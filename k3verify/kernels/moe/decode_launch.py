@@ -83,15 +83,12 @@ COLS_FIRST_MIN_PAIRS = 129  # past 16 tokens of top-8
 
 
 def pick_tiles(pairs: int) -> Tiles:
-    """64-column blocks up to COLS_FIRST_MIN_PAIRS: on the H200 (lab/gpu/moe_decode_bench.py, kl-48b
-    shapes) they beat 32 and 16 columns from 1 to 64 tokens (1 token: 51 us a layer against 58 with 32 columns, 91
-    with 16); 4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact
-    grid at up to COMPACT_MAX_PAIRS pairs only: at one token (8 pairs) it took 41.7 us against 51.2, at two (16
-    pairs) 65.4 against 68.7, at four (32 pairs) 114.8-117.5 against 112.8-113.1, and lost at every larger size (two
-    H200 runs). Past 128 pairs, 128-column blocks with an expert's column
-    blocks launched back to back (cols_first): 64 tokens over a skewed router like the bench's (106 experts touched)
-    took 417 us a layer against 451, and 801 against 826 with uniform routing (229 experts); at 16 tokens and fewer
-    no grid won by more than 1% (docs/results/README.md lists the runs)."""
+    """64-column blocks up to COLS_FIRST_MIN_PAIRS: on kl-48b shapes they beat 32 and 16 columns from 1 to 64
+    tokens; 4 stages up to 64 pairs, 3 past that (the faster of the two at each size, within 1%). The compact
+    grid at up to COMPACT_MAX_PAIRS pairs only: it wins at one and two tokens, ties at four and loses at every
+    larger size. Past 128 pairs, 128-column blocks with an expert's column blocks launched back to back
+    (cols_first), faster over a skewed router like the bench's and over uniform routing alike; at 16 tokens and
+    fewer no grid won by more than 1% (docs/results/README.md lists the runs)."""
     if pairs >= COLS_FIRST_MIN_PAIRS:
         return Tiles(block_n=128, num_warps=4, num_stages=3, cols_first=True)
     return Tiles(block_n=64, num_warps=4, num_stages=4 if pairs <= 64 else 3, compact=pairs <= COMPACT_MAX_PAIRS)
@@ -103,7 +100,7 @@ def _next_pow2(n: int) -> int:
 
 def active_experts(flat: torch.Tensor, num_experts: int, mod: ModuleType | None = None) -> torch.Tensor:
     """The compact grid's list: the experts the step's route ids [M] name, ascending, then -1, min(M, E) entries
-    (one program scans every id against every expert: lab/gpu/moe_decode_bench.py times it alone)."""
+    (one program scans every id against every expert)."""
     mod = loaded(_kernels) if mod is None else mod
     M = flat.numel()
     m_pad, rows = max(_next_pow2(M), 16), min(M, num_experts)

@@ -1,12 +1,11 @@
 """Triton tail of the grouped MoE combine (kernels/moe/grouped.py): each token's k expert outputs, read from where
 the grouped GEMMs left them (rows sorted by expert), weighted and summed in route order, in one launch.
 
-The torch tail it replaces ran three kernels over the [T*k, D] expert outputs: multiply by the route weights
-into fp32, un-sort with index_copy_, and a sum over k. On the H200 (kl-48b-8l, 8k-token prefill)
-those took 1.2 ms a layer (4.4 + 3.6 + 1.2 ms of the 56 ms prefill over its 7 MoE layers), writing and re-reading
-an fp32 [T*k, D] tensor twice. Here program (t, d) reads token t's k rows y[inv[t*k + j]] once, for one block of
-columns, and writes only the fp32 [T, D] result. The sum runs j = 0..k-1 in route order, as the decode kernels'
-caller sums their terms; a token's result depends on its own rows alone (no atomics, no batch-dependent order).
+The torch tail it replaces ran three kernels over the [T*k, D] expert outputs: multiply by the route weights into fp32,
+un-sort with index_copy_, and a sum over k, writing and re-reading an fp32 [T*k, D] tensor twice (a visible share of a
+long prefill's MoE time). Here program (t, d) reads token t's k rows y[inv[t*k + j]] once, for one block of columns, and
+writes only the fp32 [T, D] result. The sum runs j = 0..k-1 in route order, as the decode kernels' caller sums their
+terms; a token's result depends on its own rows alone (no atomics, no batch-dependent order).
 
 Imports triton at module level: load it lazily (kernels/moe/grouped.py); for the CPU interpreter set
 TRITON_INTERPRET=1 before this module is first imported.

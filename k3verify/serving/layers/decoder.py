@@ -28,8 +28,12 @@ Blocks = BlockBuffer | ConcatBlocks
 
 
 class DecoderLayer(nn.Module):
+    """self_attn and ffn, when given, are this layer's attention and its MLP or MoE block (a tensor-parallel rank's
+    split ones); otherwise the layer builds them from cfg."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str | None,
-                 mxfp4_mode: str, tile_tokens: int | None) -> None:
+                 mxfp4_mode: str, tile_tokens: int | None, *, self_attn: nn.Module | None = None,
+                 ffn: nn.Module | None = None) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx, self.eps = layer_idx, eps
@@ -41,15 +45,17 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_proj = linear(H, 1, dtype, device)
             self.mlp_res_norm = RMSNorm(H, eps, dtype)
             self.mlp_res_proj = linear(H, 1, dtype, device)
-        if cfg.layer_kind(layer_idx) == "kda":
-            self.self_attn: nn.Module = KimiDeltaAttention(cfg, layer_idx, dtype, device)
+        if self_attn is not None:
+            self.self_attn: nn.Module = self_attn
+        elif cfg.layer_kind(layer_idx) == "kda":
+            self.self_attn = KimiDeltaAttention(cfg, layer_idx, dtype, device)
         else:
             self.self_attn = MultiHeadLatentAttention(cfg, layer_idx, dtype, device)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = SparseMoE(cfg, dtype, device, mxfp4_mode, tile_tokens)
+            self.block_sparse_moe = ffn if ffn is not None else SparseMoE(cfg, dtype, device, mxfp4_mode, tile_tokens)
         else:
-            self.mlp = GatedMLP(cfg, H, cfg.intermediate_size, dtype, device, tile_tokens)
+            self.mlp = ffn if ffn is not None else GatedMLP(cfg, H, cfg.intermediate_size, dtype, device, tile_tokens)
 
     @property
     def ffn_module(self) -> nn.Module:

@@ -22,7 +22,7 @@ from k3verify.kernels.kda.score import kda_score
 from k3verify.kernels.kda.torch_ref import kda_forget_gate
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.layers.fused import FusedLinears
-from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.linear import LinearFactory, linear
 from k3verify.serving.layers.norm import GatedRMSNorm
 
 Pieces = list[list[tuple[int, int]]]  # per sequence: (start, end) offsets of its prefill segments
@@ -83,8 +83,12 @@ def run_pieces_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 class KimiDeltaAttention(nn.Module):
+    """out_linear builds o_proj (a tensor-parallel rank's reduces its partial sum over heads); a_log_width: the
+    stored A_log length when it is not cfg.a_log_width (a rank holds exactly its heads' slice of K3's padded one)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, out_linear: LinearFactory = linear,
+                 a_log_width: int | None = None) -> None:
         super().__init__()
         H, D, h, dk, W = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
         self.layer_idx, self.heads, self.head_dim = layer_idx, h, dk
@@ -92,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (linear(H, D, dtype, device) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(D, W) for _ in range(3))
         self._derived: dict[Any, tuple[tuple[tuple[int, int], ...], Any]] = {}
-        a_shape = (cfg.a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
+        a_shape = (cfg.a_log_width if a_log_width is None else a_log_width,) if cfg.is_k3 else (1, 1, h, 1)
         self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32), requires_grad=False)
         self.f_a_proj = linear(H, dk, dtype, device)
         self.f_b_proj = linear(dk, D, dtype, device)
@@ -104,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_a_proj = linear(H, dk, dtype, device)
             self.g_b_proj = linear(dk, D, dtype, device)
         self.o_norm = GatedRMSNorm(dk, cfg.rms_norm_eps)
-        self.o_proj = linear(D, H, dtype, device)
+        self.o_proj = out_linear(D, H, dtype, device)
         gate_in = self.g_proj if cfg.use_full_rank_gate else self.g_a_proj
         self.in_proj = FusedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj])
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+# Builds a projection (n_in, n_out, dtype, device) -> module with a [n_out, n_in] `weight`: a layer takes the one
+# that computes its output as a part (`linear` here; a tensor-parallel rank's row-parallel projection, which
+# all-reduces its partial sum: serving/parallel/layers.py).
+LinearFactory = Callable[[int, int, torch.dtype, "torch.device | str | None"], nn.Module]
 
 
 def linear(n_in: int, n_out: int, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Linear:

@@ -18,7 +18,7 @@ from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.fused import FusedLinears
-from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.linear import LinearFactory, linear
 from k3verify.serving.layers.norm import RMSNorm
 
 LORA_NORM_EPS = 1e-6  # the two MLA LoRA norms keep 1e-6 whatever rms_norm_eps says
@@ -63,8 +63,10 @@ def attention_probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """out_linear builds o_proj (a tensor-parallel rank's reduces its partial sum over heads)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, out_linear: LinearFactory = linear) -> None:
         super().__init__()
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         self.layer_idx, self.heads = layer_idx, nh
@@ -80,7 +82,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = linear(H, self.rank + self.rope, dtype, device)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS, dtype)
         self.kv_b_proj = linear(self.rank, nh * (self.nope + self.v_dim), dtype, device)
-        self.o_proj = linear(nh * self.v_dim, H, dtype, device)
+        self.o_proj = out_linear(nh * self.v_dim, H, dtype, device)
         if cfg.mla_use_output_gate:
             self.g_proj = linear(H, nh * self.v_dim, dtype, device)
         # Every projection of x as one GEMM: the query input, the latent, and K3's output gate.

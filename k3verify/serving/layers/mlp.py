@@ -17,7 +17,7 @@ from torch import nn
 
 from k3verify.config import ModelConfig
 from k3verify.serving.layers.fused import FusedLinears
-from k3verify.serving.layers.linear import linear
+from k3verify.serving.layers.linear import LinearFactory, linear
 
 GluFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Tile edges sit on multiples of 16 rows and no tile is shorter than 16: on CPU, fp32 GEMMs take other
@@ -64,12 +64,16 @@ def even_tiles(total: int, max_rows: int) -> list[tuple[int, int]]:
 
 
 class GatedMLP(nn.Module):
+    """out_linear builds down_proj (a tensor-parallel rank's reduces its partial sum over its columns)."""
+
     def __init__(self, cfg: ModelConfig, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None, tile_tokens: int | None = None) -> None:
+                 device: torch.device | str | None = None, tile_tokens: int | None = None, *,
+                 out_linear: LinearFactory = linear) -> None:
         super().__init__()
         self.gate_proj = linear(hidden, intermediate, dtype, device)
         self.up_proj = linear(hidden, intermediate, dtype, device)
-        self.down_proj = linear(intermediate, hidden, dtype, device)
+        self.hidden = hidden
+        self.down_proj = out_linear(intermediate, hidden, dtype, device)
         self.gate_up = FusedLinears([self.gate_proj, self.up_proj])  # one GEMM in half precision
         self.act = glu_activation(cfg)
         if tile_tokens is not None and tile_tokens < TILE_ALIGN:
@@ -83,7 +87,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_tokens is None or x.shape[0] <= self.tile_tokens:
             return self._glu(x)
-        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        out = x.new_empty(x.shape[0], self.hidden)
         for a, b in even_tiles(x.shape[0], self.tile_tokens):
             out[a:b] = self._glu(x[a:b])
         return out

@@ -11,7 +11,6 @@ the MLA latent is head-independent, so each rank caches it whole.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -20,18 +19,10 @@ from k3verify.config import ModelConfig
 from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.decoder import DecoderLayer
 from k3verify.serving.layers.embed import Embedding, LMHead
-from k3verify.serving.layers.linear import linear
 from k3verify.serving.layers.moe import SparseMoE, resolve_mxfp4_mode
-from k3verify.serving.layers.norm import RMSNorm
 from k3verify.serving.model import KimiModel, ServingModel
 from k3verify.serving.parallel.comm import Comm
-from k3verify.serving.parallel.layers import (
-    TPGatedMLP,
-    TPKimiDeltaAttention,
-    TPMultiHeadLatentAttention,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-)
+from k3verify.serving.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead, tp_attention, tp_mlp
 from k3verify.serving.parallel.layout import check_layout, local_config
 from k3verify.serving.parallel.moe import ParallelMoE
 from k3verify.serving.parallel.shards import SliceSpec, load_rank
@@ -40,42 +31,31 @@ from k3verify.serving.state_cache import KDAStatePool
 META = torch.device("meta")
 
 
-class ParallelDecoderLayer(DecoderLayer):
-    """DecoderLayer with this rank's attention heads, FFN columns and experts (forward is DecoderLayer's)."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, mxfp4_mode: str,
-                 tile_tokens: int | None, comm: Comm) -> None:
-        layout, local = comm.layout, local_config(cfg, comm.layout)
-        # Built on meta at the local head counts; the parts that collect a partial sum are swapped in (with more
-        # than one rank the MoE block is ParallelMoE, so DecoderLayer's own is built without experts).
-        experts = cfg.num_experts if layout.world == 1 else 0
-        super().__init__(replace(local, num_experts=experts), layer_idx, dtype, META, mxfp4_mode, tile_tokens)
-        if layout.tp > 1:
-            attn = TPKimiDeltaAttention if cfg.layer_kind(layer_idx) == "kda" else TPMultiHeadLatentAttention
-            self.self_attn = attn(local, layer_idx, dtype, META, comm)
-            if not self.is_moe:
-                self.mlp = TPGatedMLP(cfg, cfg.hidden_size, cfg.intermediate_size, dtype, META, tile_tokens, comm)
-        if self.is_moe and layout.world > 1:
-            self.block_sparse_moe = ParallelMoE(cfg, dtype, META, mxfp4_mode, tile_tokens, comm)
+def parallel_decoder_layer(cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, mxfp4_mode: str,
+                           tile_tokens: int | None, comm: Comm) -> DecoderLayer:
+    """A DecoderLayer, on meta, with this rank's attention heads, FFN columns and experts as its parts."""
+    layout, local = comm.layout, local_config(cfg, comm.layout)
+    attn: nn.Module | None = None
+    ffn: nn.Module | None = None
+    if layout.tp > 1:
+        attn = tp_attention(local, layer_idx, dtype, META, comm)
+        if not cfg.is_moe_layer(layer_idx):
+            ffn = tp_mlp(cfg, cfg.hidden_size, cfg.intermediate_size, dtype, META, tile_tokens, comm)
+    if cfg.is_moe_layer(layer_idx) and layout.world > 1:
+        ffn = ParallelMoE(cfg, dtype, META, mxfp4_mode, tile_tokens, comm)
+    return DecoderLayer(local, layer_idx, dtype, META, mxfp4_mode, tile_tokens, self_attn=attn, ffn=ffn)
 
 
-class ParallelKimiModel(KimiModel):
-    """KimiModel's attributes (same names, so the same checkpoint names) at this rank's width."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mxfp4_mode: str, tile_tokens: int | None,
-                 comm: Comm) -> None:
-        nn.Module.__init__(self)  # KimiModel.__init__ would build the unsplit layers
-        H = cfg.hidden_size
-        if comm.layout.tp > 1:
-            self.embed_tokens: Embedding = VocabParallelEmbedding(cfg.vocab_size, H, dtype, META, comm)
-        else:
-            self.embed_tokens = Embedding(cfg.vocab_size, H, dtype, META)
-        self.layers = nn.ModuleList(ParallelDecoderLayer(cfg, i, dtype, mxfp4_mode, tile_tokens, comm)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        if cfg.uses_attn_res:
-            self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-            self.output_attn_res_proj = linear(H, 1, dtype, META)
+def parallel_kimi_model(cfg: ModelConfig, dtype: torch.dtype, mxfp4_mode: str, tile_tokens: int | None,
+                        comm: Comm) -> KimiModel:
+    """KimiModel's attributes (same names, so the same checkpoint names) at this rank's width, on meta."""
+    if comm.layout.tp > 1:
+        embed: nn.Module = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, META, comm)
+    else:
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, META)
+    layers = [parallel_decoder_layer(cfg, i, dtype, mxfp4_mode, tile_tokens, comm)
+              for i in range(cfg.num_hidden_layers)]
+    return KimiModel(cfg, dtype, META, mxfp4_mode, tile_tokens, embed_tokens=embed, layers=layers)
 
 
 class ParallelServingModel(ServingModel):
@@ -92,9 +72,9 @@ class ParallelServingModel(ServingModel):
         # Large tensors are created on meta; the few small ones built without a device argument (norm gains,
         # conv weights, A_log, dt_bias) on the CPU. to_empty then gives every one its storage on the target
         # device, uninitialized: load() fills all of them or raises.
-        self.model = ParallelKimiModel(cfg, dtype, mxfp4_mode, tile_tokens, comm)
+        self.model = parallel_kimi_model(cfg, dtype, mxfp4_mode, tile_tokens, comm)
         if comm.layout.tp > 1:
-            self.lm_head: LMHead = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, META, comm)
+            self.lm_head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, META, comm)
         else:
             self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype, META)
         self.to_empty(device=self.device)

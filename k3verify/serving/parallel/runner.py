@@ -57,7 +57,11 @@ class MirroredRunner(ModelRunner):
         super().__init__(model, **caches)
         self.channel = channel
 
-    def admit(self, seq_id: int, num_tokens: int) -> None:
+    def admit(self, seq_id: int, num_tokens: int, shared: list[int] | None = None, cached: int = 0,
+              cuts: tuple[int, ...] = ()) -> None:
+        if shared or cached:
+            raise ValueError(f"sequence {seq_id}: a parallel runner cannot resume a cached prefix ({cached} tokens): "
+                             "the other ranks hold no snapshot of it")
         self.channel.send(("admit", (seq_id, num_tokens)))
         super().admit(seq_id, num_tokens)
 

@@ -4,13 +4,13 @@ Each round: every live sequence whose drafter proposes something, whose policy s
 budget has room for k+1 more positions (sequences reserve k positions past their need: spec_reservation) is
 scored in one packed pass (drafts padded to k by repeating the last one). When such a pass runs, the other
 live sequences with room ride along in it with filler drafts (filler_drafts) instead of taking a decode step of
-their own: on the H200 a kl-48b-8l batch of 16 that ran a score and a decode step in every round decoded at
-0.62x plain speed, although a score step there costs ~1.2 decode steps. Sequences without room
+their own: a round that runs both a score step and a decode step pays for two steps where one does the work.
+Sequences without room
 take one plain decode step. Greedy acceptance, then a commit of each scored row's accepted prefix. Tokens past
 max_new_tokens are dropped.
 
 With a cost policy (policy.CostPolicy), a round whose whole batch is one kind of step is timed for it: a score round
-by the wall clock around it, a plain step by timing.StepTimer (on CUDA the device's time from the graph replay
+by the wall clock around it, a plain step by step_timer.StepTimer (on CUDA the device's time from the graph replay
 on, without the input fill and round trip that this in-order step pays and the launch-ahead _plain_tail it stands
 for does not).
 """
@@ -31,11 +31,11 @@ from k3verify.serving.spec.accept import accept_read_back
 from k3verify.serving.spec.drafter import Drafter
 from k3verify.serving.spec.policy import CostPolicy, SpecPolicy, SpecStats
 from k3verify.serving.spec.scorer import SpecScorer
-from k3verify.serving.spec.timing import StepTimer
+from k3verify.serving.spec.step_timer import StepTimer
 
 if TYPE_CHECKING:
     from k3verify.serving.graphs import GraphDecoder
-    from k3verify.serving.spec.graphs import ScoreGraphs
+    from k3verify.serving.spec.score_graphs import ScoreGraphs
 
 
 @dataclass
@@ -184,8 +184,8 @@ def _round(scorer: SpecScorer, drafter: Drafter, policy: SpecPolicy, prompts: Se
 def _plain_tail(scorer: SpecScorer, ids: list[int], live: list[int], run: SpecRun, max_new_tokens: int,
                 decode_graphs: GraphDecoder | None) -> None:
     """Every live row turned speculation off: decode the rest as the plain bench path does, each step fed the
-    previous step's ids on the device, one readback at the end (a round trip per step cost the speculative run
-    19% of batch-1 decode at 0% acceptance on the H200). Rows sorted by tokens still needed, so the rows left
+    previous step's ids on the device, one readback at the end (a round trip per step is a sizeable share of a
+    batch-1 decode step). Rows sorted by tokens still needed, so the rows left
     after each step are a prefix of the batch and the next step's inputs are a slice, never an index copy."""
     runner = scorer.runner
     need = {i: max_new_tokens - len(run.tokens[i]) for i in live}

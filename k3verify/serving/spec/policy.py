@@ -52,24 +52,22 @@ class CostPolicy:
     score round, launch to readback: a score is always in order (acceptance needs its ids on the host before the
     next step), so its host round trip is part of its cost. decode_s is a plain step as the alternative runs it:
     launch-ahead (step n+1 launched before step n is read back), so on CUDA it is the device's time from right
-    before the graph replay to the end of the step's launches (timing.StepTimer.starting_at_replay). On the H200
-    (kl-48b-8l, batch 1, k=4; docs/results/ has the runs) the in-order step's wall time was 1.6 ms and events around
-    its whole launch 1.4 ms, against 1.2 ms a launch-ahead step; with either of the first two the cost policy scored a
-    third time at 0% acceptance (1.67 expected tokens a row >= 2.1 / 1.4), with the last it declines after its
-    probes (2.1 / 1.2 = 1.76).
+    before the graph replay to the end of the step's launches (step_timer.StepTimer.starting_at_replay). Timed in
+    order, or from before its input fill, the plain step looks costlier than the launch-ahead step it stands for,
+    enough to keep the policy scoring at 0% acceptance (docs/results/README.md has the runs).
 
     Why: per-request acceptance is not the whole cost. A score pass puts k+1 tokens of every row through the MoE
-    layers, which then touch many more experts than a decode step's one token per row: on the H200 (kl-48b-8l,
-    k=4) a score step of 16 rows took ~2.5-3x a decode step of 16 where at batch 1 it took ~1.8x, so
-    at batch 16 speculation lost at 50% acceptance (0.56x) and only broke even at 57%.
+    layers, which then touch many more experts than a decode step's one token per row: a score step's cost relative
+    to a decode step grows with the batch, so speculation that pays at batch 1 can lose at batch 16 at the same
+    acceptance.
 
     Rule, per batch size b: until `probes` score steps of b rows were timed, score (probes); then, until a plain
     step of b rows was timed, decode plainly once; then score only if the expected tokens per row, (1 + expected
     accepted drafts) over drafting rows and 1 over riders, reach score_time[b] / decode_time[b]. A row's expected
     accepted drafts: k x (its accepted + the prior's) / (its countable drafts + the prior's), the prior being one
     score of k drafts that accepted half, so that one unlucky score does not condemn a request. Step times are the
-    fastest seen (a first step can carry one-time costs: on the H200 a batch-1 bench's first score
-    took 6.8 ms where the next ones took 2.2, and with one probe that decided its whole run), and a declined batch
+    fastest seen (a first step can carry one-time costs, several times a later step's, which with one probe would
+    decide the whole run), and a declined batch
     size probes again after reprobe_after declined steps, then after twice as many. Greedy output never depends on
     the cost policy: it only chooses how tokens are produced."""
 

@@ -27,7 +27,7 @@ from k3verify.serving.spec.arena import ScoreArena, ScorePass, commit_accepted
 from k3verify.serving.staging import PinnedReadback
 
 if TYPE_CHECKING:
-    from k3verify.serving.spec.graphs import Recorder, ScoreGraphs
+    from k3verify.serving.spec.score_graphs import Recorder, ScoreGraphs
 
 
 @dataclass
@@ -79,8 +79,8 @@ class SpecScorer:
     def make_graphs(self, max_context: int, buckets: tuple[int, ...], use_graphs: bool | None = None,
                     recorder: Recorder | None = None) -> ScoreGraphs:
         """Captured score steps over this scorer's arena (CUDA; use_graphs=False runs the same static step;
-        `recorder`: how a step is recorded, see serving.spec.graphs)."""
-        from k3verify.serving.spec.graphs import ScoreGraphs
+        `recorder`: how a step is recorded, see serving.spec.score_graphs)."""
+        from k3verify.serving.spec.score_graphs import ScoreGraphs
 
         return ScoreGraphs(self.runner.model, self.arena, max_context, buckets=buckets, fused=self.fused,
                             use_graphs=use_graphs, recorder=recorder)

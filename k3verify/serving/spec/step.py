@@ -1,6 +1,6 @@
 """The engine's speculative decode step (`serve --speculative ngram --num-draft K`).
 
-Engine._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
+EngineLoop._step hands its decode batch to SpeculativeStep.run before decoding: every sequence that has
 drafts (the drafter proposed something), room in its budget for k+1 positions and speculation still on
 (policy.py) is scored in one packed pass, with the batch's other greedy sequences riding along on filler
 drafts (offline.filler_drafts); acceptance is greedy for greedy requests and rejection
@@ -103,7 +103,7 @@ class SpeculativeStep:
 
     def record_plain_step(self, batch: int, seconds: float) -> None:
         """The engine timed a plain decode step of its whole decode batch (no prompt chunk in it) as the
-        launch-ahead loop would pay for it (timing.StepTimer): the cost policy's other half."""
+        launch-ahead loop would pay for it (step_timer.StepTimer): the cost policy's other half."""
         if self.cost_policy is not None:
             self.cost_policy.record_decode(batch, seconds)
 

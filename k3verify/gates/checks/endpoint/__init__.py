@@ -1,0 +1,1 @@
+"""endpoint.* checks: an OpenAI-compatible server judged against the oracle."""

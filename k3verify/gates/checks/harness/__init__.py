@@ -1,0 +1,1 @@
+"""gates.selftest.* checks: the comparison machinery itself."""

@@ -1,0 +1,1 @@
+"""kernel.* checks: each fast-path kernel against its torch reference."""

@@ -1,0 +1,1 @@
+"""oracle.* checks: the reference against independent references."""

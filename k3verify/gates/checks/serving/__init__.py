@@ -1,0 +1,1 @@
+"""The serving model, its modules and its engine against the oracle."""

@@ -1,0 +1,1 @@
+"""spec.* checks: speculative decoding against plain decoding."""

@@ -1,0 +1,1 @@
+"""tokenizer.* checks: encoding, chat rendering and streaming against pinned ids."""

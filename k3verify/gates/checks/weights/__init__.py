@@ -1,0 +1,1 @@
+"""weights.* checks: loading and reconciling a checkpoint."""

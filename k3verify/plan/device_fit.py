@@ -1,0 +1,45 @@
+"""Say it before allocating: a GPU workflow compares its planned peak with the memory of the card it is on (read
+from the device) and refuses with the sizes and what to try, instead of a traceback from the allocator."""
+
+from __future__ import annotations
+
+import torch
+
+from k3verify.config import ModelConfig
+from k3verify.plan.memory import PlanRequest, plan
+
+GIB = 2**30
+KNOWN_CARDS = "an H100 80 GB reports 79.1 GiB, an H200 140 GiB"
+
+
+class DoesNotFit(RuntimeError):
+    """The planned peak of a GPU workflow is more than the card holds."""
+
+
+def device_memory_gib(device: torch.device | str | None = None) -> float:
+    """The total memory of the CUDA device (the current one by default), in GiB; a ValueError naming what to pass
+    where there is no CUDA device to read."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"no CUDA device here to read the card's memory from: pass it in GiB ({KNOWN_CARDS})")
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device {dev} is not a CUDA device: its memory is not a card's")
+    return torch.cuda.get_device_properties(dev).total_memory / GIB
+
+
+def require_fit(what: str, need_bytes: int, card_gib: float, hint: str) -> None:
+    """DoesNotFit "<what> needs X GiB, this card has Y GiB; try <hint>" when need_bytes > card_gib."""
+    need = need_bytes / GIB
+    if need > card_gib:
+        raise DoesNotFit(f"{what} needs {need:.1f} GiB, this card has {card_gib:.1f} GiB; try {hint}")
+
+
+def require_plan_fits(cfg: ModelConfig, what: str, *, context: int, batch: int, segment: int, dtype: torch.dtype,
+                      device: torch.device | str, hint: str) -> None:
+    """On a CUDA device: the planned peak of one rank serving `cfg` (weights, caches, the transients of one prefill
+    step of `segment` tokens; plan/memory.py) must fit the card, else DoesNotFit with the sizes. Elsewhere a no-op."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    need = plan(cfg, PlanRequest(1, 1, context, batch, min(segment, context), dtype))[0].total
+    require_fit(what, need, device_memory_gib(dev), hint)
