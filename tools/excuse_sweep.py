@@ -235,15 +235,9 @@ class Outcome:
 
     def flipped(self, clean: float) -> bool:
         """A FAIL that became a PASS through the excuse, the distance after excusing beyond 1.5x `clean` (the
-        fault-free run's distance after excusing, on the same prompts)."""
+        fault-free run's distance after excusing, on the same prompts): what no fault may do."""
         return (not self.variant.correct and self.plain is not None and self.plain.status == "fail"
                 and self.excused.status in PASSED and self.excused.metric > 1.5 * clean)
-
-    def hidden(self, clean: float) -> bool:
-        """flipped, and by a fault the check could see: one that alone moves the rows beyond the bar (own
-        distance unknown counts as beyond). A fault that moves them less passes with or without any excuse once
-        the rounding near-ties the fault-free endpoint needs are excused: below what the bar can resolve."""
-        return self.flipped(clean) and (self.own is None or self.own > (self.excused.bar or 0.0))
 
 
 class Judge:

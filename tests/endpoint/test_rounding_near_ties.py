@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.gates.checks.endpoint.tokens import Answer, Rows, _measured_trial
-from k3verify.gates.core.check import REGISTRY, CheckContext, Status
+from k3verify.gates.checks.endpoint.tokens import EXCUSED_BAR_FACTOR, Answer, Rows, _measured_trial
+from k3verify.gates.core.check import REGISTRY, CheckContext, Result, Status, Trial
 from k3verify.gates.core.evaluate import evaluate_trial
 from k3verify.gates.shared import endpoint_oracle as eo
 from k3verify.gates.shared.endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
@@ -164,10 +164,8 @@ def test_the_excuse_takes_no_more_roundings_than_plausible_or_left_in_the_run(
             ctx.cache[eo.EXCUSED] = saved
 
 
-def test_the_bar_is_the_one_measured_before_anything_is_forced(ctx: CheckContext) -> None:
-    """A logprob trial over an endpoint that one near-tie explains: "pass, 1 rounding excused", its bar the
-    oracle's own noise on the rows before forcing (the locked run), which forcing would have moved."""
-    tie, cand, _ = _one_tie_endpoint(ctx)
+def _judged(ctx: CheckContext, cand: torch.Tensor) -> tuple[Trial, Result]:
+    """endpoint.logprobs.topk's trial over an endpoint whose rows on SEQ are `cand`, and its result."""
     saved = ctx.cache.pop(eo.EXCUSED, None)
 
     def rows(scores: Scores) -> Rows:
@@ -175,17 +173,44 @@ def test_the_bar_is_the_one_measured_before_anything_is_forced(ctx: CheckContext
 
     try:
         trial = _measured_trial(ctx, [Answer(SEQ, FIRST, rows)], [], "all rows")
-        result = evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
+        return trial, evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
     finally:
         ctx.cache.pop(eo.EXCUSED, None)
         if saved is not None:
             ctx.cache[eo.EXCUSED] = saved
+
+
+def _noise_before_forcing(ctx: CheckContext) -> float:
     plain = score(ctx, SEQ, FIRST)
     assert plain.locked is not None
-    before = rel_rms(_centred(plain.locked), _centred(plain.gold))
-    assert trial.bar == pytest.approx(FACTOR * before, rel=1e-12)
+    return rel_rms(_centred(plain.locked), _centred(plain.gold))
+
+
+def test_the_bar_is_the_one_measured_before_anything_is_forced(ctx: CheckContext) -> None:
+    """A logprob trial over an endpoint that one near-tie explains: "pass, 1 rounding excused", its bar the
+    oracle's own noise on the rows before forcing (the locked run), which forcing would have moved."""
+    tie, cand, _ = _one_tie_endpoint(ctx)
+    trial, result = _judged(ctx, cand)
+    before = _noise_before_forcing(ctx)
+    assert trial.bar == pytest.approx(EXCUSED_BAR_FACTOR * before, rel=1e-12)
     assert result.status is Status.EXCUSED and result.metrics["excused_rounding_near_ties"] >= 1, result.notes
     forced = score(ctx, SEQ, FIRST, {tie.site: tie.other})
     assert forced.locked is not None
     after = rel_rms(_centred(forced.locked), _centred(forced.gold))
     assert abs(after - before) > 1e-3 * before  # a bar re-measured after forcing would differ: the test can tell
+
+
+def test_an_excused_pass_must_end_within_1_5x_the_oracles_own_distance(ctx: CheckContext) -> None:
+    """The same endpoint with seeded noise of 3x the oracle's own distance on top: the near-tie still brings it
+    within the check's bar (5.1x), but an excuse may only carry an endpoint as near the gold as the oracle's own run
+    (1.5x): FAIL, with the excused roundings counted."""
+    tie, cand, _ = _one_tie_endpoint(ctx)
+    before = _noise_before_forcing(ctx)
+    gold = _centred(score(ctx, SEQ, FIRST, {tie.site: tie.other}).gold)
+    z = _centred(torch.randn(cand.shape, generator=torch.Generator().manual_seed(5), dtype=cand.dtype))
+    noisy = cand + 3.0 * before * gold.pow(2).mean().sqrt() * z / z.pow(2).mean().sqrt()
+    trial, result = _judged(ctx, noisy)
+    assert result.metrics["excused_rounding_near_ties"] >= 1, result.notes
+    assert EXCUSED_BAR_FACTOR * before < result.metric < FACTOR * before, (result.metric, before)
+    assert result.status is Status.FAIL, result.notes
+    assert trial.bar == pytest.approx(EXCUSED_BAR_FACTOR * before, rel=1e-12)
