@@ -54,7 +54,8 @@ def test_results_edited_to_fail_with_verdict_left_pass_is_refused(tmp_path: Path
 def test_counts_edited_too_still_refused_by_recomputation(tmp_path: Path, tiny_digest: str) -> None:
     """Editing summary.counts to agree with the edited verdict does not help: the results decide."""
     data = report_data(digest=tiny_digest, verdict="fail")
-    data["summary"] = {"counts": {"pass": 4, "fail": 0, "vacuous": 0, "error": 0, "skipped": 1}, "total": 5,
+    data["summary"] = {"counts": {"pass": 4, "excused": 0,
+                                  "fail": 0, "vacuous": 0, "error": 0, "skipped": 1}, "total": 5,
                        "verdict": "pass"}
     write_report(tmp_path, data=data)
     assert "contradicts its results" in lookup_report(tmp_path, want(tiny_digest)).reason
@@ -174,7 +175,8 @@ def test_a_report_holding_one_check_with_counts_fixed_is_refused(tmp_path: Path,
     missing."""
     data = report_data(digest=tiny_digest)
     data["results"] = data["results"][1:2]
-    data["summary"] = {"counts": {"pass": 1, "fail": 0, "vacuous": 0, "error": 0, "skipped": 0}, "total": 1,
+    data["summary"] = {"counts": {"pass": 1, "excused": 0,
+                                  "fail": 0, "vacuous": 0, "error": 0, "skipped": 0}, "total": 1,
                        "verdict": "pass"}
     total = len(quick_checks())
     _refused(tmp_path, tiny_digest, data, f"it holds 1 of the {total} checks of the quick suite; missing: "

@@ -11,15 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3verify.gates.core.check import CheckContext
+from k3verify.gates.checks.endpoint.tokens import EXCUSED_BAR_FACTOR, Answer, Rows, _measured_trial
+from k3verify.gates.core.check import REGISTRY, CheckContext, Result, Status, Trial
+from k3verify.gates.core.evaluate import evaluate_trial
+from k3verify.gates.shared import endpoint_oracle as eo
 from k3verify.gates.shared.endpoint_oracle import MAX_FORCED, Scores, _oracle_run, rel_rms, resolve_roundings, score
 from k3verify.oracle import functional as Fn
 from k3verify.oracle import rounding
 from k3verify.oracle.precision import get_precision
-from k3verify.oracle.rounding import DOWN, INPUT, Ledger, Site, near_ties
+from k3verify.oracle.rounding import DOWN, INPUT, SCALE, Ledger, Site, near_ties
 from k3verify.target import resolve_target
 
-FACTOR = 5.1  # the fp32 logprob checks' bar factor (endpoint_tokens.BAR_FACTOR)
+FACTOR = 5.1  # the fp32 logprob checks' bar factor (gates/checks/endpoint/tokens.py BAR_FACTOR)
 
 
 def test_forced_code_changes_exactly_that_value_and_is_recorded() -> None:
@@ -34,8 +37,13 @@ def test_forced_code_changes_exactly_that_value_and_is_recorded() -> None:
         forced = rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9])
     changed = (forced != plain).nonzero().tolist()
     assert changed == [[1, 40]] and ledger.used == {site}  # other tokens and layers untouched
-    assert sorted(ledger.rows) == [(1, t, INPUT, -1) for t in (4, 7, 9)]
+    assert sorted(ledger.rows) == sorted((1, t, stage, -1) for t in (4, 7, 9) for stage in (INPUT, INPUT + SCALE))
     assert torch.equal(ledger.rows[(1, 7, INPUT, -1)], scaled.reshape(3, 64)[1].double())
+    scale = Site(1, 9, INPUT + SCALE, -1, 1)  # block 1's fp16 scale one step up: that block's values, no other
+    with rounding.recording(Ledger({scale: int(ledger.codes[(1, 9, INPUT + SCALE, -1)][1]) + 1})):
+        stepped = rounding.q8_0_round(x, 1, INPUT, -1, [4, 7, 9])
+    assert (stepped != plain).nonzero()[:, 0].unique().tolist() == [2]
+    assert set((stepped != plain).nonzero()[:, 1].tolist()) <= set(range(32, 64))
     with pytest.raises(ValueError, match="rows \\[2, K\\] for 2 tokens"), rounding.recording(Ledger()):
         rounding.q8_0_round(x, 1, DOWN, 0, [1, 2])
 
@@ -60,7 +68,8 @@ def test_near_ties_are_values_within_the_factor_of_the_site_noise_of_a_boundary(
 @pytest.fixture(scope="module")
 def ctx() -> CheckContext:
     target = resolve_target("k3-tp4")
-    endpoint = SimpleNamespace(precision=get_precision("w4a8-q8act"), dtype=torch.float32, accepted=())
+    endpoint = SimpleNamespace(precision=get_precision("w4a8-q8act"), dtype=torch.float32, accepted=(),
+                               excuse_roundings=True)
     return CheckContext(target, torch.device("cpu"), 0, torch.Generator(), "quick", {}, endpoint)  # type: ignore[arg-type]
 
 
@@ -121,3 +130,87 @@ def test_scores_of_plain_dtypes_round_nothing(ctx: CheckContext) -> None:
     other = CheckContext(ctx.target, ctx.device, 0, torch.Generator(), "quick", {}, plain)  # type: ignore[arg-type]
     scores = score(other, SEQ, FIRST)
     assert not scores.rounded and scores.near_ties(FACTOR) == [] and isinstance(scores, Scores)
+
+
+def _one_tie_endpoint(ctx: CheckContext) -> tuple[rounding.NearTie, torch.Tensor, float]:
+    """The near-tie whose other code moves the rows farthest beyond the bar, the endpoint computing so, and the
+    bar over the plain runs."""
+    ties = score(ctx, SEQ, FIRST).near_ties(FACTOR)
+    moved = [(rel_rms(_centred(c), _centred(score(ctx, SEQ, FIRST).gold)) / b, t, c, b)
+             for t in ties[:8] for c, b in [_endpoint(ctx, {t.site: t.other})]]
+    _, tie, cand, bar = max(moved, key=lambda m: m[0])
+    return tie, cand, bar
+
+
+@pytest.mark.parametrize("cap", ["plausible", "run"])
+def test_the_excuse_takes_no_more_roundings_than_plausible_or_left_in_the_run(
+        ctx: CheckContext, cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint that one near-tie explains (test_a_near_tie_taken_the_other_way_is_excused_and_named) is not
+    excused when a correct implementation would plausibly need none, or when the run already excused RUN_CAP."""
+    tie, cand, bar = _one_tie_endpoint(ctx)
+    scores = score(ctx, SEQ, FIRST)
+    saved = ctx.cache.pop(eo.EXCUSED, None)
+    try:
+        if cap == "plausible":
+            monkeypatch.setattr(eo, "plausible", lambda expected: 0)
+        else:
+            ctx.cache[eo.EXCUSED] = {(0, 1, 2): {Site(9, i, INPUT, -1, 0): 0 for i in range(eo.RUN_CAP)}}
+        resolved, notes = resolve_roundings(ctx, SEQ, FIRST, scores, _distance(cand), bar, FACTOR)  # type: ignore[arg-type]
+        assert resolved is scores and not resolved.forced, notes
+        assert any("at most 0 excused here" in n for n in notes), notes
+    finally:
+        ctx.cache.pop(eo.EXCUSED, None)
+        if saved is not None:
+            ctx.cache[eo.EXCUSED] = saved
+
+
+def _judged(ctx: CheckContext, cand: torch.Tensor) -> tuple[Trial, Result]:
+    """endpoint.logprobs.topk's trial over an endpoint whose rows on SEQ are `cand`, and its result."""
+    saved = ctx.cache.pop(eo.EXCUSED, None)
+
+    def rows(scores: Scores) -> Rows:
+        return Rows(cand, scores.gold, scores.base, [f"seq position {p}" for p in range(cand.shape[0])])
+
+    try:
+        trial = _measured_trial(ctx, [Answer(SEQ, FIRST, rows)], [], "all rows")
+        return trial, evaluate_trial(REGISTRY.get("endpoint.logprobs.topk"), trial)
+    finally:
+        ctx.cache.pop(eo.EXCUSED, None)
+        if saved is not None:
+            ctx.cache[eo.EXCUSED] = saved
+
+
+def _noise_before_forcing(ctx: CheckContext) -> float:
+    plain = score(ctx, SEQ, FIRST)
+    assert plain.locked is not None
+    return rel_rms(_centred(plain.locked), _centred(plain.gold))
+
+
+def test_the_bar_is_the_one_measured_before_anything_is_forced(ctx: CheckContext) -> None:
+    """A logprob trial over an endpoint that one near-tie explains: "pass, 1 rounding excused", its bar the
+    oracle's own noise on the rows before forcing (the locked run), which forcing would have moved."""
+    tie, cand, _ = _one_tie_endpoint(ctx)
+    trial, result = _judged(ctx, cand)
+    before = _noise_before_forcing(ctx)
+    assert trial.bar == pytest.approx(EXCUSED_BAR_FACTOR * before, rel=1e-12)
+    assert result.status is Status.EXCUSED and result.metrics["excused_rounding_near_ties"] >= 1, result.notes
+    forced = score(ctx, SEQ, FIRST, {tie.site: tie.other})
+    assert forced.locked is not None
+    after = rel_rms(_centred(forced.locked), _centred(forced.gold))
+    assert abs(after - before) > 1e-3 * before  # a bar re-measured after forcing would differ: the test can tell
+
+
+def test_an_excused_pass_must_end_within_1_5x_the_oracles_own_distance(ctx: CheckContext) -> None:
+    """The same endpoint with seeded noise of 3x the oracle's own distance on top: the near-tie still brings it
+    within the check's bar (5.1x), but an excuse may only carry an endpoint as near the gold as the oracle's own run
+    (1.5x): FAIL, with the excused roundings counted."""
+    tie, cand, _ = _one_tie_endpoint(ctx)
+    before = _noise_before_forcing(ctx)
+    gold = _centred(score(ctx, SEQ, FIRST, {tie.site: tie.other}).gold)
+    z = _centred(torch.randn(cand.shape, generator=torch.Generator().manual_seed(5), dtype=cand.dtype))
+    noisy = cand + 3.0 * before * gold.pow(2).mean().sqrt() * z / z.pow(2).mean().sqrt()
+    trial, result = _judged(ctx, noisy)
+    assert result.metrics["excused_rounding_near_ties"] >= 1, result.notes
+    assert EXCUSED_BAR_FACTOR * before < result.metric < FACTOR * before, (result.metric, before)
+    assert result.status is Status.FAIL, result.notes
+    assert trial.bar == pytest.approx(EXCUSED_BAR_FACTOR * before, rel=1e-12)

@@ -51,7 +51,7 @@ def test_report_json_validates_and_keeps_every_status(mixed_run: RunResult, tmp_
     write_reports(mixed_run, tmp_path)
     data = load_report(tmp_path / "report.json")
     assert data["schema_version"] == 1
-    assert data["summary"]["counts"] == {"pass": 1, "fail": 1, "vacuous": 1, "error": 1, "skipped": 1}
+    assert data["summary"]["counts"] == {"pass": 1, "excused": 0, "fail": 1, "vacuous": 1, "error": 1, "skipped": 1}
     assert data["summary"]["verdict"] == "fail" and data["summary"]["total"] == 5
     assert data["summary"]["mutation_counts"] == {"killed": 1, "survived": 1, "error": 0, "equivalent": 0}
     failing = next(r for r in data["results"] if r["id"] == "mla.t.fail")

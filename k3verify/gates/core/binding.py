@@ -25,7 +25,7 @@ from typing import Any
 import k3verify
 from k3verify.gates.core.evidence import missing_evidence
 
-STATUSES = ("pass", "fail", "vacuous", "error", "skipped")
+STATUSES = ("pass", "excused", "fail", "vacuous", "error", "skipped")
 HMAC_ALG = "hmac-sha256"
 MIN_KEY_BYTES = 16
 
@@ -34,12 +34,14 @@ def verdict_from_counts(counts: Mapping[str, int], setup_error: str | None = Non
                         missing: Sequence[str] = ()) -> str:
     """"error" when the run never got to its checks; "fail" when anything failed, was vacuous or errored;
     "inconclusive" when nothing did but the checks that compare the model's outputs did not run (gates/core/evidence.py:
-    an all-skipped run proves nothing either); else "pass"."""
+    an all-skipped run proves nothing either); else "pass". An excused result ("pass, N roundings excused") is a
+    pass here: its count stays visible in the summary and on the result."""
     if setup_error is not None:
         return "error"
     if counts["fail"] + counts["vacuous"] + counts["error"]:
         return "fail"
-    return "inconclusive" if missing or counts["pass"] == 0 else "pass"
+    passed = counts["pass"] + counts.get("excused", 0)
+    return "inconclusive" if missing or passed == 0 else "pass"
 
 
 def dtypes_of_run(results: Iterable[tuple[str, Iterable[str]]]) -> list[str]:
@@ -81,7 +83,9 @@ def recompute_summary(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def summary_problem(data: Mapping[str, Any]) -> str | None:
     """Why a report's summary cannot be believed (it disagrees with its own results), or None."""
-    claimed, implied = data["summary"], recompute_summary(data)
+    claimed, implied = dict(data["summary"]), recompute_summary(data)
+    if isinstance(claimed.get("counts"), Mapping):  # a report written before "excused" existed counts none
+        claimed["counts"] = {**dict.fromkeys(STATUSES, 0), **claimed["counts"]}
     for key in ("verdict", "counts", "total", "missing_evidence"):
         if claimed.get(key) != implied.get(key):
             return (f"its summary.{key} {claimed.get(key)!r} contradicts its results, which give {implied.get(key)!r} "

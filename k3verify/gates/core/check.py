@@ -35,10 +35,12 @@ _ID_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 
 class Status(enum.StrEnum):
     PASS = "pass"
+    EXCUSED = "excused"  # a pass only after rounding near-ties were excused (gates/core/excused.py)
     FAIL = "fail"
     VACUOUS = "vacuous"
     ERROR = "error"
     SKIPPED = "skipped"
+
 
 
 class SkipCheck(Exception):

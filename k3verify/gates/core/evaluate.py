@@ -20,6 +20,7 @@ from k3verify.gates.core.compare import (
     localize_layers,
     rel_rms_error,
 )
+from k3verify.gates.core.excused import excused_count
 from k3verify.gates.core.noise import NoiseLookup, measure, resolve
 
 
@@ -47,7 +48,7 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
     )
     if noise_record is not None and noise_record["note"]:
         result.notes.append(noise_record["note"])
-    result.status = status_of(comp.passed, ctrl.passed)
+    result.status = status_of(comp.passed, ctrl.passed, excused_count(result.metrics))
     if result.status is Status.FAIL:
         result.reason = comp.reason
         if ctrl.passed:
@@ -68,12 +69,15 @@ def evaluate_trial(check: Check, trial: Trial, noise: NoiseLookup | None = None)
     return result
 
 
-def status_of(candidate_passed: bool, control_passed: bool) -> Status:
+def status_of(candidate_passed: bool, control_passed: bool, excused: int = 0) -> Status:
     """The gate rule: a candidate that fails its comparison fails; else a control that passes makes the check
-    vacuous; else it passes. `serve` re-applies it to every result of a report (gates/trust/rederive.py)."""
+    vacuous; else it passes, as EXCUSED when it passed only after `excused` rounding near-ties were excused (its
+    own status, never a plain pass). `serve` re-applies it to every result of a report (gates/trust/rederive.py)."""
     if not candidate_passed:
         return Status.FAIL
-    return Status.VACUOUS if control_passed else Status.PASS
+    if control_passed:
+        return Status.VACUOUS
+    return Status.EXCUSED if excused > 0 else Status.PASS
 
 
 def _bar(check: Check, trial: Trial, noise: NoiseLookup | None) -> tuple[float | None, dict[str, Any] | None]:

@@ -5,7 +5,9 @@ test (a refactor moved the path, or the preset takes another branch).
 The run is the mutation runner's clean run (the union of the entries' killers, `run_child` with no mutant) on a
 probed copy of the package: the first statement of every function holding an edited line hands its frame to
 `k3v_line_probe.enter`, which traces that frame's lines (and the comprehensions and lambdas it creates) and
-nothing else, so the rest of the run pays no tracing cost. Every process of the run records its hits as
+nothing else, so the rest of the run pays no tracing cost. A generator or coroutine runs again after each
+yield or await: its frame is traced again each time it resumes, so once one is probed every call in its thread
+goes through the (cheap) call filter. Every process of the run records its hits as
 `path:line` to a folder (`PROBE_OUT_ENV`): the gloo ranks and the HTTP server's process import the same copy.
 """
 
@@ -27,7 +29,9 @@ import sys
 import threading
 
 _INNER = ("<listcomp>", "<genexpr>", "<lambda>", "<dictcomp>", "<setcomp>")
+_RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR
 _seen = set()
+_resumed = set()  # probed generators and coroutines: their frames run again after each yield or await
 _state = threading.local()
 _lock = threading.Lock()
 
@@ -45,9 +49,9 @@ def _record(frame):
 def _local(frame, event, arg):
     if event == "line":
         _record(frame)
-    elif event == "return":
+    elif event == "return" and frame.f_code not in _resumed:
         _state.depth -= 1
-        if _state.depth == 0:
+        if _state.depth == 0 and not _resumed:
             sys.settrace(None)
     return _local
 
@@ -60,6 +64,8 @@ def _inner(frame, event, arg):
 
 
 def _calls(frame, event, arg):
+    if frame.f_code in _resumed:  # a probed generator or coroutine resumed: its lines after a yield or await
+        return _local
     back = frame.f_back
     if frame.f_code.co_name in _INNER and back is not None and back.f_trace in (_local, _inner):
         return _inner
@@ -71,7 +77,10 @@ def enter():
     _record(frame)
     frame.f_trace_lines = True
     frame.f_trace = _local
-    _state.depth = getattr(_state, "depth", 0) + 1
+    if frame.f_code.co_flags & _RESUMABLE:
+        _resumed.add(frame.f_code)  # calls stay traced in this thread from here on, to see it resumed
+    else:
+        _state.depth = getattr(_state, "depth", 0) + 1
     if sys.gettrace() is None:
         sys.settrace(_calls)
 '''.replace("{env}", PROBE_OUT_ENV)

@@ -14,10 +14,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from k3verify.gates.core.check import Check, Result, Status
+from k3verify.gates.core.excused import status_label
 from k3verify.gates.core.suite import RunResult
 
 STATUS_STYLE = {
-    Status.PASS: "bold green", Status.FAIL: "bold red", Status.VACUOUS: "bold magenta",
+    Status.PASS: "bold green", Status.EXCUSED: "bold yellow", Status.FAIL: "bold red", Status.VACUOUS: "bold magenta",
     Status.ERROR: "bold yellow", Status.SKIPPED: "dim",
 }
 
@@ -43,7 +44,8 @@ def progress_hooks(total: int, console: Console | None = None) -> Iterator[Progr
         def on_result(result: Result) -> None:
             if result.status is not Status.PASS:
                 style = STATUS_STYLE[result.status]
-                progress.console.print(f"[{style}]{result.status.value.upper():8}[/] {result.id}: {result.reason}")
+                label = status_label(result.status.value, result.metrics).upper()
+                progress.console.print(f"[{style}]{label:8}[/] {result.id}: {result.reason or ''}")
             if not result.id.startswith("gates.import."):
                 progress.advance(task)
 
@@ -76,8 +78,8 @@ def summary_table(results: Sequence[Result]) -> Table:
         control = "—" if r.control is None else (
             "[green]caught[/]" if r.control.status == "fail" else "[magenta]NOT caught[/]")
         noise = "—" if r.noise is None else f"{_fmt(r.noise['value'])} {r.noise['source'][0]}"
-        table.add_row(f"  {r.id}", f"[{STATUS_STYLE[r.status]}]{r.status.value}[/]", r.kind, _fmt(r.metric),
-                      _fmt(r.bar), noise, margin, control)
+        status = f"[{STATUS_STYLE[r.status]}]{status_label(r.status.value, r.metrics)}[/]"
+        table.add_row(f"  {r.id}", status, r.kind, _fmt(r.metric), _fmt(r.bar), noise, margin, control)
     return table
 
 

@@ -10,6 +10,7 @@ from html import escape
 from itertools import groupby
 from typing import Any
 
+from k3verify.gates.core.excused import status_label
 from k3verify.gates.report.html_endpoint import (
     accepted_section,
     endpoint_section,
@@ -35,7 +36,7 @@ td.num{font-family:ui-monospace,Menlo,Consolas,monospace;text-align:right;white-
 table.checks{width:100%}
 .st{font-weight:700;padding:1px 6px;border-radius:4px;color:#fff;white-space:nowrap}
 .st.pass,.st.killed{background:#1a7f37}.st.fail,.st.survived{background:#cf222e}
-.st.vacuous{background:#8250df}.st.error{background:#9a6700}
+.st.vacuous{background:#8250df}.st.excused{background:#9a6700}.st.error{background:#9a6700}
 .st.skipped,.st.equivalent{background:#6e7781}
 .thin{color:#9a6700;font-weight:700}
 .small{color:#57606a;font-size:12px}
@@ -60,8 +61,8 @@ def _num(value: Any) -> str:
     return _e(value)
 
 
-def _status(status: str) -> str:
-    return f'<span class="st {_e(status)}">{_e(status.upper())}</span>'
+def _status(status: str, metrics: Mapping[str, Any] | None = None) -> str:
+    return f'<span class="st {_e(status)}">{_e(status_label(status, metrics or {}).upper())}</span>'
 
 
 def _banner(data: Mapping[str, Any]) -> str:
@@ -177,8 +178,9 @@ def _results_section(results: Sequence[Mapping[str, Any]]) -> str:
         out.append(f'<tr class="grp"><th colspan="10">{_e(component)}</th></tr>')
         for r in group:
             out.append(f'<tr id="check-{_e(r["id"])}"><td><code>{_e(r["id"])}</code></td><td>{_e(r["level"])}</td>'
-                       f'<td>{_status(r["status"])}</td><td>{_e(r["kind"])}</td><td class="num">{_num(r["metric"])}'
-                       f'</td><td class="num">{_bar_cell(r)}</td><td>{_margin_cell(r)}</td>'
+                       f'<td>{_status(r["status"], r["metrics"])}</td><td>{_e(r["kind"])}</td>'
+                       f'<td class="num">{_num(r["metric"])}</td><td class="num">{_bar_cell(r)}</td>'
+                       f'<td>{_margin_cell(r)}</td>'
                        f'<td>{_control_cell(r.get("control"))}</td><td class="num">{r["duration_s"]:.2f}</td>'
                        f"<td>{_notes_cell(r)}</td></tr>")
     out.append("</table></section>")
@@ -192,7 +194,7 @@ def _charts_section(results: Sequence[Mapping[str, Any]]) -> str:
         if not loc or not (loc["per_layer"] or loc["per_position"]):
             continue
         rms_bar = r["bar"] if r["kind"] == "rms" else None
-        parts = [f"<h3><code>{_e(r['id'])}</code> {_status(r['status'])}</h3>"]
+        parts = [f"<h3><code>{_e(r['id'])}</code> {_status(r['status'], r['metrics'])}</h3>"]
         if loc["per_layer"]:
             names = [e["name"] for e in loc["per_layer"]]
             first = loc["first_divergent_layer"]

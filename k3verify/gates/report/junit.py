@@ -8,6 +8,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from typing import Any
 
+from k3verify.gates.core.excused import EXCUSED, status_label
+
 # XML 1.0 forbids most control characters; a traceback can carry them.
 _INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
@@ -22,7 +24,9 @@ def _fmt(value: Any) -> str:
 
 def _summary_line(result: Mapping[str, Any]) -> str:
     control = result.get("control") or {}
-    parts = [f"status={result['status']}", f"kind={result['kind']}", f"metric={_fmt(result['metric'])}",
+    label = status_label(result["status"], result["metrics"])
+    parts = [f"status={result['status']}" + (f" ({label})" if result["status"] == EXCUSED else ""),
+             f"kind={result['kind']}", f"metric={_fmt(result['metric'])}",
              f"bar={_fmt(result['bar'])}", f"margin={_fmt(result['margin'])}",
              f"control={control.get('status', 'none')}"]
     if result.get("worst"):
@@ -68,6 +72,10 @@ def _check_suite(data: Mapping[str, Any]) -> ET.Element:
             node.text = _clean(r.get("traceback") or r["reason"])
         elif status == "skipped":
             ET.SubElement(case, "skipped", message=_clean(r["reason"]))
+        elif status == EXCUSED:  # a passing testcase that says so in its name and properties
+            case.set("name", f"{r['id']} [{status_label(status, r['metrics'])}]")
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="status", value=status_label(status, r["metrics"]))
         ET.SubElement(case, "system-out").text = _clean(_summary_line(r))
     return suite
 

@@ -8,13 +8,18 @@ correct implementation at that precision shows: the logprob bars and the near-ti
 A quantised precision (oracle/precision.py, e.g. w4a8-q8act) computes both in its emulated arithmetic: an
 endpoint that computes so sits near the emulated gold, and the bar is how far that arithmetic moves when only the
 rounding underneath it changes. Conventions the user accepted (--accept-convention) apply to both runs.
-Such arithmetic has rounding near-ties too (oracle/rounding.py): a logprob check whose rows of one sequence sit
-beyond the bar looks for a few of them which, taken the other way, explain the distance (`resolve_roundings`), and
-names each one it excuses.
+Such arithmetic has rounding near-ties too (oracle/rounding.py). Its bar is taken from `locked`: the declared
+dtype computing with the gold's codes, so the bar is the arithmetic's own noise and never a code the two oracle
+runs happened to take differently (one such code moves every later logprob by orders of magnitude more). A logprob
+check whose rows of one sequence sit beyond the bar looks for a few roundings which, taken the other way, explain
+the distance (`resolve_roundings`), and names each one it excuses. The excuse never moves the bar, and how many
+roundings it may excuse is capped by how many a correct implementation is expected to need (`plausible`), per
+sequence and per run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -25,13 +30,15 @@ from k3verify.gates.shared import builders
 from k3verify.oracle import gguf_arith, rounding
 from k3verify.oracle.conventions import applied
 from k3verify.oracle.precision import Precision
-from k3verify.oracle.rounding import Ledger, NearTie, Site, near_ties
+from k3verify.oracle.rounding import Ledger, NearTie, Site, expected_flips, near_ties, windows
 
 TIE_NOISE_FACTOR = 4.0  # a flip within 4x the oracle's own dtype noise at that position is a near-tie
 TIE_FRACTION = 1e-3  # ... or within this share of the logit range (serving.greedy.vs_oracle's rule)
 NOISE_TOP = 8  # the noise at a position is measured over the gold's top tokens there
-MAX_FORCED = 4  # rounding near-ties one sequence may take the other way (resolve_roundings)
-MAX_TRIED = 16  # the most ambiguous near-ties tried at each step
+MAX_FORCED = 4  # rounding near-ties one sequence may take the other way (resolve_roundings), at most
+MAX_TRIED = 16  # the near-ties nearest their boundary tried at each step
+RUN_CAP = 8  # rounding near-ties one run may excuse over all its sequences and checks, at most
+IMPLAUSIBLE = 1e-3  # more excused roundings than a correct implementation needs with this probability are refused
 EXCUSED = "endpoint.rounding.excused"  # ctx.cache: sequence -> the roundings resolve_roundings excused on it
 
 
@@ -41,12 +48,25 @@ class Scores:
 
     gold: torch.Tensor
     base: torch.Tensor
-    ledgers: tuple[Ledger, Ledger] | None = None  # (base, gold) emulated roundings (oracle/rounding.py)
+    ledgers: tuple[Ledger, Ledger] | None = None  # (locked, gold) emulated roundings (oracle/rounding.py)
     forced: dict[Site, int] = field(default_factory=dict)  # roundings both runs took the other way
+    locked: torch.Tensor | None = None  # the declared dtype with the gold's codes (emulated rounding only)
 
     def near_ties(self, factor: float) -> list[NearTie]:
         """Roundings within `factor` x the oracle's own noise of a boundary (none without emulated rounding)."""
         return near_ties(*self.ledgers, factor) if self.ledgers is not None else []
+
+    def windows(self, factor: float) -> dict[tuple[int, str], float]:
+        """Each rounding site's near-tie window (oracle/rounding.py `windows`; none without emulated rounding)."""
+        return windows(*self.ledgers, factor) if self.ledgers is not None else {}
+
+    def expected_flips(self, factor: float) -> float:
+        """Roundings an implementation `factor` x as noisy as the oracle is expected to take the other way."""
+        return expected_flips(*self.ledgers, factor) if self.ledgers is not None else 0.0
+
+    def for_bar(self) -> Scores:
+        """These rows with the base the bars are measured from: the locked run where there is one."""
+        return Scores(self.gold, self.locked if self.locked is not None else self.base, self.ledgers, self.forced)
 
     @property
     def rounded(self) -> bool:
@@ -74,16 +94,17 @@ def declared_dtype(ctx: CheckContext) -> torch.dtype:
 
 
 def _oracle_run(ctx: CheckContext, seq: list[int], first: int, dtype: torch.dtype,
-                forced: Mapping[Site, int]) -> tuple[torch.Tensor, Ledger]:
+                forced: Mapping[Site, int], follow: Ledger | None = None) -> tuple[torch.Tensor, Ledger]:
     """Log-softmax rows predicting seq[first:] at `dtype` under the declared precision and the accepted
-    conventions, with `forced` roundings, and the ledger of its emulated roundings; cached per context."""
+    conventions, with `forced` roundings (and `follow`'s codes elsewhere), and the ledger of its emulated
+    roundings; cached per context."""
     ep = ctx.endpoint
     assert ep is not None  # declared_dtype() refused a run without an endpoint first
     key = (f"endpoint.oracle.{dtype}.{ep.precision.name}.{first}.{hash(tuple(seq))}."
-           f"{hash(frozenset(forced.items()))}")
+           f"{hash(frozenset(forced.items()))}.{'locked' if follow is not None else ''}")
     if key not in ctx.cache:
         model = builders.reference_model(ctx, dtype)
-        ledger = Ledger(dict(forced))
+        ledger = Ledger(dict(forced), follow=follow)
         with torch.no_grad(), applied(ep.accepted), ep.precision.emulated(), rounding.recording(ledger):
             logits = model(torch.tensor(seq, device=ctx.device)).logits[first - 1: len(seq) - 1]
         ctx.cache[key] = (torch.log_softmax(logits.double().cpu(), dim=-1), ledger)
@@ -111,7 +132,28 @@ def score(ctx: CheckContext, seq: list[int], first: int, forced: Mapping[Site, i
     forced = dict(forced or {})
     gold, gold_ledger = _oracle_run(ctx, seq, first, declared_precision(ctx).gold_dtype, forced)
     base, base_ledger = _oracle_run(ctx, seq, first, declared_dtype(ctx), forced)
-    return Scores(gold, base, (base_ledger, gold_ledger), forced)
+    if not gold_ledger.rows:
+        return Scores(gold, base, None, forced)
+    locked, locked_ledger = _oracle_run(ctx, seq, first, declared_dtype(ctx), forced, follow=gold_ledger)
+    return Scores(gold, base, (locked_ledger, gold_ledger), forced, locked)
+
+
+def plausible(expected: float) -> int:
+    """The most roundings a correct implementation expected to take `expected` of them the other way (a Poisson
+    count) takes with probability above IMPLAUSIBLE; more is a fault, however well they explain a distance."""
+    k, term = 0, math.exp(-expected)
+    tail = 1.0 - term
+    while tail > IMPLAUSIBLE:
+        k += 1
+        term *= expected / k
+        tail -= term
+    return k
+
+
+def _run_excused(ctx: CheckContext, seq: list[int]) -> int:
+    """Roundings this run excused so far on sequences other than `seq`."""
+    excused: dict[tuple[int, ...], dict[Site, int]] = ctx.cache.get(EXCUSED, {})
+    return sum(len(sites) for key, sites in excused.items() if key != tuple(seq))
 
 
 def code_pinned(ctx: CheckContext, seq: list[int], first: int) -> tuple[Scores, int] | None:
@@ -144,35 +186,51 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
                       distance: Callable[[Scores], float], bar: float, factor: float) -> tuple[Scores, list[str]]:
     """Rows of an endpoint sitting `distance(scores)` > `bar` from the gold may differ by rounding near-ties of
     the declared precision (oracle/rounding.py): equally correct codes that the endpoint's arithmetic took the
-    other way: within `factor` (the check's bar factor) x the oracle's own noise of a rounding boundary.
-    Greedily, take the near-tie whose other code (forced in the gold) lowers the distance most, at most
-    MAX_FORCED of them, MAX_TRIED candidates a step. When the distance ends within `bar`: the scores with those
-    codes forced in both runs and a line per excused rounding; otherwise the scores unchanged and one line saying
-    what was tried. A fault is not a handful of one-code steps at near-ties, so it stays above the bar."""
+    other way, within `factor` (the check's bar factor) x the oracle's own noise of a rounding boundary (at most
+    WINDOW_CAP of a step). Greedily, take the near-tie whose other code (forced in the gold) lowers the distance
+    most, MAX_TRIED candidates a step, nearest their boundary first, as many as a correct implementation
+    plausibly needs (`plausible` of the expected count, at most MAX_FORCED and what is left of RUN_CAP). The bar
+    is the caller's, measured before anything was forced, and stays so. When the distance ends within `bar`: the
+    scores with those codes forced in both runs and a line per excused rounding; otherwise the scores unchanged
+    and one line saying what was tried. A fault is not a handful of one-code steps at near-ties, so it stays
+    above the bar."""
     start = best = distance(scores)
     current, taken = scores, list[str]()
     gold_dtype = declared_precision(ctx).gold_dtype
+    within = scores.windows(factor)  # the windows of the runs before anything was forced, kept throughout
     ties = scores.near_ties(factor)
-    found = len(ties)
-    while best > bar and len(taken) < MAX_FORCED and ties:
+    found, expected = len(ties), scores.expected_flips(factor)
+    limit = max(0, min(MAX_FORCED, plausible(expected), RUN_CAP - _run_excused(ctx, seq)))
+    while best > bar and len(taken) < limit and ties:
         trials = []
         for tie in ties[:MAX_TRIED]:
             forced = {**current.forced, tie.site: tie.other}
-            gold = _oracle_run(ctx, seq, first, gold_dtype, forced)[0]
-            trials.append((distance(Scores(gold, current.base)), tie, forced))
-        d, tie, forced = min(trials, key=lambda trial: trial[0])
+            gold, ledger = _oracle_run(ctx, seq, first, gold_dtype, forced)
+            trials.append((distance(Scores(gold, current.base)), [tie], forced))
+            # a code taken the other way moves what comes after it: the rounding it brings nearest a boundary
+            # may be one the endpoint took the other way too, and only the pair explains the distance
+            known = {t.site for t in ties}
+            then = [t for t in near_ties(ledger, ledger, factor, within) if t.site not in known]
+            if then and len(taken) + 2 <= limit:
+                pair = {**forced, then[0].site: then[0].other}
+                gold = _oracle_run(ctx, seq, first, gold_dtype, pair)[0]
+                trials.append((distance(Scores(gold, current.base)), [tie, then[0]], pair))
+        d, chosen, forced = min(trials, key=lambda trial: trial[0])
         if d >= best:
             break
         current, best = score(ctx, seq, first, forced), d
-        ties = current.near_ties(factor)
-        taken.append(f"rounding near-tie excused at {tie.describe()}; distance then {d:.3g}")
+        ties = near_ties(*current.ledgers, factor, within) if current.ledgers is not None else []
+        ties = [t for t in ties if t.site not in current.forced]
+        taken += [f"rounding near-tie excused at {tie.describe()}; distance then {d:.3g}" for tie in chosen]
+    allowance = (f"a correct implementation is expected to take {expected:.2g} of this sequence's roundings the "
+                 f"other way: at most {limit} excused here (of {MAX_FORCED} a sequence, {RUN_CAP} a run)")
     if best > bar:
-        return scores, ([f"{found} rounding near-tie(s) of the declared precision (the {min(found, MAX_TRIED)} most "
-                         f"ambiguous tried, up to {MAX_FORCED} together): none brings the distance {start:.3g} "
-                         f"within the bar {bar:.3g} (best {best:.3g}); none excused"] if found else [])
+        return scores, ([f"{found} rounding near-tie(s) of the declared precision (the {min(found, MAX_TRIED)} "
+                         f"nearest their boundary tried); {allowance}: none brings the distance {start:.3g} within "
+                         f"the bar {bar:.3g} (best {best:.3g}); none excused"] if found else [])
     ctx.cache.setdefault(EXCUSED, {})[tuple(seq)] = dict(current.forced)
     return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
-                     f"precision taken the other way bring it to {best:.3g}", *taken]
+                     f"precision taken the other way bring it to {best:.3g} ({allowance})", *taken]
 
 
 @dataclass

@@ -21,6 +21,7 @@ from k3verify.gates.core.binding import dtypes_of_run
 from k3verify.gates.core.check import Check
 from k3verify.gates.core.compare import BF16_MAX_FAIL_FRACTION, Kind, within_bar
 from k3verify.gates.core.evaluate import status_of
+from k3verify.gates.core.excused import excused_count
 from k3verify.gates.core.noise import NoiseError, derive_bar
 
 SHOWN = 8  # missing check ids named in a refusal
@@ -91,7 +92,7 @@ def result_problem(result: Mapping[str, Any], check: Check | None) -> str | None
     if control["status"] != ("pass" if control_passed else "fail"):
         return (f"result {rid}: its control says {control['status']!r}, but the control's metric {control_metric:.3g} "
                 f"against bar {bar} makes it {'pass' if control_passed else 'fail'!r}")
-    decided = status_of(candidate_passed, control_passed).value
+    decided = status_of(candidate_passed, control_passed, excused_count(result["metrics"])).value
     if decided != status:
         where = "bit-exact" if bar is None else f"bar {bar:.3g}"
         return (f"result {rid} says {status!r}, but its metric {metric:.3g} against its {where} ({check.kind.value}), "

@@ -17,7 +17,8 @@ from k3verify.tokenizer import encode_chat
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 MAX_BIAS = 100.0  # OpenAI's logit_bias range
 CONVERSATIONS: list[list[dict[str, object]]] = [
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+    # non-ASCII text: a server that decodes the body with another charset than UTF-8 renders other tokens
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour: «bleu» or vert?"}],
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, how can I help?"},
      {"role": "user", "content": "tell me a joke"}],
     [{"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
@@ -181,5 +182,11 @@ def check_stream_identity(ctx: CheckContext) -> Trial:
         if g.answer.usage and streamed.usage:
             ref[f"{key}.usage"] = ctrl[f"{key}.usage"] = as_ids([int(g.answer.usage.get("completion_tokens", -1))])
             cand[f"{key}.usage"] = as_ids([int(streamed.usage.get("completion_tokens", -2))])
-    notes.append("reference: the endpoint's own non-streamed answer to the same greedy request")
+        plain = ep.complete_streamed(g.prompt, max_tokens=greedy_body(ctx)["max_tokens"], temperature=0)
+        ref[f"{key}.plain.text"], cand[f"{key}.plain.text"] = _text(g.answer.text), _text(plain.text)
+        ctrl[f"{key}.plain.text"] = _text(plain.text[:-1])
+        ref[f"{key}.plain.finish"], cand[f"{key}.plain.finish"] = _finish(g.answer), _finish(plain)
+        ctrl[f"{key}.plain.finish"] = as_ids([FINISH_CODES[None]])
+    notes.append("reference: the endpoint's own non-streamed answer to the same greedy request, streamed with "
+                 "top-k logprobs and again without any (a server may frame plain text deltas apart)")
     return Trial(reference=ref, candidate=cand, control=ctrl, notes=notes)

@@ -48,6 +48,11 @@ from k3verify.gates.shared.endpoint_oracle import (
 FP32_REFERENCE_SPREAD = 1.7
 BAR_FACTOR = {torch.float32: 3.0 * FP32_REFERENCE_SPREAD, torch.bfloat16: 1.5, torch.float16: 1.5}
 LOGPROB_CAP = 0.25
+# A logprob check that passes only by excusing rounding near-ties is judged by this many times the oracle's own
+# distance measured before anything was forced, not by BAR_FACTOR: an excuse must leave the endpoint as near the
+# gold as a fault-free run of the oracle's own arithmetic is (within 1.5x), so it can never carry a fault the bar's
+# wider allowance would otherwise have room for.
+EXCUSED_BAR_FACTOR = 1.5
 
 
 @dataclass
@@ -147,18 +152,34 @@ def _distance(rows: Rows) -> float:
     return rel_rms(cand[seen], gold[seen]) if bool(seen.any()) else float("inf")
 
 
-def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> tuple[list[Rows], int]:
-    """Each answer's Rows against the oracle; an answer farther from the gold than the bar (measured over all of
-    them) is given the rounding near-ties of the declared precision that explain it (resolve_roundings), each
-    named in `notes`: roundings within the bar's own factor of the oracle's noise of a boundary, the allowance the
-    bar grants the endpoint's outputs granted to the values it rounds. Returns the rows and how many roundings were
-    excused."""
+@dataclass
+class Scored:
+    """A logprob check's rows: `parts` after any excused rounding near-ties (forced in both oracle runs), `plain`
+    before, the oracle's own noise measured on `plain` (the bar's, never re-measured after forcing), and how many
+    roundings were excused."""
+
+    parts: list[Rows]
+    plain: list[Rows]
+    noise: float
+    excused: int
+
+
+def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> Scored:
+    """Each answer's Rows against the oracle, and the oracle's own noise over all of them, measured before
+    anything is forced (at an emulated precision, on the declared dtype computing with the gold's codes). An answer
+    farther from the gold than the bar is given the rounding near-ties of the declared precision that explain it
+    (resolve_roundings), each named in `notes`: roundings within the bar's own factor of the oracle's noise of a
+    boundary, the allowance the bar grants the endpoint's outputs granted to the values it rounds. The bar stays
+    the one measured here: forcing a code moves the oracle's own two runs apart as much as it moves the gold, and a
+    bar re-measured after it would grow with every excuse."""
     scores = [score(ctx, a.seq, a.first) for a in answers]
-    parts = [a.rows(s) for a, s in zip(answers, scores, strict=True)]
+    plain = [a.rows(s.for_bar()) for a, s in zip(answers, scores, strict=True)]
+    noise = _noise(plain)
+    parts = list(plain)
     if not any(s.rounded for s in scores):
-        return parts, 0
+        return Scored(parts, plain, noise, 0)
     factor = BAR_FACTOR[session(ctx).dtype]
-    bar = factor * _noise(parts)
+    bar = factor * noise
     excused = 0
     for i, (answer, scored) in enumerate(zip(answers, scores, strict=True)):
         if not scored.rounded or _distance(parts[i]) <= bar:
@@ -168,11 +189,11 @@ def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> tuple
                          "off unless --excuse-rounding-ties accepts it)")
             continue
         resolved, lines = resolve_roundings(ctx, answer.seq, answer.first, scored, answer.distance, bar, factor)
-        parts[i] = answer.rows(resolved)
+        parts[i] = answer.rows(resolved.for_bar())
         excused += len(resolved.forced)
         label = parts[i].labels[0].rsplit(" position", 1)[0] if parts[i].labels else f"answer {i}"
         notes += [f"{label}: {line}" for line in lines]
-    return parts, excused
+    return Scored(parts, plain, noise, excused)
 
 
 def _code_flips(ctx: CheckContext, answers: list[Answer]) -> str:
@@ -193,12 +214,15 @@ def _code_flips(ctx: CheckContext, answers: list[Answer]) -> str:
 
 def _measured_trial(ctx: CheckContext, answers: list[Answer], notes: list[str], what: str) -> Trial:
     """One RMS trial over all rows, each centred: the bar is BAR_FACTOR x the oracle's own dtype noise on the same
-    entries, measured the same way (after any excused rounding near-ties, forced in both oracle runs)."""
+    entries, measured the same way before any rounding near-tie is excused (then forced in both oracle runs); where
+    any was excused, EXCUSED_BAR_FACTOR x that same noise (never more than BAR_FACTOR x)."""
     factor = BAR_FACTOR[session(ctx).dtype]
-    parts, excused = _scored(ctx, answers, notes)
-    cand, gold, base = (_centred(torch.cat([getattr(p, name) for p in parts])) for name in ("cand", "gold", "base"))
-    labels = [label for p in parts for label in p.labels]
-    noise = rel_rms(base, gold)
+    scored = _scored(ctx, answers, notes)
+    cand, gold = (_centred(torch.cat([getattr(p, name) for p in scored.parts])) for name in ("cand", "gold"))
+    base = _centred(torch.cat([p.base for p in scored.plain]))
+    plain_gold = _centred(torch.cat([p.gold for p in scored.plain]))
+    labels = [label for p in scored.parts for label in p.labels]
+    noise, excused = scored.noise, scored.excused
     if noise <= 0.0:
         raise RuntimeError("the oracle at the declared dtype equals the gold exactly: no noise to take a bar from")
     if factor * noise > LOGPROB_CAP:
@@ -210,8 +234,13 @@ def _measured_trial(ctx: CheckContext, answers: list[Answer], notes: list[str], 
     w = int(worst.argmax())
     notes.append(f"{what}; each row centred (its mean removed); bar = {factor} x the oracle's own rel RMS at the "
                  f"declared dtype ({noise:.3g}) = {factor * noise:.3g}")
+    if excused:
+        factor = min(factor, EXCUSED_BAR_FACTOR)
+        notes.append(f"{excused} rounding near-tie(s) excused: an excused pass must end within {factor} x the "
+                     f"oracle's own rel RMS before anything was forced = {factor * noise:.3g} (the bar this result "
+                     "is judged by)")
     notes.append(f"largest deviation at {labels[w]}: {float(worst[w]):.3g} nats (the oracle's own at the declared "
-                 f"dtype there: {float((base[w] - gold[w]).abs().max()):.3g})")
+                 f"dtype there: {float((base[w] - plain_gold[w]).abs().max()):.3g})")
     return Trial(reference=gold, candidate=cand, control=torch.roll(cand, 1, dims=0), position_dim=0,
                  bar=factor * noise, notes=notes,
                  metrics={"oracle_dtype_noise": noise, "bar_factor": factor, "rows": float(cand.shape[0]),
