@@ -65,7 +65,7 @@ CELLS = (
 
 MANUAL = (
     Manual("k3verify parity --preset k3-syn-25 --suite full",
-           "PASS on the 2-core CPU (2026-12-06, 375 s on the loaded machine); not in CI since it is the costliest full row (`mutate --suite full` runs its mutants' killers on it)"),
+           "PASS 81 pass, 26 skipped (2-core CPU, 2026-12-06, 414 s on the loaded machine); not in CI since it is the costliest full row (`mutate --suite full` runs its mutants' killers on it)"),
     Manual("k3verify parity --preset kl-tiny --endpoint http://127.0.0.1:8766 --api-key KEY --model kl-tiny",
            "against `k3verify serve --preset kl-tiny --api-key KEY --port 8766`: PASS 8 pass; without --api-key: "
            "exit 2, `401: Incorrect or missing API key`"),
