@@ -128,13 +128,14 @@ def engine_prefill(runner: ModelRunner, ids: list[int], segment: int, extra: int
 def _block_bytes(model: ServingModel, seen: list[int]) -> Callable[[], None]:
     """Record the bytes of every block-residual buffer the model allocates; returns the undo."""
     new_blocks = model._new_blocks
+    patched: Any = model  # the method is shadowed by an instance attribute, removed again by the undo
 
     def recording(x: torch.Tensor, ctx: Any) -> Any:
         blocks = new_blocks(x, ctx)
         if isinstance(blocks, BlockBuffer):
             seen.append(blocks.data.numel() * blocks.data.element_size())
         return blocks
-    model._new_blocks = recording  # type: ignore[method-assign]
+    patched._new_blocks = recording
     return lambda: delattr(model, "_new_blocks")
 
 
