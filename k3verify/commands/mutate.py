@@ -59,7 +59,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="device the children run parity on; cuda adds the CUDA-only mutants")
     p.add_argument("--wide", action="store_true",
-                   help="every child runs the whole full suite, not only the expected killers (complete kill matrix)")
+                   help="every child runs the whole suite (the quick suite with --suite quick), not only the expected "
+                        "killers (complete kill matrix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per child process (default 600)")
     p.set_defaults(func=run)
@@ -118,7 +119,8 @@ def _run(args: argparse.Namespace, pairs: Sequence[tuple[Mutant, str]], cache_di
         else:
             todo.append((mutant, preset, expected))
 
-    clean_reports = clean_runs(todo, child, args.jobs, known if args.wide else ())
+    wide = sorted(quick_ids) if quick_ids is not None else known
+    clean_reports = clean_runs(todo, child, args.jobs, wide if args.wide else ())
     runnable = []
     for mutant, preset, expected in todo:
         passing = sorted(r["id"] for r in clean_reports[preset]["results"] if r["status"] == "pass")

@@ -118,8 +118,10 @@ def test_red_clean_run_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_wide_run_records_unexpected_killers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--wide runs the whole suite per mutant: a layer fault must also turn checks beyond its expected ones red."""
-    rc = main(["mutate", "--only", "mla.gate.dropped", "--wide", "--report-dir", str(tmp_path / "report")])
+    """--wide runs the whole suite per mutant (here the quick suite, a quick mutant): a layer fault must also turn
+    checks beyond its expected ones red."""
+    rc = main(["mutate", "--only", "mla.gate.dropped", "--suite", "quick", "--wide", "--report-dir",
+               str(tmp_path / "report")])
     capsys.readouterr()
     (row,) = load_report(tmp_path / "report")["mutations"]
     assert rc == 0 and row["status"] == "killed"
