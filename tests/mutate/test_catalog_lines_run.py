@@ -11,6 +11,7 @@ from k3verify.commands.mutate import registered_check_ids
 from k3verify.gates.mutation.line_probe import absent_on, spans
 from k3verify.gates.mutation.runner import PACKAGE_DIR, PARITY_RAN, load_catalog, select
 
+XDIST_SPREAD = True  # one long probed run per preset: handed to the workers one by one (tests/conftest.py)
 PAIRS = [(m, p) for m, p in select(load_catalog()) if not m.equivalent]
 PRESETS = sorted({p for _, p in PAIRS})
 
