@@ -73,6 +73,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="a line for every check as it finishes, with its wall time (and CUDA peak on a GPU)")
     p.add_argument("--weights-from", type=Path, metavar="GGUF",
                    help="the oracle (and our serving model) run on this GGUF file's weights, dequantized by gguf-py "
                         "and mapped back to the checkpoint's names; --dtype w-gguf-a8 adds llama.cpp's CPU "
@@ -248,7 +250,7 @@ def _run_checks(args: argparse.Namespace, target: Target, device: torch.device, 
         factory = make_context_factory(target, device=device, seed=args.seed, suite=args.suite, dtype=dtype,
                                        cache=cache, endpoint=endpoint, parallel=parallel,
                                        slicer=None if isinstance(target, GgufTarget) else slice_context)
-        with progress_hooks(len(checks)) as hooks:
+        with progress_hooks(len(checks), verbose=args.verbose) as hooks:
             run = run_suite(checks, factory, seed=args.seed, suite=args.suite, device=device, info=info,
                             import_errors=import_errors(), on_start=hooks.on_start, on_result=hooks.on_result)
         if endpoint is not None:

@@ -5,7 +5,8 @@
 Each step is a `k3verify` command in a child process with a timeout; a thread samples the GPU's used memory
 (nvidia-smi, every 0.5 s) so each step's peak is known. The serve step starts `k3verify serve` on the parity
 report, waits for /health, sends one /v1/completions request and stops the server. Prints a table and writes
-$OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S.
+$OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S. REUSE=1 keeps a
+checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 K3V = [sys.executable, "-m", "k3verify"]
+RESULT_WORDS = {"PASS", "FAIL", "ERROR", "SKIPPED", "EXCUSED", "VACUOUS"}
 
 
 @dataclass
@@ -71,7 +73,8 @@ def run_step(step: Step, argv: list[str], sampler: GpuSampler) -> None:
     step.peak_gpu_mib = sampler.peak(start, time.monotonic())
     lines = [ln for ln in output.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
     step.tail = lines[-25:]
-    print("\n".join(step.tail), flush=True)
+    results = [ln for ln in lines[:-25] if ln.split(" ", 1)[0] in RESULT_WORDS]  # --verbose: every check's line
+    print("\n".join(results + step.tail), flush=True)
 
 
 def serve_step(step: Step, ckpt: Path, report_dir: Path, sampler: GpuSampler, port: int, device: str) -> None:
@@ -137,12 +140,15 @@ def main() -> int:
     sampler.start()
     steps = [Step("make", budget["make"]), Step("digest", budget["digest"]), Step("parity", budget["parity"]),
              Step("serve", budget["serve"])]
-    run_step(steps[0], [*K3V, "checkpoint", "make", "--preset", args.preset, "--device", args.device, "--force",
-                        str(ckpt)], sampler)
+    if os.environ.get("REUSE") == "1" and (ckpt / "config.json").is_file():  # a warm machine's earlier make
+        steps[0].exit, steps[0].tail = 0, [f"reused {ckpt}"]
+    else:
+        run_step(steps[0], [*K3V, "checkpoint", "make", "--preset", args.preset, "--device", args.device, "--force",
+                            str(ckpt)], sampler)
     if steps[0].exit == 0:
         run_step(steps[1], [*K3V, "checkpoint", "inspect", str(ckpt)], sampler)
         run_step(steps[2], [*K3V, "parity", "--checkpoint", str(ckpt), "--device", args.device, "--report-dir",
-                            str(report)], sampler)
+                            str(report), "--verbose", *os.environ.get("PARITY_ARGS", "").split()], sampler)
         if steps[2].exit == 0:
             serve_step(steps[3], ckpt, report, sampler, args.port, args.device)
     sampler.stopped.set()

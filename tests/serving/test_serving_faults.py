@@ -133,3 +133,17 @@ def test_bf16_module_check_runs_mla_on_the_torch_kernels(factory: ContextFactory
     assert status is Status.PASS, why
     assert seen and all(s.get(op) == "torch" for s in seen for op in (attn.CAUSAL, norm.RMS, norm.GATED_RMS))
     assert attn.CAUSAL not in KERNELS._forced  # released after the check
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_conv_boundary_same_row_count_reference(factory: ContextFactory, monkeypatch: pytest.MonkeyPatch,
+                                                leak: bool) -> None:
+    """CUDA's form of kda.conv.packed_boundary ("alone" = the pack with the other sequences' inputs replaced,
+    the GEMMs keeping their row count), run on the CPU: green without the fault, red with a leaking window."""
+    from k3verify.gates.checks.serving import packing
+    monkeypatch.setattr(packing, "same_row_count_reference", lambda ctx: True)
+    if leak:
+        monkeypatch.setattr(conv_ref, "_sources", _leaky_sources)
+    result = run_check(REGISTRY.get("kda.conv.packed_boundary"), factory, 0, "cpu")
+    assert any("other sequences' inputs replaced" in n for n in result.notes), result.notes
+    assert Status(result.status) is (Status.FAIL if leak else Status.PASS), result.reason or result.traceback

@@ -196,6 +196,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
     check_seed = derive_seed(seed, check.id)
     start = time.perf_counter()
     ctx: CheckContext | None = None
+    if device_kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     try:
         if device_kind not in check.devices:
             raise SkipCheck(f"needs {' or '.join(check.devices)}; this run is on {device_kind}")
@@ -219,6 +221,8 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result.traceback = traceback.format_exc()
     result.seed = check_seed
     result.duration_s = time.perf_counter() - start
+    if device_kind == "cuda":  # what the check's own step took of the card (the run's cached models included)
+        result.metrics["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result.serving_dtypes = [] if ctx is None else sorted(ctx.serving_dtypes)
     return result
 

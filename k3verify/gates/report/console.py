@@ -30,8 +30,9 @@ class ProgressHooks:
 
 
 @contextmanager
-def progress_hooks(total: int, console: Console | None = None) -> Iterator[ProgressHooks]:
-    """Yields (on_start, on_result) callbacks for run_suite that drive a rich progress bar."""
+def progress_hooks(total: int, console: Console | None = None, verbose: bool = False) -> Iterator[ProgressHooks]:
+    """Yields (on_start, on_result) callbacks for run_suite that drive a rich progress bar; a check that does not
+    pass gets a line, and with `verbose` every check does, with its wall time (and its CUDA peak on a GPU)."""
     console = console or make_console(stderr=True)
     progress = Progress(TextColumn("[bold]parity[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.description}"), console=console, transient=True)
@@ -42,10 +43,13 @@ def progress_hooks(total: int, console: Console | None = None) -> Iterator[Progr
             progress.update(task, description=check.id)
 
         def on_result(result: Result) -> None:
-            if result.status is not Status.PASS:
+            if result.status is not Status.PASS or verbose:
                 style = STATUS_STYLE[result.status]
                 label = status_label(result.status.value, result.metrics).upper()
-                progress.console.print(f"[{style}]{label:8}[/] {result.id}: {result.reason or ''}")
+                took = f" [dim]({result.duration_s:.1f} s" + (
+                    f", CUDA peak {result.metrics['cuda_peak_gib']:.1f} GiB" if "cuda_peak_gib" in result.metrics
+                    else "") + ")[/]" if verbose else ""
+                progress.console.print(f"[{style}]{label:8}[/] {result.id}{took}: {escape(result.reason or '')}")
             if not result.id.startswith("gates.import."):
                 progress.advance(task)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,7 @@ from k3verify.gates.core.check import CheckContext, SkipCheck
 from k3verify.gates.core.evidence import SIZE_SKIP
 from k3verify.gates.shared.patch import patched
 from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, record_routes
+from k3verify.gates.shared.slice import PARENT_CACHE, SLICE_CACHE
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
@@ -59,6 +61,43 @@ def _cached(ctx: CheckContext, key: str, build: Callable[[], Any]) -> Any:
     if key not in ctx.cache:
         ctx.cache[key] = build()
     return ctx.cache[key]
+
+
+HEADROOM_BYTES = 4 << 30  # kept free past what a model needs: activations, workspaces, the allocator's slack
+
+
+def _holds_cuda(value: Any) -> bool:
+    """Whether a cached value is a model (or a layer-at-a-time oracle) that may hold device memory."""
+    return isinstance(value, (nn.Module, StreamedLayers, StreamedReference))
+
+
+def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
+    """On CUDA, before building `what` (need_bytes): if the card's free memory (with what torch holds unused)
+    is short of it plus HEADROOM_BYTES, drop cached models of this run, oldest first and the served model last,
+    until it is not; each later check that needs one builds it again. The result says what was dropped."""
+    if ctx.device.type != "cuda":
+        return
+    caches = [ctx.cache]
+    for extra in (ctx.cache.get(PARENT_CACHE), ctx.cache.get(SLICE_CACHE)):
+        if isinstance(extra, dict):
+            caches.append(extra)
+    served = f"serving.model.{_dtype_name(ctx.dtype)}.cached"
+    victims = [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k != served]
+    victims += [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k == served]
+
+    def free() -> int:
+        idle, _ = torch.cuda.mem_get_info(ctx.device)
+        return idle + torch.cuda.memory_reserved(ctx.device) - torch.cuda.memory_allocated(ctx.device)
+    dropped = []
+    while free() < need_bytes + HEADROOM_BYTES and victims:
+        cache, key = victims.pop(0)
+        del cache[key]
+        dropped.append(key)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if dropped:
+        ctx.run_notes.append(f"dropped cached {', '.join(dropped)} to build {what} ({need_bytes / 2**30:.1f} GiB; "
+                             f"{free() / 2**30:.1f} GiB free after)")
 
 
 def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
@@ -106,6 +145,22 @@ def parameter_count(cfg: ModelConfig) -> int:
     return total
 
 
+@functools.cache
+def _layer_parameter_counts(cfg: ModelConfig) -> tuple[int, ...]:
+    counts = [0] * cfg.num_hidden_layers
+    for name, spec in module_specs(cfg).items():
+        parts = name.split(".")
+        if name.endswith(".weight_scale") or parts[:2] != ["model", "layers"]:
+            continue
+        counts[int(parts[2])] += math.prod(spec.shape) * (2 if name.endswith(".weight_packed") else 1)
+    return tuple(counts)
+
+
+def largest_layer_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One decoder layer's weights in `dtype`, the largest: what a layer-at-a-time oracle holds."""
+    return max(_layer_parameter_counts(cfg), default=0) * torch.empty((), dtype=dtype).element_size()
+
+
 def whole_model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
 
@@ -139,6 +194,7 @@ def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_m
         if ctx.device.type == "cuda":  # say it before the allocator does
             require_fit(f"a serving model in {_dtype_name(dtype)}", whole_model_bytes(cfg, dtype),
                         device_memory_gib(ctx.device), "a card with more memory, or --dtype bfloat16")
+            make_room(ctx, whole_model_bytes(cfg, dtype), f"a serving model in {_dtype_name(dtype)}")
         ctx.cache[key] = ServingModel(cfg, dtype, ctx.device, mxfp4_mode).load(checkpoint_tensors(ctx))
     model: ServingModel = ctx.cache[key]
     model.attn_res_storage = "prealloc"
@@ -156,6 +212,7 @@ def reference_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3
     require_whole_model(ctx, "the whole-model oracle", dtype)
 
     def build() -> K3Reference:
+        make_room(ctx, whole_model_bytes(ctx.cfg, dtype), f"the whole-model oracle in {_dtype_name(dtype)}")
         ref = K3Reference(ctx.cfg, dtype)
         load_into(ref, ctx.cfg, checkpoint_tensors(ctx))
         tag_model(ref, ctx.target)  # a GGUF's weight types, for its arithmetic (peers/gguf_target.py)
@@ -168,6 +225,7 @@ def hf_model(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> nn.Module
     require_whole_model(ctx, "transformers' model", dtype)
 
     def build() -> nn.Module:
+        make_room(ctx, whole_model_bytes(ctx.cfg, dtype), f"transformers' model in {_dtype_name(dtype)}")
         return build_hf_model(ctx.cfg, ctx.target.hf_config(), checkpoint_tensors(ctx), dtype=dtype,
                               device=ctx.device)
     return _cached(ctx, f"oracle.hf.{_dtype_name(dtype)}", build)
@@ -201,6 +259,7 @@ def oracle_runner(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> K3Re
     note_streamed(ctx, dtype)
 
     def build() -> StreamedReference:
+        make_room(ctx, largest_layer_bytes(ctx.cfg, dtype), f"the streamed oracle in {_dtype_name(dtype)}")
         order = ctx.cache.get(STREAMED_ORDER)
         return StreamedReference(ctx.cfg, checkpoint_tensors(ctx), dtype, ctx.device,
                                  **({} if order is None else {"layer_order": order}))
@@ -262,8 +321,10 @@ def reference_layers(ctx: CheckContext, dtype: torch.dtype = torch.float32) -> l
             f"model in {_dtype_name(dtype)} would hold {whole_model_bytes(ctx.cfg, dtype) / 1e9:.3g} GB")
     if note not in ctx.run_notes:
         ctx.run_notes.append(note)
-    streamed: StreamedLayers = _cached(ctx, f"oracle.k3.layers.{_dtype_name(dtype)}",
-                                       lambda: StreamedLayers(ctx, dtype))
+    def build() -> StreamedLayers:
+        make_room(ctx, largest_layer_bytes(ctx.cfg, dtype), f"the oracle's layers in {_dtype_name(dtype)}")
+        return StreamedLayers(ctx, dtype)
+    streamed: StreamedLayers = _cached(ctx, f"oracle.k3.layers.{_dtype_name(dtype)}", build)
     return streamed
 
 

@@ -25,6 +25,7 @@ from k3verify.gates.core.noise import NoiseLookup
 from k3verify.target import Target
 
 SLICE_CACHE = "slice.cache"  # ctx.cache key: the slice's own cache (its models), shared by every sliced check
+PARENT_CACHE = "slice.parent_cache"  # in the slice's cache: the run's cache it hangs from (builders.make_room)
 _LAYER = re.compile(r"(^|\.)model\.layers\.(\d+)\.")
 
 
@@ -115,7 +116,7 @@ def slice_target(target: Target) -> SlicedTarget:
 def slice_context(ctx: CheckContext) -> tuple[CheckContext, str]:
     """ctx on the slice (its own cache, kept for every sliced check of the run) and the words its result says."""
     if ctx.cache.get(SLICE_CACHE) is None:
-        ctx.cache[SLICE_CACHE] = {"target": slice_target(ctx.target)}
+        ctx.cache[SLICE_CACHE] = {"target": slice_target(ctx.target), PARENT_CACHE: ctx.cache}
     cache: dict[str, Any] = ctx.cache[SLICE_CACHE]
     target: SlicedTarget = cache["target"]
     noise = None if ctx.noise is None else NoiseLookup(None, None, "a slice of the model: noise measured at run time")

@@ -62,12 +62,17 @@ def available() -> str | None:
 GATHER_BUDGET_BYTES = 1 << 30
 
 
+def gather_max_pairs(moe: Any, width: int, element_size: int) -> int:
+    """The most (token, expert) pairs the per-pair gather takes for `moe` at input `width` (GATHER_BUDGET_BYTES)."""
+    return GATHER_BUDGET_BYTES // (3 * moe.intermediate_size * width * element_size)
+
+
 def accepts(moe: Any, x_in: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
             add: torch.Tensor | None = None) -> str | None:
     if add is not None and (add.shape != x_in.shape or not add.is_contiguous()):
         return f"the row to add must be contiguous {tuple(x_in.shape)}; got {tuple(add.shape)}, stride {add.stride()}"
     if x_in.dtype != torch.bfloat16:
-        max_pairs = GATHER_BUDGET_BYTES // (3 * moe.intermediate_size * x_in.shape[-1] * x_in.element_size())
+        max_pairs = gather_max_pairs(moe, x_in.shape[-1], x_in.element_size())
         if idx.numel() > max_pairs:  # one message per model and dtype: the registry warns once per reason
             return (f"{x_in.dtype} experts take the per-pair gather path up to {max_pairs} (token, expert) pairs "
                     f"({GATHER_BUDGET_BYTES / 2**30:.0f} GiB of gathered weights); larger batches run the reference "

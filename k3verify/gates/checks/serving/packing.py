@@ -142,6 +142,11 @@ def check_packed_unequal(ctx: CheckContext) -> Trial:
         f"router: {stats.pinned} of {stats.flips} flipped token choices pinned as drift-explained near-ties"])
 
 
+def same_row_count_reference(ctx: CheckContext) -> bool:
+    """Whether "alone" keeps the pack's row count (CUDA) instead of running each sequence by itself (CPU)."""
+    return ctx.device.type == "cuda"
+
+
 def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, Any], what: str) -> Trial:
     if not ctx.cfg.has_kda:
         raise SkipCheck("preset has no KDA layers")
@@ -150,16 +155,32 @@ def _kda_packed_trial(ctx: CheckContext, wrong_meta: dict[str, Any], what: str) 
     good = builders.packed_pass(EQUAL, ctx.device)
     bad = builders.packed_pass(EQUAL, ctx.device)
     bad.batch = dataclasses.replace(bad.batch, **wrong_meta)
+    spans = list(zip(range(0, T, EQUAL[0]), EQUAL, strict=True))
+    # On CUDA a row's GEMM bits depend on the row count (module docstring): there "alone" is the same pack with
+    # every other sequence's inputs replaced by other values, so the GEMMs keep their shape and a sequence that
+    # sees its neighbours (a leak) sees different ones than in the real pack.
+    same_rows = same_row_count_reference(ctx)
+    others = -x.flip(0)
     ref, cand, ctrl = {}, {}, {}
     for i in ctx.cfg.kda_layers:
         attn = builders.layers(model)[i].self_attn
         key = f"layers.{i}"
-        ref[key] = torch.cat([attn(x[a:a + n], builders.single_pass(builders.dummy_ids(n), ctx.device))
-                              for a, n in zip(range(0, T, EQUAL[0]), EQUAL, strict=True)])
+        if same_rows:
+            rows = []
+            for a, n in spans:
+                alone = others.clone()
+                alone[a:a + n] = x[a:a + n]
+                rows.append(attn(alone, good)[a:a + n])
+            ref[key] = torch.cat(rows)
+        else:
+            ref[key] = torch.cat([attn(x[a:a + n], builders.single_pass(builders.dummy_ids(n), ctx.device))
+                                  for a, n in spans])
         cand[key] = attn(x, good)
         ctrl[key] = attn(x, bad)
+    alone_is = ("the same pack with the other sequences' inputs replaced (CUDA: GEMM bits depend on the row count)"
+                if same_rows else "each sequence run alone")
     return Trial(reference=ref, candidate=cand, control=ctrl, position_dim=0,
-                 notes=[f"every KDA layer, {len(EQUAL)} sequences x {EQUAL[0]} tokens packed vs alone; "
+                 notes=[f"every KDA layer, {len(EQUAL)} sequences x {EQUAL[0]} tokens packed vs {alone_is}; "
                         f"control: {what}"])
 
 
