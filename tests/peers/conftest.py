@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,31 @@ from hf_checkpoint import write_hf_checkpoint  # noqa: E402
 
 from k3verify.peers.llamacpp import LlamaCpp, LlamaCppError  # noqa: E402
 
+BUILD_WAIT_S = 1800  # the build's own budget in .ci/run: it takes 5-8 min on 2 cores
+
+
+def wait_for_build() -> None:
+    """With K3V_LLAMACPP_PENDING=FILE (.ci/run starts the build in the background and runs the tests beside it),
+    wait until the build writes its exit status to FILE; a failed build fails the tests with its log's tail."""
+    status = os.environ.get("K3V_LLAMACPP_PENDING")
+    if not status:
+        return
+    path, waited = Path(status), 0.0
+    while not path.is_file():
+        if waited >= BUILD_WAIT_S:
+            pytest.fail(f"the llama.cpp build did not finish in {BUILD_WAIT_S} s ({path} never written)")
+        time.sleep(2.0)
+        waited += 2.0
+    code = path.read_text().strip()
+    if code != "0":
+        log = path.with_suffix(".log")
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.is_file() else "(no log)"
+        pytest.fail(f"the llama.cpp build failed (exit {code}); the end of {log}:\n{tail}")
+
 
 @pytest.fixture(scope="session")
 def llamacpp() -> LlamaCpp:
+    wait_for_build()
     try:
         return LlamaCpp.from_env()
     except LlamaCppError as exc:
