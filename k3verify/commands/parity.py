@@ -46,6 +46,7 @@ from k3verify.oracle.precision import PRECISIONS
 from k3verify.peers.gguf_target import GgufTarget, gguf_target
 from k3verify.peers.gguf_weights import GgufError
 from k3verify.peers.quant_report import quant_report, write_quant_report
+from k3verify.plan.device_fit import device_memory_gib
 from k3verify.serving.parallel.layout import LayoutError, ParallelLayout
 from k3verify.target import DEFAULT_PRESET, DEFAULT_REPORT_DIR, SERVING_DTYPES, Target, TargetError, resolve_target
 
@@ -103,6 +104,7 @@ def validate_device(device: str) -> torch.device:
             raise UsageError(f"--device {device}: CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        device_memory_gib(dev)  # $K3V_CARD_GIB: the allocator held to a smaller card's memory from the start
     return dev
 
 

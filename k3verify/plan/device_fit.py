@@ -3,6 +3,8 @@ from the device) and refuses with the sizes and what to try, instead of a traceb
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from k3verify.config import ModelConfig
@@ -16,15 +18,53 @@ class DoesNotFit(RuntimeError):
     """The planned peak of a GPU workflow is more than the card holds."""
 
 
-def device_memory_gib(device: torch.device | str | None = None) -> float:
-    """The total memory of the CUDA device (the current one by default), in GiB; a ValueError naming what to pass
-    where there is no CUDA device to read."""
+CARD_ENV = "K3V_CARD_GIB"  # run as if the card held this many GiB (a smaller card's limits on a larger one)
+
+
+def card_cap_gib() -> float | None:
+    """$K3V_CARD_GIB as a number of GiB, or None where it is not set."""
+    text = os.environ.get(CARD_ENV)
+    if text is None:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        raise ValueError(f"{CARD_ENV} must be a number of GiB; got {text!r}") from None
+    if gib <= 0:
+        raise ValueError(f"{CARD_ENV} must be > 0; got {text!r}")
+    return gib
+
+
+def _cuda(device: torch.device | str | None) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"no CUDA device here to read the card's memory from: pass it in GiB ({KNOWN_CARDS})")
     dev = torch.device("cuda") if device is None else torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"device {dev} is not a CUDA device: its memory is not a card's")
-    return torch.cuda.get_device_properties(dev).total_memory / GIB
+    return dev
+
+
+def device_memory_gib(device: torch.device | str | None = None) -> float:
+    """The memory of the CUDA device (the current one by default), in GiB; a ValueError naming what to pass where
+    there is no CUDA device to read. With $K3V_CARD_GIB set below the card's memory, that many GiB, and torch's
+    allocator is held to it (torch.cuda.set_per_process_memory_fraction): an H200 runs as an 80 GB card would."""
+    dev = _cuda(device)
+    total = torch.cuda.get_device_properties(dev).total_memory / GIB
+    cap = card_cap_gib()
+    if cap is None or cap >= total:
+        return total
+    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    return cap
+
+
+def free_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes a new allocation may still take on the CUDA device: what the card has free plus what torch's allocator
+    holds unused, within $K3V_CARD_GIB where it is set."""
+    dev = _cuda(device)
+    idle, _ = torch.cuda.mem_get_info(dev)
+    reserved, allocated = torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
+    limit = int(device_memory_gib(dev) * GIB)
+    return max(0, min(idle, limit - reserved)) + reserved - allocated
 
 
 def require_fit(what: str, need_bytes: int, card_gib: float, hint: str) -> None:

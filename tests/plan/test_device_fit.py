@@ -23,3 +23,15 @@ def test_plan_without_a_card_asks_for_its_memory(capsys: pytest.CaptureFixture[s
     assert "no CUDA device here" in capsys.readouterr().err
     assert main(["plan", "--preset", "kl-tiny", "--context", "4096", "--gpu-memory-gib", "79.1"]) == 0
     assert "fits 79.1 GiB" in capsys.readouterr().out
+
+
+def test_the_card_cap_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K3V_CARD_GIB runs a larger card as a smaller one: a positive number of GiB, else an error naming the value."""
+    monkeypatch.delenv(device_fit.CARD_ENV, raising=False)
+    assert device_fit.card_cap_gib() is None
+    monkeypatch.setenv(device_fit.CARD_ENV, "79.1")
+    assert device_fit.card_cap_gib() == 79.1
+    for bad in ("80GB", "0", "-1"):
+        monkeypatch.setenv(device_fit.CARD_ENV, bad)
+        with pytest.raises(ValueError, match=repr(bad)):
+            device_fit.card_cap_gib()

@@ -30,7 +30,7 @@ from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.oracle.streamed import StreamedReference
 from k3verify.peers.gguf_target import tag_model
-from k3verify.plan.device_fit import device_memory_gib, require_fit
+from k3verify.plan.device_fit import device_memory_gib, free_bytes, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
@@ -85,11 +85,8 @@ def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
     victims = [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k != served]
     victims += [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k == served]
 
-    def free() -> int:
-        idle, _ = torch.cuda.mem_get_info(ctx.device)
-        return idle + torch.cuda.memory_reserved(ctx.device) - torch.cuda.memory_allocated(ctx.device)
     dropped = []
-    while free() < need_bytes + HEADROOM_BYTES and victims:
+    while free_bytes(ctx.device) < need_bytes + HEADROOM_BYTES and victims:
         cache, key = victims.pop(0)
         del cache[key]
         dropped.append(key)
@@ -97,7 +94,7 @@ def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
         torch.cuda.empty_cache()
     if dropped:
         ctx.run_notes.append(f"dropped cached {', '.join(dropped)} to build {what} ({need_bytes / 2**30:.1f} GiB; "
-                             f"{free() / 2**30:.1f} GiB free after)")
+                             f"{free_bytes(ctx.device) / 2**30:.1f} GiB free after)")
 
 
 def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
