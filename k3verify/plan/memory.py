@@ -5,7 +5,8 @@ as their packed codes + scales; with `experts="cached"` the bf16 copy the groupe
 Caches: PagedLatentCache and KDAStatePool built on meta at this rank's width for `batch` sequences of
 `context` tokens. Block-residual buffer: the per-pass [T, blocks, H] buffer. Prefix-cache snapshots: the
 budget `serve` gives them (serving/prefix_reuse.py: that many copies of one slot's KDA state and conv windows,
-each with a logits row; 0 with the cache off). Transients: plan/transients.py.
+each with a logits row; 0 with the cache off). Transients: plan/transients.py, the worst of one prefill step and
+a MoE layer's first call (its experts stacked beside themselves).
 Ranks whose shares are the same size are planned once (`ranks` lists them).
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from k3verify.config import ModelConfig
-from k3verify.plan.transients import Step, peak_transient
+from k3verify.plan.transients import Step, expert_stack_bytes, peak_transient
 from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.attn_res import num_blocks
 from k3verify.serving.parallel.comm import Comm
@@ -105,6 +106,10 @@ def plan_rank(cfg: ModelConfig, layout: ParallelLayout, req: PlanRequest) -> Ran
     blocks = req.segment * num_blocks(cfg) * cfg.hidden_size * req.dtype.itemsize if cfg.uses_attn_res else 0
     step = Step(req.segment, req.context, 1, req.dtype.itemsize)
     transient, at, terms = peak_transient(cfg, layout, step)
+    stack = expert_stack_bytes(cfg, layout, req.dtype.itemsize, req.experts)
+    stacking = {"residual stream": terms["residual stream"], "a MoE layer's experts stacked (its first call)": stack}
+    if sum(stacking.values()) > transient:
+        transient, at, terms = sum(stacking.values()), "moe (first call)", stacking
     copy = expert_copy_bytes(cfg, layout, req.dtype) if req.experts == "cached" else 0
     return RankPlan([layout.rank], weights, copy, mla, kda, blocks, transient, at, terms, snapshots)
 

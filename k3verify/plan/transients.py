@@ -65,9 +65,8 @@ def mla_bytes(cfg: ModelConfig, step: Step) -> dict[str, int]:
         "k = [k_nope | k_rot]": Tk * m * cfg.qk_head_dim * d,
         "output + SDPA output": 2 * T * m * cfg.v_head_dim * d,
     }
-    if prefix:
+    if prefix:  # SDPA's lower-right causal bias over the prefix: no [T, Tk] mask tensor (kernels/attn/sdpa.py)
         terms["cached latents gathered + their rows"] = Tk * width * d + 3 * Tk * INT64
-        terms["causal mask with prefix (bool, its negation, additive)"] = T * Tk * (2 + d)
     return terms
 
 
@@ -81,10 +80,10 @@ def moe_bytes(cfg: ModelConfig, layout: ParallelLayout, step: Step) -> dict[str,
     x_in = T * Din * d if cfg.uses_latent_moe else 0
     act = 5 * rows * I * FP32 if cfg.hidden_act == "situ" else 2 * rows * I * d
     router = {"router: x in fp32, logits, scores, choice": T * H * FP32 + 3 * T * cfg.num_experts * FP32}
-    routed = {
+    routed = {  # the grouped GEMMs, then the Triton tail that weights and sums each token's rows in place
         "latent expert input": x_in,
         "gathered rows + gate|up": rows * Din * d + rows * 2 * I * d + 3 * rows * INT64,
-        "max(activation temporaries, down output + fp32 terms)": max(act, rows * Din * (d + 2 * FP32)),
+        "max(activation temporaries, activation output + down output)": max(act, rows * (I + Din) * d),
     }
     if layout.world > 1:
         routed["EP dispatch: rows gathered per pair, fp32 partial sum"] = rows * Din * (d + FP32) + T * Din * FP32
@@ -102,6 +101,17 @@ def residual_bytes(cfg: ModelConfig, layout: ParallelLayout, step: Step) -> int:
     live = 5 if cfg.uses_attn_res else 4
     reduce = step.tokens * cfg.hidden_size * (FP32 + step.dtype_bytes) if layout.world > 1 else 0
     return live * per + reduce
+
+
+def expert_stack_bytes(cfg: ModelConfig, layout: ParallelLayout, dtype_bytes: int, experts: str) -> int:
+    """The one-off transient of a MoE layer's first call on the grouped-GEMM path: its dense experts stacked into
+    [E, 2I, D] + [E, D, I] while the per-expert tensors (bf16 experts, or the MXFP4 experts dequantized with
+    experts="cached") are still alive (SparseMoE.stacked_weights); none for packed MXFP4 experts."""
+    if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) or (cfg.experts_quantized
+                                                                                and experts == "packed"):
+        return 0
+    first, stop = layout.ep_range(cfg.num_experts)
+    return (stop - first) * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * dtype_bytes
 
 
 def peak_transient(cfg: ModelConfig, layout: ParallelLayout, step: Step) -> tuple[int, str, dict[str, int]]:
