@@ -39,7 +39,8 @@ from k3verify.gates.core.suite import (
     select_checks,
 )
 from k3verify.gates.report.console import print_summary, progress_hooks
-from k3verify.gates.report.json_report import writable_dir_problem, write_reports
+from k3verify.gates.report.json_report import writable_dir_problem, write_report_data, write_reports
+from k3verify.gates.report.merge import MergeError, merge_parts
 from k3verify.gates.shared.slice import slice_context
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
@@ -74,6 +75,10 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--ep", type=int, metavar="M", help="expert-parallel degree of the dist.* checks (adds them)")
     p.add_argument("--list", action="store_true", help="list the selected checks and exit")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                   help="merge the reports of a gate run in parts (each part a `parity --only ...` run of the same "
+                        "target, suite, seed, dtype and device; together every check once) into one report in "
+                        "--report-dir, which `serve` judges as a run of one command; nothing else is run")
     p.add_argument("--verbose", action="store_true",
                    help="a line for every check as it finishes, with its wall time (and CUDA peak on a GPU)")
     p.add_argument("--weights-from", type=Path, metavar="GGUF",
@@ -195,7 +200,26 @@ def choose_checks(suite: str, only: list[str], parallel: tuple[int, int] | None)
     return sorted(chosen.values(), key=lambda c: c.id)
 
 
+def merge_parity(args: argparse.Namespace) -> int:
+    """`parity --merge DIR ...`: the parts' reports as one report in --report-dir (gates/report/merge.py)."""
+    given = [f"--{name.replace('_', '-')}" for name in ("preset", "checkpoint", "endpoint", "weights_from", "tp", "ep")
+             if getattr(args, name, None) is not None] + (["--only"] if args.only else [])
+    if given:
+        raise UsageError(f"--merge takes the parts' report directories only; {', '.join(given)} belong to the parts")
+    try:
+        merged = merge_parts(args.merge, registered_checks())
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    write_report_data(merged, args.report_dir, key=report_key(args.report_key))
+    counts, verdict = merged["summary"]["counts"], merged["summary"]["verdict"]
+    print(f"{verdict.upper()} merged {len(args.merge)} parts, {merged['summary']['total']} checks "
+          f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}): {args.report_dir / 'report.json'}")
+    return EXIT_CODES[verdict]
+
+
 def run_parity(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge_parity(args)
     if args.preset is not None and args.checkpoint is not None:
         raise UsageError("give --preset or --checkpoint, not both")
     device = validate_device(args.device)

@@ -138,9 +138,14 @@ def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = No
     """Write report.json, report.html and junit.xml into out_dir. The JSON is validated first, so a
     report that does not match the schema leaves the previous files untouched; with `key` it is signed
     (gates/core/binding.py)."""
+    return write_report_data(report_dict(run), out_dir, key=key)
 
+
+def write_report_data(data: dict[str, Any], out_dir: str | Path, *, key: bytes | None = None) -> dict[str, Path]:
+    """write_reports for a report already in plain data (a merged one, gates/report/merge.py): validated, signed
+    with `key`, written atomically and indexed."""
     out_dir = Path(out_dir)
-    data = report_dict(run)
+    validate_report(data)
     if key is not None:
         data = sign_report(data, key)
         validate_report(data)
