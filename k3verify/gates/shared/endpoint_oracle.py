@@ -183,7 +183,8 @@ def code_pinned(ctx: CheckContext, seq: list[int], first: int) -> tuple[Scores, 
 
 
 def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Scores,
-                      distance: Callable[[Scores], float], bar: float, factor: float) -> tuple[Scores, list[str]]:
+                      distance: Callable[[Scores], float], bar: float, factor: float, *,
+                      partial: bool = False) -> tuple[Scores, list[str]]:
     """Rows of an endpoint sitting `distance(scores)` > `bar` from the gold may differ by rounding near-ties of
     the declared precision (oracle/rounding.py): equally correct codes that the endpoint's arithmetic took the
     other way, within `factor` (the check's bar factor) x the oracle's own noise of a rounding boundary (at most
@@ -192,8 +193,10 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
     plausibly needs (`plausible` of the expected count, at most MAX_FORCED and what is left of RUN_CAP). The bar
     is the caller's, measured before anything was forced, and stays so. When the distance ends within `bar`: the
     scores with those codes forced in both runs and a line per excused rounding; otherwise the scores unchanged
-    and one line saying what was tried. A fault is not a handful of one-code steps at near-ties, so it stays
-    above the bar."""
+    and one line saying what was tried. With `partial` (a caller judging several sequences together, whose
+    `distance` is of all of them), the codes that lowered the distance are returned and recorded even where it
+    stays above `bar`: the caller withdraws them unless the whole ends within its bar. A fault is not a handful of
+    one-code steps at near-ties, so it stays above the bar."""
     start = best = distance(scores)
     current, taken = scores, list[str]()
     gold_dtype = declared_precision(ctx).gold_dtype
@@ -224,11 +227,15 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
         taken += [f"rounding near-tie excused at {tie.describe()}; distance then {d:.3g}" for tie in chosen]
     allowance = (f"a correct implementation is expected to take {expected:.2g} of this sequence's roundings the "
                  f"other way: at most {limit} excused here (of {MAX_FORCED} a sequence, {RUN_CAP} a run)")
-    if best > bar:
+    if best > bar and not (partial and taken):
         return scores, ([f"{found} rounding near-tie(s) of the declared precision (the {min(found, MAX_TRIED)} "
                          f"nearest their boundary tried); {allowance}: none brings the distance {start:.3g} within "
                          f"the bar {bar:.3g} (best {best:.3g}); none excused"] if found else [])
     ctx.cache.setdefault(EXCUSED, {})[tuple(seq)] = dict(current.forced)
+    if best > bar:
+        return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
+                         f"precision taken the other way bring it to {best:.3g}, still beyond it ({allowance})",
+                         *taken]
     return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
                      f"precision taken the other way bring it to {best:.3g} ({allowance})", *taken]
 

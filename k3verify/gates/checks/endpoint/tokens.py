@@ -29,6 +29,7 @@ from k3verify.gates.shared.endpoint_common import (
     sizes,
 )
 from k3verify.gates.shared.endpoint_oracle import (
+    EXCUSED,
     Scores,
     code_pinned,
     judge_tokens,
@@ -164,36 +165,67 @@ class Scored:
     excused: int
 
 
+def _joint(parts: list[Rows]) -> float:
+    """The distance of several answers' rows judged together, as the trial judges them."""
+    return _distance(Rows(torch.cat([p.cand for p in parts]), torch.cat([p.gold for p in parts]),
+                          torch.cat([p.base for p in parts]), []))
+
+
 def _scored(ctx: CheckContext, answers: list[Answer], notes: list[str]) -> Scored:
     """Each answer's Rows against the oracle, and the oracle's own noise over all of them, measured before
-    anything is forced (at an emulated precision, on the declared dtype computing with the gold's codes). An answer
-    farther from the gold than the bar is given the rounding near-ties of the declared precision that explain it
-    (resolve_roundings), each named in `notes`: roundings within the bar's own factor of the oracle's noise of a
-    boundary, the allowance the bar grants the endpoint's outputs granted to the values it rounds. The bar stays
-    the one measured here: forcing a code moves the oracle's own two runs apart as much as it moves the gold, and a
-    bar re-measured after it would grow with every excuse."""
+    anything is forced (at an emulated precision, on the declared dtype computing with the gold's codes). Where all
+    answers together sit farther from the gold than the bar, each answer beyond EXCUSED_BAR_FACTOR x that noise
+    (farthest first) is given the rounding near-ties of the declared precision that bring the rows of all answers
+    together nearest the gold (resolve_roundings), until they sit within EXCUSED_BAR_FACTOR x the noise, the bar an
+    excused result is judged by: roundings within the bar's own factor of the oracle's noise of a boundary, the
+    allowance the bar grants the endpoint's outputs granted to the values it rounds. The roundings are kept (each
+    named in `notes`) where they bring all answers together within the bar, else all withdrawn. The bar stays the
+    one measured here: forcing a code moves the oracle's own two runs apart as much as it moves the gold, and a bar
+    re-measured after it would grow with every excuse."""
     scores = [score(ctx, a.seq, a.first) for a in answers]
     plain = [a.rows(s.for_bar()) for a, s in zip(answers, scores, strict=True)]
     noise = _noise(plain)
     parts = list(plain)
-    if not any(s.rounded for s in scores):
-        return Scored(parts, plain, noise, 0)
     factor = BAR_FACTOR[session(ctx).dtype]
-    bar = factor * noise
-    excused = 0
-    for i, (answer, scored) in enumerate(zip(answers, scores, strict=True)):
-        if not scored.rounded or _distance(parts[i]) <= bar:
+    bar, target = factor * noise, min(factor, EXCUSED_BAR_FACTOR) * noise
+    start = _joint(plain)
+    if not any(s.rounded for s in scores) or start <= bar:
+        return Scored(parts, plain, noise, 0)
+    if not session(ctx).excuse_roundings:
+        notes.append(f"the answers sit {start:.3g} from the gold, beyond the bar {bar:.3g}; rounding near-ties are "
+                     "not excused (the excuse is off unless --excuse-rounding-ties accepts it)")
+        return Scored(parts, plain, noise, 0)
+    saved = dict(ctx.cache.get(EXCUSED, {}))
+    lines, excused = [], 0
+    order = sorted(range(len(answers)), key=lambda i: -_distance(plain[i]))
+    for i in order:
+        answer, scored = answers[i], scores[i]
+        if _joint(parts) <= target:
+            break
+        if not scored.rounded or _distance(parts[i]) <= target:
             continue
-        if not session(ctx).excuse_roundings:
-            notes.append(f"answer {i}: beyond the bar {bar:.3g}; rounding near-ties are not excused (the excuse is "
-                         "off unless --excuse-rounding-ties accepts it)")
-            continue
-        resolved, lines = resolve_roundings(ctx, answer.seq, answer.first, scored, answer.distance, bar, factor)
+
+        def joint(s: Scores, i: int = i, answer: Answer = answer) -> float:
+            return _joint([*parts[:i], answer.rows(s), *parts[i + 1:]])
+
+        resolved, found = resolve_roundings(ctx, answer.seq, answer.first, scored, joint, target, factor,
+                                            partial=True)
         parts[i] = answer.rows(resolved.for_bar())
         excused += len(resolved.forced)
         label = parts[i].labels[0].rsplit(" position", 1)[0] if parts[i].labels else f"answer {i}"
-        notes += [f"{label}: {line}" for line in lines]
-    return Scored(parts, plain, noise, excused)
+        lines += [f"{label}: {line}" for line in found]
+    end = _joint(parts)
+    if excused and end <= bar:
+        notes.append(f"the answers sit {start:.3g} from the gold, beyond the bar {bar:.3g}; {excused} rounding "
+                     f"near-tie(s) excused bring them to {end:.3g} (each answer's distance below is of all answers "
+                     "together)")
+        notes.extend(lines)
+        return Scored(parts, plain, noise, excused)
+    ctx.cache[EXCUSED] = saved
+    notes.append(f"the answers sit {start:.3g} from the gold, beyond the bar {bar:.3g}; the rounding near-ties "
+                 f"that lower it most ({excused} taken) bring it to {end:.3g}, still beyond the bar: none excused")
+    notes += [line for line in lines if "excused at" not in line]
+    return Scored(plain, plain, noise, 0)
 
 
 def _code_flips(ctx: CheckContext, answers: list[Answer]) -> str:
