@@ -6,7 +6,9 @@ Each step is a `k3verify` command in a child process with a timeout; a thread sa
 (nvidia-smi, every 0.5 s) so each step's peak is known. The serve step starts `k3verify serve` on the parity
 report, waits for /health, sends one /v1/completions request and stops the server. Prints a table and writes
 $OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S. REUSE=1 keeps a
-checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command.
+checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command; PARTS=N runs
+the gate in N parts (consecutive check ids, each its own process), kept across calls on a warm machine, then merged
+with `parity --merge` into the report `serve` reads.
 """
 
 from __future__ import annotations
@@ -124,6 +126,39 @@ def serve_step(step: Step, ckpt: Path, report_dir: Path, sampler: GpuSampler, po
         print("\n".join(step.tail), f"\nrequest: {step.detail}", flush=True)
 
 
+def gate_ids() -> list[str]:
+    from k3verify.gates.core.suite import gate_checks, load_all_checks
+
+    return sorted(c.id for c in gate_checks(load_all_checks(), "quick"))
+
+
+def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report: Path, sampler: GpuSampler) -> None:
+    """The gate in `parts` runs of consecutive check ids (each its own process: an empty card), then merged into
+    `report`. A part whose report a call before this one on the same machine finished is kept, so a later call
+    resumes where the budget ran out."""
+    ids = gate_ids()
+    start, dirs = time.monotonic(), []
+    for k in range(parts):
+        chosen = ids[k * len(ids) // parts:(k + 1) * len(ids) // parts]
+        part = parts_dir / f"part-{k + 1}-of-{parts}"
+        dirs.append(part)
+        done = part / "report.json"
+        if done.is_file() and json.loads(done.read_text())["summary"]["verdict"] in ("pass", "inconclusive"):
+            print(f"== part {k + 1}/{parts}: done before ({len(chosen)} checks)", flush=True)
+            continue
+        left = step.budget_s - (time.monotonic() - start)
+        sub = Step(f"part {k + 1}/{parts}", left)
+        run_step(sub, [*parity, *[w for i in chosen for w in ("--only", i)], "--report-dir", str(part)], sampler)
+        step.detail[sub.name] = {"exit": sub.exit, "wall_s": sub.wall_s, "peak_gpu_mib": sub.peak_gpu_mib}
+        if sub.exit not in (0, 4):
+            step.exit, step.wall_s = sub.exit, time.monotonic() - start
+            return
+    merge = Step("merge", 60)
+    run_step(merge, [*K3V, "parity", "--merge", *map(str, dirs), "--report-dir", str(report)], sampler)
+    step.exit, step.wall_s, step.tail = merge.exit, time.monotonic() - start, merge.tail
+    step.peak_gpu_mib = sampler.peak(start - 1, time.monotonic())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/k3v-gpu")))
@@ -147,8 +182,13 @@ def main() -> int:
                             str(ckpt)], sampler)
     if steps[0].exit == 0:
         run_step(steps[1], [*K3V, "checkpoint", "inspect", str(ckpt)], sampler)
-        run_step(steps[2], [*K3V, "parity", "--checkpoint", str(ckpt), "--device", args.device, "--report-dir",
-                            str(report), "--verbose", *os.environ.get("PARITY_ARGS", "").split()], sampler)
+        parity = [*K3V, "parity", "--checkpoint", str(ckpt), "--device", args.device, "--verbose",
+                  *os.environ.get("PARITY_ARGS", "").split()]
+        parts = int(os.environ.get("PARTS", "1"))
+        if parts > 1:
+            run_parts(steps[2], parity, parts, args.dir / f"{args.preset}-parts", report, sampler)
+        else:
+            run_step(steps[2], [*parity, "--report-dir", str(report)], sampler)
         if steps[2].exit == 0:
             serve_step(steps[3], ckpt, report, sampler, args.port, args.device)
     sampler.stopped.set()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -22,15 +21,15 @@ from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.core.check import CheckContext, SkipCheck
 from k3verify.gates.core.evidence import SIZE_SKIP
+from k3verify.gates.shared.card_room import largest_layer_bytes, make_room
 from k3verify.gates.shared.patch import patched
 from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, record_routes
-from k3verify.gates.shared.slice import PARENT_CACHE, SLICE_CACHE
 from k3verify.kernels.registry import REGISTRY, TORCH
 from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.oracle.streamed import StreamedReference
 from k3verify.peers.gguf_target import tag_model
-from k3verify.plan.device_fit import device_memory_gib, free_bytes, require_fit
+from k3verify.plan.device_fit import device_memory_gib, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
@@ -61,40 +60,6 @@ def _cached(ctx: CheckContext, key: str, build: Callable[[], Any]) -> Any:
     if key not in ctx.cache:
         ctx.cache[key] = build()
     return ctx.cache[key]
-
-
-HEADROOM_BYTES = 4 << 30  # kept free past what a model needs: activations, workspaces, the allocator's slack
-
-
-def _holds_cuda(value: Any) -> bool:
-    """Whether a cached value is a model (or a layer-at-a-time oracle) that may hold device memory."""
-    return isinstance(value, (nn.Module, StreamedLayers, StreamedReference))
-
-
-def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
-    """On CUDA, before building `what` (need_bytes): if the card's free memory (with what torch holds unused)
-    is short of it plus HEADROOM_BYTES, drop cached models of this run, oldest first and the served model last,
-    until it is not; each later check that needs one builds it again. The result says what was dropped."""
-    if ctx.device.type != "cuda":
-        return
-    caches = [ctx.cache]
-    for extra in (ctx.cache.get(PARENT_CACHE), ctx.cache.get(SLICE_CACHE)):
-        if isinstance(extra, dict):
-            caches.append(extra)
-    served = f"serving.model.{_dtype_name(ctx.dtype)}.cached"
-    victims = [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k != served]
-    victims += [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k == served]
-
-    dropped = []
-    while free_bytes(ctx.device) < need_bytes + HEADROOM_BYTES and victims:
-        cache, key = victims.pop(0)
-        del cache[key]
-        dropped.append(key)
-        gc.collect()
-        torch.cuda.empty_cache()
-    if dropped:
-        ctx.run_notes.append(f"dropped cached {', '.join(dropped)} to build {what} ({need_bytes / 2**30:.1f} GiB; "
-                             f"{free_bytes(ctx.device) / 2**30:.1f} GiB free after)")
 
 
 def checkpoint_tensors(ctx: CheckContext) -> Mapping[str, torch.Tensor]:
@@ -140,22 +105,6 @@ def parameter_count(cfg: ModelConfig) -> int:
             continue
         total += math.prod(spec.shape) * (2 if name.endswith(".weight_packed") else 1)
     return total
-
-
-@functools.cache
-def _layer_parameter_counts(cfg: ModelConfig) -> tuple[int, ...]:
-    counts = [0] * cfg.num_hidden_layers
-    for name, spec in module_specs(cfg).items():
-        parts = name.split(".")
-        if name.endswith(".weight_scale") or parts[:2] != ["model", "layers"]:
-            continue
-        counts[int(parts[2])] += math.prod(spec.shape) * (2 if name.endswith(".weight_packed") else 1)
-    return tuple(counts)
-
-
-def largest_layer_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One decoder layer's weights in `dtype`, the largest: what a layer-at-a-time oracle holds."""
-    return max(_layer_parameter_counts(cfg), default=0) * torch.empty((), dtype=dtype).element_size()
 
 
 def whole_model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -65,7 +65,7 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off
             return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
         if Lk == offset + Lq:  # what accepts() admits: "query t sees keys 0..offset+t" is the causal mask aligned
             # to the lower right, so no [Lq, Lk] mask tensor (over a 128K prefix it would be 16 GB per chunk)
-            from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: 1.5 s, only when used
+            from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: here, not at start-up
 
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(Lq, Lk),
                                                   scale=scale)[0]
