@@ -53,7 +53,7 @@ def device_memory_gib(device: torch.device | str | None = None) -> float:
     cap = card_cap_gib()
     if cap is None or cap >= total:
         return total
-    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    torch.cuda.set_per_process_memory_fraction(cap / total, torch.cuda.current_device() if dev.index is None else dev)
     return cap
 
 

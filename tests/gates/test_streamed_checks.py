@@ -77,3 +77,13 @@ def test_attn_res_mix_runs_with_its_fp64_oracle_built_one_layer_at_a_time(monkey
     assert result.status == "pass", (result.reason, result.notes)
     assert result.control is not None and result.control.status == "fail"
     assert any(n.startswith("the float64 oracle's layers were built one at a time") for n in result.notes)
+
+
+def test_the_strict_loader_check_reads_the_slice_s_own_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """weights.loader.strict on a slice compares the slice's modules with the checkpoint's own layers, renumbered as
+    the slice numbers them (k3-syn-25: layers 0-6 and 24; reading layer 7 under its own number was a KeyError)."""
+    monkeypatch.setenv(builders.WHOLE_MODEL_ENV, "0.006")
+    result = _run("k3-syn-25", "weights.loader.strict")
+    assert result.status == "pass", (result.reason, result.traceback)
+    assert result.notes[0].startswith("ran on a slice of the model, decoder layers [0 ")
+    assert result.control is not None and result.control.status == "fail"

@@ -25,6 +25,7 @@ from k3verify.checkpoint.names import module_specs, quantized_pair
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates.shared import builders
 from k3verify.gates.shared.checkpoint_edits import DROPPED, UNKNOWN_IN_PREFIX, UNKNOWN_OUTSIDE
+from k3verify.gates.shared.slice import SlicedTarget, SlicedTensors
 
 
 class _EditedTensors(Mapping[str, torch.Tensor]):
@@ -54,17 +55,27 @@ class _EditedTensors(Mapping[str, torch.Tensor]):
 Loader = Callable[[nn.Module, Mapping[str, torch.Tensor]], None]
 
 
-def _independent_read(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint dir through safetensors' own loader (not k3verify's reader)."""
-    from safetensors.torch import load_file
+class _IndependentRead(Mapping[str, torch.Tensor]):
+    """A checkpoint dir's tensors through safetensors' own reader (not k3verify's), each read when asked for (a
+    slice of a real-size checkpoint reads its own layers only)."""
 
-    index = ckpt_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"]
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        out.update(load_file(str(ckpt_dir / file)))
-    return out
+    def __init__(self, ckpt_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = ckpt_dir / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            ["model.safetensors"]
+        self.handles = [safe_open(str(ckpt_dir / file), framework="pt") for file in files]
+        self.where = {name: h for h in self.handles for name in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 def _as_module_holds(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -188,7 +199,9 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     ctrl_notes: list[str] = []
     cand_flags, cand_bytes = run(strict, cand_notes)
     ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
-    source: Mapping[str, torch.Tensor] = _independent_read(ctx.checkpoint_dir)
+    source: Mapping[str, torch.Tensor] = _IndependentRead(ctx.checkpoint_dir)
+    if isinstance(ctx.target, SlicedTarget):  # the slice's layers, renumbered as its modules are
+        source = SlicedTensors(source, list(ctx.target.layers))
     if ctx.target.names == "transformers":
         source = normalize_hf_names(cfg, source)
         cand_notes.append("names: transformers' spellings, read through checkpoint/hf_interop's name map")
