@@ -106,3 +106,30 @@ def test_selftest_checks_pass_and_their_controls_fail(run_checks: RunFactory) ->
         assert r.status is Status.PASS, (r.id, r.reason)
         assert r.control is not None and r.control.status == "fail", r.id
     assert run.verdict == "pass"
+
+
+def test_a_check_that_runs_out_of_cuda_memory_runs_again_with_the_cached_models_dropped(registry: Registry) -> None:
+    """At real size the models a run caches fill the card: a check that then runs out of CUDA memory runs again from
+    its start with every cached model (its slice's too) dropped, and its first note says so; data stays cached."""
+    from k3verify.gates.core.suite import make_context_factory, run_check
+    from k3verify.target import resolve_target
+
+    calls: list[int] = []
+
+    @registry.register_check(id="gates.t.oom", component="gates", level="module", kind=Kind.RMS, bar=5e-3,
+                             bar_reason="test bar", control="scaled")
+    def oom(ctx: CheckContext) -> Trial:
+        calls.append(len(ctx.cache))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        r = torch.randn(16, generator=ctx.generator) + 3.0
+        return Trial(reference=r, candidate=r, control=r * 2)
+
+    cache = {"serving.model.bfloat16.cached": torch.nn.Linear(1, 1), "tensors": {"w": torch.zeros(1)},
+             "slice.cache": {"oracle.hf.float32": torch.nn.Linear(1, 1), "target": "kept"}}
+    factory = make_context_factory(resolve_target("kl-tiny"), device="cpu", seed=0, suite="quick", cache=cache)
+    result = run_check(registry.get("gates.t.oom"), factory, 0, "cpu")
+    assert result.status == Status.PASS and len(calls) == 2
+    assert result.notes[0] == ("ran a second time after running out of CUDA memory, with the run's cached models "
+                               "dropped (serving.model.bfloat16.cached, oracle.hf.float32)")
+    assert set(cache) == {"tensors", "slice.cache"} and cache["slice.cache"] == {"target": "kept"}

@@ -7,6 +7,7 @@ so the engine is testable on its own and `parity` only supplies the factory.
 from __future__ import annotations
 
 import fnmatch
+import gc
 import importlib.metadata
 import os
 import platform
@@ -198,9 +199,9 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
     ctx: CheckContext | None = None
     if device_kind == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    try:
-        if device_kind not in check.devices:
-            raise SkipCheck(f"needs {' or '.join(check.devices)}; this run is on {device_kind}")
+
+    def attempt() -> Result:
+        nonlocal ctx
         # Global RNG too: code under test (module init, dropout) may draw from it despite ctx.generator.
         torch.manual_seed(check_seed)
         generator = torch.Generator().manual_seed(check_seed)
@@ -212,6 +213,22 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
                 raise
             result = _run_on_slice(check, ctx, exc.reason, check_seed)
         result.notes.extend(ctx.run_notes)
+        return result
+
+    try:
+        if device_kind not in check.devices:
+            raise SkipCheck(f"needs {' or '.join(check.devices)}; this run is on {device_kind}")
+        try:
+            result = attempt()
+        except torch.OutOfMemoryError:
+            if ctx is None:
+                raise
+            # The run's cached models filled the card (at real size they do not all fit at once): the check runs
+            # again from its start with none of them cached, and says so.
+            dropped = drop_cached_models(ctx.cache)
+            result = attempt()
+            result.notes.insert(0, f"ran a second time after running out of CUDA memory, with the run's cached "
+                                   f"models dropped ({', '.join(dropped) or 'none were cached'})")
     except SkipCheck as exc:
         result = bare_result(check, Status.SKIPPED, exc.reason)
     except BadTargetData:
@@ -225,6 +242,25 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result.metrics["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result.serving_dtypes = [] if ctx is None else sorted(ctx.serving_dtypes)
     return result
+
+
+def holds_a_model(value: Any) -> bool:
+    """Whether a cached value is a model, or a layer-at-a-time oracle (its `ref`), which may hold device memory."""
+    return isinstance(value, torch.nn.Module) or isinstance(getattr(value, "ref", None), torch.nn.Module)
+
+
+def drop_cached_models(cache: dict[str, Any]) -> list[str]:
+    """Drop every model the run caches (and those of a cache nested in it: a slice's) and return the allocator's
+    unused memory to the card; their keys, in the order dropped."""
+    dropped = []
+    for holder in [cache, *(v for v in cache.values() if isinstance(v, dict))]:
+        for key in [k for k, v in holder.items() if holds_a_model(v)]:
+            del holder[key]
+            dropped.append(key)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dropped
 
 
 def _run_on_slice(check: Check, ctx: CheckContext, why: str, check_seed: int) -> Result:

@@ -9,23 +9,17 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from typing import Any
 
 import torch
-from torch import nn
 
 from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.core.check import CheckContext
+from k3verify.gates.core.suite import holds_a_model
 from k3verify.gates.shared.slice import PARENT_CACHE, SLICE_CACHE
 from k3verify.plan.device_fit import free_bytes
 
 HEADROOM_BYTES = 4 << 30  # kept free past what a model needs: activations, workspaces, the allocator's slack
-
-
-def _holds_cuda(value: Any) -> bool:
-    """Whether a cached value is a model, or a layer-at-a-time oracle (its `ref`), that may hold device memory."""
-    return isinstance(value, nn.Module) or isinstance(getattr(value, "ref", None), nn.Module)
 
 
 def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
@@ -39,8 +33,8 @@ def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
         if isinstance(extra, dict):
             caches.append(extra)
     served = f"serving.model.{str(ctx.dtype).removeprefix('torch.')}.cached"
-    victims = [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k != served]
-    victims += [(c, k) for c in caches for k, v in c.items() if _holds_cuda(v) and k == served]
+    victims = [(c, k) for c in caches for k, v in c.items() if holds_a_model(v) and k != served]
+    victims += [(c, k) for c in caches for k, v in c.items() if holds_a_model(v) and k == served]
     dropped = []
     while free_bytes(ctx.device) < need_bytes + HEADROOM_BYTES and victims:
         cache, key = victims.pop(0)
