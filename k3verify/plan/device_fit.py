@@ -21,18 +21,24 @@ class DoesNotFit(RuntimeError):
 CARD_ENV = "K3V_CARD_GIB"  # run as if the card held this many GiB (a smaller card's limits on a larger one)
 
 
-def card_cap_gib() -> float | None:
-    """$K3V_CARD_GIB as a number of GiB, or None where it is not set."""
-    text = os.environ.get(CARD_ENV)
+def env_gib(name: str, *, zero_ok: bool) -> float | None:
+    """The environment variable `name` as a number of GiB (> 0, or >= 0 with zero_ok), or None where it is not set;
+    a ValueError naming the variable and the value otherwise."""
+    text = os.environ.get(name)
     if text is None:
         return None
     try:
         gib = float(text)
     except ValueError:
-        raise ValueError(f"{CARD_ENV} must be a number of GiB; got {text!r}") from None
-    if gib <= 0:
-        raise ValueError(f"{CARD_ENV} must be > 0; got {text!r}")
+        raise ValueError(f"{name} must be a number of GiB; got {text!r}") from None
+    if gib < 0 or (gib == 0 and not zero_ok):
+        raise ValueError(f"{name} must be {'>=' if zero_ok else '>'} 0; got {text!r}")
     return gib
+
+
+def card_cap_gib() -> float | None:
+    """$K3V_CARD_GIB as a number of GiB, or None where it is not set."""
+    return env_gib(CARD_ENV, zero_ok=False)
 
 
 def _cuda(device: torch.device | str | None) -> torch.device:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ from k3verify.oracle.hf_kimi_linear import build_hf_model
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.oracle.streamed import StreamedReference
 from k3verify.peers.gguf_target import tag_model
-from k3verify.plan.device_fit import device_memory_gib, require_fit
+from k3verify.plan.device_fit import device_memory_gib, env_gib, require_fit
 from k3verify.serving.batch import PackedBatch
 from k3verify.serving.context import ForwardContext
 from k3verify.serving.model import ServingModel
@@ -84,15 +83,9 @@ WHOLE_MODEL_ENV = "K3V_WHOLE_MODEL_GIB"
 
 def whole_model_limit() -> int:
     """Bytes a check may build whole: $K3V_WHOLE_MODEL_GIB when set, else WHOLE_MODEL_BYTES."""
-    text = os.environ.get(WHOLE_MODEL_ENV)
-    if text is None:
+    gib = env_gib(WHOLE_MODEL_ENV, zero_ok=True)
+    if gib is None:
         return WHOLE_MODEL_BYTES
-    try:
-        gib = float(text)
-    except ValueError:
-        raise ValueError(f"{WHOLE_MODEL_ENV} must be a number of GiB; got {text!r}") from None
-    if gib < 0:
-        raise ValueError(f"{WHOLE_MODEL_ENV} must be >= 0; got {text!r}")
     return int(gib * 2**30)
 
 
