@@ -79,6 +79,11 @@ MANUAL = (
            "INCONCLUSIVE (exit 4): 6 pass, the 2 logprobs checks skipped because the oracle's own bf16 noise on "
            "k3-tiny (0.639 of the top-5 spread) puts their bar past its cap; float16 the same. Synthetic K3 presets "
            "are verified over HTTP at --dtype float32 (the CI row)"),
+    Manual("k3verify parity --merge reports/p1 reports/p2 --report-dir reports/gate",
+           "k3-tiny's quick-suite gate run in two parts (`--only` each half of its check ids; the second alone is "
+           "INCONCLUSIVE, exit 4: its model-level evidence is in the first): PASS merged 2 parts, 87 checks (61 "
+           "pass, 26 skipped), exit 0; tests/gates/test_merge_parts.py runs it in CI and `serve` accepts the "
+           "merged report"),
     Manual("k3verify parity --help", "usage, exit 0"),
     Manual("k3verify parity --endpoint http://127.0.0.1:PORT/v1 --checkpoint KL_DIR --dtype float32 --explain",
            "against upstream llama.cpp's llama-server on a transformers-written Kimi-Linear (tests/peers, run in "
