@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from k3verify.config import ModelConfig
-from k3verify.plan.transients import Step, expert_stack_bytes, peak_transient
+from k3verify.plan.transients import Step, expert_stack_bytes, expert_stack_layer_bytes, peak_transient
 from k3verify.serving.kv_cache import PagedLatentCache
 from k3verify.serving.layers.attn_res import num_blocks
 from k3verify.serving.parallel.comm import Comm
@@ -89,8 +89,7 @@ def expert_copy_bytes(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dty
     """The dequantized [E, 2I, D] + [E, D, I] stack the grouped-GEMM path keeps per MoE layer ("cached")."""
     if not cfg.experts_quantized:
         return 0
-    first, stop = layout.ep_range(cfg.num_experts)
-    per_layer = (stop - first) * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * dtype.itemsize
+    per_layer = expert_stack_layer_bytes(cfg, layout, dtype.itemsize)
     return per_layer * sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 

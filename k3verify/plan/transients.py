@@ -103,15 +103,20 @@ def residual_bytes(cfg: ModelConfig, layout: ParallelLayout, step: Step) -> int:
     return live * per + reduce
 
 
+def expert_stack_layer_bytes(cfg: ModelConfig, layout: ParallelLayout, dtype_bytes: int) -> int:
+    """One MoE layer's dense experts on this rank stacked as [E, 2I, D] + [E, D, I]."""
+    first, stop = layout.ep_range(cfg.num_experts)
+    return (stop - first) * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * dtype_bytes
+
+
 def expert_stack_bytes(cfg: ModelConfig, layout: ParallelLayout, dtype_bytes: int, experts: str) -> int:
-    """The one-off transient of a MoE layer's first call on the grouped-GEMM path: its dense experts stacked into
-    [E, 2I, D] + [E, D, I] while the per-expert tensors (bf16 experts, or the MXFP4 experts dequantized with
+    """The one-off transient of a MoE layer's first call on the grouped-GEMM path: its dense experts stacked
+    (expert_stack_layer_bytes) while the per-expert tensors (bf16 experts, or the MXFP4 experts dequantized with
     experts="cached") are still alive (SparseMoE.stacked_weights); none for packed MXFP4 experts."""
     if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) or (cfg.experts_quantized
                                                                                 and experts == "packed"):
         return 0
-    first, stop = layout.ep_range(cfg.num_experts)
-    return (stop - first) * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * dtype_bytes
+    return expert_stack_layer_bytes(cfg, layout, dtype_bytes)
 
 
 def peak_transient(cfg: ModelConfig, layout: ParallelLayout, step: Step) -> tuple[int, str, dict[str, int]]:

@@ -142,10 +142,9 @@ def write_reports(run: RunResult, out_dir: str | Path, *, key: bytes | None = No
 
 
 def write_report_data(data: dict[str, Any], out_dir: str | Path, *, key: bytes | None = None) -> dict[str, Path]:
-    """write_reports for a report already in plain data (a merged one, gates/report/merge.py): validated, signed
-    with `key`, written atomically and indexed."""
+    """write_reports for a report already in plain data and validated (report_dict, or a merged one:
+    gates/report/merge.py): signed with `key` (and validated again), written atomically and indexed."""
     out_dir = Path(out_dir)
-    validate_report(data)
     if key is not None:
         data = sign_report(data, key)
         validate_report(data)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -16,11 +15,11 @@ import torch
 from torch import nn
 
 from k3verify.checkpoint.loader import load_into
-from k3verify.checkpoint.names import module_specs
 from k3verify.config import ModelConfig
 from k3verify.gates.core.check import CheckContext, SkipCheck
 from k3verify.gates.core.evidence import SIZE_SKIP
-from k3verify.gates.shared.card_room import largest_layer_bytes, make_room
+from k3verify.gates.shared import card_room
+from k3verify.gates.shared.card_room import largest_layer_bytes, parameter_counts
 from k3verify.gates.shared.patch import patched
 from k3verify.gates.shared.route_pin import PinStats, RouteRecord, pin_routes, record_routes
 from k3verify.kernels.registry import REGISTRY, TORCH
@@ -89,15 +88,10 @@ def whole_model_limit() -> int:
     return int(gib * 2**30)
 
 
-@functools.cache
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the text model, MXFP4 experts counted dense (two values per packed byte)."""
-    total = 0
-    for name, spec in module_specs(cfg).items():
-        if name.endswith(".weight_scale"):
-            continue
-        total += math.prod(spec.shape) * (2 if name.endswith(".weight_packed") else 1)
-    return total
+    outside, layers = parameter_counts(cfg)
+    return outside + sum(layers)
 
 
 def whole_model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -118,13 +112,22 @@ def require_whole_model(ctx: CheckContext, what: str, dtype: torch.dtype) -> Non
                         f"{limit / 1e9:.3g} GB a check may build whole)")
 
 
+def _serving_key(dtype: torch.dtype, mxfp4_mode: str) -> str:
+    return f"serving.model.{_dtype_name(dtype)}.{mxfp4_mode}"
+
+
+def make_room(ctx: CheckContext, need_bytes: int, what: str) -> None:
+    """card_room.make_room, the run's served model (ctx.dtype) kept to the last."""
+    card_room.make_room(ctx, need_bytes, what, last=_serving_key(ctx.dtype, "cached"))
+
+
 def serving_model(ctx: CheckContext, dtype: torch.dtype = torch.float32, mxfp4_mode: str = "cached") -> ServingModel:
     """ServingModel(serving_config(ctx), dtype) loaded with the checkpoint, cached per run (dtype, mxfp4 mode).
     Checks that need caches call `model.allocate_caches(...)` themselves (fresh, sized for the check).
     At real size only the served model (ctx.dtype) is built; any other is a skip naming the sizes."""
     if dtype != ctx.dtype:
         require_whole_model(ctx, "a serving model", dtype)
-    key = f"serving.model.{str(dtype).removeprefix('torch.')}.{mxfp4_mode}"
+    key = _serving_key(dtype, mxfp4_mode)
     if ctx.level in ("model", "serving") and dtype in (torch.bfloat16, torch.float32):
         # a float64 serving model is an instrument (a gold), not a dtype anything is served in
         ctx.serving_dtypes.add(_dtype_name(dtype))

@@ -232,12 +232,9 @@ def resolve_roundings(ctx: CheckContext, seq: list[int], first: int, scores: Sco
                          f"nearest their boundary tried); {allowance}: none brings the distance {start:.3g} within "
                          f"the bar {bar:.3g} (best {best:.3g}); none excused"] if found else [])
     ctx.cache.setdefault(EXCUSED, {})[tuple(seq)] = dict(current.forced)
-    if best > bar:
-        return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
-                         f"precision taken the other way bring it to {best:.3g}, still beyond it ({allowance})",
-                         *taken]
+    beyond = ", still beyond it" if best > bar else ""  # partial: the caller withdraws them unless its whole fits
     return current, [f"distance {start:.3g} > bar {bar:.3g}; {len(taken)} rounding near-tie(s) of the declared "
-                     f"precision taken the other way bring it to {best:.3g} ({allowance})", *taken]
+                     f"precision taken the other way bring it to {best:.3g}{beyond} ({allowance})", *taken]
 
 
 @dataclass

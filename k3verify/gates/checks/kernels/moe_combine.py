@@ -105,8 +105,7 @@ def check_moe_gathered(ctx: CheckContext) -> Trial:
     # check must not compare with itself: at real width (kl-48b-8l: 37 pairs) it takes fewer tokens than TOKENS.
     model = builders.serving_model(ctx, torch.float32)
     moe: Any = next(layer.ffn_module for layer in builders.layers(model) if layer.is_moe)
-    width = ctx.cfg.latent_size if moe.latent else ctx.cfg.hidden_size
-    fit = grouped.gather_max_pairs(moe, width, 4) // ctx.cfg.num_experts_per_token
+    fit = grouped.gather_max_pairs(moe, ctx.cfg.expert_in_dim, 4) // ctx.cfg.num_experts_per_token
     if fit < 1:
         raise SkipCheck(f"one token's {ctx.cfg.num_experts_per_token} (token, expert) pairs are more than the fp32 "
                         "gather path takes; every batch runs the torch loop")
