@@ -156,3 +156,22 @@ def test_bf16_accepts_any_relative_error_below_rtol(values: list[float], rel: fl
     assert compare(Kind.BF16, r, r * (1 + rel)).passed
     for kind in Kind:
         assert compare(kind, r, r.clone()).passed
+
+
+def test_bitexact_holds_no_float64_copy_of_its_inputs() -> None:
+    """A bit-exactness check of a checkpoint's bytes compares gigabytes at real size: the comparison must take about
+    one byte per element (the unequal mask), not three float64 copies (24 bytes an element filled a 128 GiB host)."""
+    from k3verify.plan.host_memory import host_peak_bytes, reset_host_peak
+
+    n = 64 << 20
+    ref = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    cand = ref.clone()
+    cand[12345] ^= 1
+    if not reset_host_peak():
+        pytest.skip("the host's resident peak cannot be reset here (no /proc/self/clear_refs)")
+    start = host_peak_bytes()
+    assert start is not None
+    comp = compare("bitexact", ref, cand)
+    grown = host_peak_bytes() - start
+    assert (comp.passed, comp.metric, comp.max_abs, comp.worst.flat_index) == (False, 1.0, 1.0, 12345)
+    assert grown < 3 * n, f"comparing {n} uint8 elements grew the resident peak by {grown / n:.1f} bytes an element"

@@ -133,3 +133,30 @@ def test_a_check_that_runs_out_of_cuda_memory_runs_again_with_the_cached_models_
     assert result.notes[0] == ("ran a second time after running out of CUDA memory, with the run's cached models "
                                "dropped (serving.model.bfloat16.cached, oracle.hf.float32)")
     assert set(cache) == {"tensors", "slice.cache"} and cache["slice.cache"] == {"target": "kept"}
+
+
+def test_a_check_records_the_host_memory_it_peaked_at(registry: Registry) -> None:
+    """Each check's resident host peak is in its metrics (Linux), measured from the check's start: a check that
+    holds 256 MiB more than the run before it shows it, one that holds nothing more does not."""
+    from k3verify.gates.core.suite import make_context_factory, run_check
+    from k3verify.plan.host_memory import reset_host_peak
+    from k3verify.target import resolve_target
+
+    if not reset_host_peak():
+        pytest.skip("the host's resident peak cannot be reset here (no /proc/self/clear_refs)")
+
+    def register(check_id: str, extra_bytes: int) -> None:
+        @registry.register_check(id=check_id, component="gates", level="module", kind=Kind.BITEXACT, control="one")
+        def fn(ctx: CheckContext) -> Trial:
+            held = torch.ones(extra_bytes, dtype=torch.uint8)
+            r = torch.zeros(4)
+            return Trial(reference=r, candidate=r + held[:4].sum() * 0, control=r + 1)
+
+    register("gates.t.small", 0)
+    register("gates.t.large", 256 << 20)
+    factory = make_context_factory(resolve_target("kl-tiny"), device="cpu", seed=0, suite="quick")
+    small = run_check(registry.get("gates.t.small"), factory, 0, "cpu")
+    large = run_check(registry.get("gates.t.large"), factory, 0, "cpu")
+    assert small.status == large.status == Status.PASS
+    grown = (large.metrics["host_peak_gib"] - small.metrics["host_peak_gib"]) * 2**30
+    assert 200 << 20 < grown < 400 << 20, grown / 2**20

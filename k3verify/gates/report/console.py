@@ -46,9 +46,10 @@ def progress_hooks(total: int, console: Console | None = None, verbose: bool = F
             if result.status is not Status.PASS or verbose:
                 style = STATUS_STYLE[result.status]
                 label = status_label(result.status.value, result.metrics).upper()
-                took = f" [dim]({result.duration_s:.1f} s" + (
-                    f", CUDA peak {result.metrics['cuda_peak_gib']:.1f} GiB" if "cuda_peak_gib" in result.metrics
-                    else "") + ")[/]" if verbose else ""
+                took = f" [dim]({result.duration_s:.1f} s" + "".join(
+                    f", {name} peak {result.metrics[key]:.1f} GiB" for key, name in
+                    (("cuda_peak_gib", "CUDA"), ("host_peak_gib", "host")) if key in result.metrics) + ")[/]" \
+                    if verbose else ""
                 progress.console.print(f"[{style}]{label:8}[/] {result.id}{took}: {escape(result.reason or '')}")
             if not result.id.startswith("gates.import."):
                 progress.advance(task)
