@@ -8,9 +8,10 @@ report, waits for /health, sends one /v1/completions request and stops the serve
 $OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S. REUSE=1 keeps a
 checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command; PARTS=N runs
 the gate in N parts (consecutive check ids, each its own process), kept across calls on a warm machine, then merged
-with `parity --merge` into the report `serve` reads. SPLIT_TIMES=a.tsv,b.tsv (an earlier run's `check<TAB>status<TAB>
-seconds` tables) balances the parts by those times instead (checks it lacks count 1 s); PARTS_PER_CALL=K stops after K
-parts run in this call, so a call ends between parts rather than inside one.
+with `parity --merge` into the report `serve` reads; PARTS_PER_CALL=K stops after K parts run in this call, so a call
+ends between parts rather than inside one. Consecutive ids keep the checks that share cached models together: a
+split balanced by an earlier run's per-check times was tried and is slower (served.vs_transformers took 243 s in a
+part without served.vs_gold, 7 s after it, as it builds the served model and the gold itself).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -75,6 +77,8 @@ def run_step(step: Step, argv: list[str], sampler: GpuSampler) -> None:
         output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
     step.wall_s = time.monotonic() - start
     step.peak_gpu_mib = sampler.peak(start, time.monotonic())
+    if step.exit is not None and step.exit < 0:  # the kernel's out-of-memory killer sends SIGKILL without a word
+        output += f"\n{step.name}: killed by signal {-step.exit} ({signal.Signals(-step.exit).name})"
     lines = [ln for ln in output.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
     step.tail = lines[-25:]
     results = [ln for ln in lines[:-25] if ln.split(" ", 1)[0] in RESULT_WORDS]  # --verbose: every check's line
@@ -134,37 +138,16 @@ def gate_ids() -> list[str]:
     return sorted(c.id for c in gate_checks(load_all_checks(), "quick"))
 
 
-def split_ids(ids: list[str], parts: int, times: dict[str, float] | None) -> list[list[str]]:
-    """Consecutive slices of the sorted ids, or with `times` the longest check first into the part with the least
-    time so far (each part's ids sorted)."""
-    if not times:
-        return [ids[k * len(ids) // parts:(k + 1) * len(ids) // parts] for k in range(parts)]
-    bins: list[list[str]] = [[] for _ in range(parts)]
-    load = [0.0] * parts
-    for i in sorted(ids, key=lambda i: (-times.get(i, 1.0), i)):
-        k = load.index(min(load))
-        bins[k].append(i)
-        load[k] += times.get(i, 1.0)
-    return [sorted(b) for b in bins]
-
-
-def read_times(paths: str) -> dict[str, float]:
-    times: dict[str, float] = {}
-    for path in filter(None, paths.split(",")):
-        for line in Path(path).read_text().splitlines()[1:]:
-            check, _status, seconds, *_ = line.split("\t")
-            times[check] = float(seconds)
-    return times
-
-
 def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report: Path, sampler: GpuSampler) -> None:
-    """The gate in `parts` runs (each its own process: an empty card), then merged into `report`. A part whose
+    """The gate in `parts` runs of consecutive check ids (each its own process: an empty card), then merged into
+    `report`. A part whose
     report a call before this one on the same machine finished is kept, so a later call resumes where the budget
     ran out."""
-    times = read_times(os.environ.get("SPLIT_TIMES", ""))
+    ids = gate_ids()
     per_call = int(os.environ.get("PARTS_PER_CALL", str(parts)))
     start, dirs, ran = time.monotonic(), [], 0
-    for k, chosen in enumerate(split_ids(gate_ids(), parts, times)):
+    for k in range(parts):
+        chosen = ids[k * len(ids) // parts:(k + 1) * len(ids) // parts]
         part = parts_dir / f"part-{k + 1}-of-{parts}"
         dirs.append(part)
         done = part / "report.json"
@@ -176,9 +159,6 @@ def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report
             print(f"== part {k + 1}/{parts}: left for the next call (PARTS_PER_CALL={per_call})", flush=True)
             return
         ran += 1
-        if times:
-            print(f"== part {k + 1}/{parts}: {len(chosen)} checks, {sum(times.get(i, 1.0) for i in chosen):.0f} s "
-                  "by the earlier run's times", flush=True)
         left = step.budget_s - (time.monotonic() - start)
         sub = Step(f"part {k + 1}/{parts}", left)
         run_step(sub, [*parity, *[w for i in chosen for w in ("--only", i)], "--report-dir", str(part)], sampler)
