@@ -91,3 +91,30 @@ def test_the_strict_loader_check_reads_the_slice_s_own_layers(monkeypatch: pytes
     assert result.status == "pass", (result.reason, result.traceback)
     assert result.notes[0].startswith("ran on a slice of the model, decoder layers [0 ")
     assert result.control is not None and result.control.status == "fail"
+
+
+def test_the_reference_cross_check_runs_on_a_slice_with_one_kda_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kl-48b-8l's slice (layers 0 and 7) holds one KDA layer: the cross-check of the two references runs on it with
+    that layer's o_norm scaled as its control (it skipped before: its control swapped two layers' o_norm)."""
+    from k3verify.gates.shared import slice as slice_mod
+
+    monkeypatch.setenv(builders.WHOLE_MODEL_ENV, str(LIMITS["kl-tiny"]))
+    monkeypatch.setattr(slice_mod, "slice_layers", lambda cfg: [0, 3])  # kl-tiny: layer 0 KDA, layer 3 MLA
+    result = _run("kl-tiny", "oracle.k3_reference_vs_transformers")
+    assert result.status == "pass", (result.reason, result.notes)
+    assert result.notes[0].startswith("ran on a slice of the model, decoder layers [0 kda/dense, 3 mla/moe]")
+    assert "one KDA layer (nothing to swap its o_norm with): the control scales its o_norm by 1.5" in result.notes
+    assert result.control is not None and result.control.status == "fail"
+
+
+def test_the_loader_tolerance_check_runs_on_a_slice_with_one_kda_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tolerated A_log and the refused one are separate loads, so one KDA layer serves both: on a slice with one
+    the check runs and passes, its rule-free control fails."""
+    from k3verify.gates.shared import slice as slice_mod
+
+    monkeypatch.setenv(builders.WHOLE_MODEL_ENV, "0.0015")  # a bf16 host copy: the slice's 1.40 MB, not the 1.81
+    monkeypatch.setattr(slice_mod, "slice_layers", lambda cfg: [0, 3])
+    result = _run("kl-tiny", "weights.loader.tolerances")
+    assert result.status == "pass", (result.reason, result.notes)
+    assert result.notes[0].startswith("ran on a slice of the model, decoder layers [0 kda/dense, 3 mla/moe]")
+    assert result.control is not None and result.control.status == "fail"

@@ -173,8 +173,8 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
     if ctx.cfg.is_k3:
         raise SkipCheck("transformers' KimiLinear has no K3 features (attn-res, latent MoE, SiTU, safe gate, "
                         "MLA output gate): run this check on kl-tiny or a Kimi-Linear checkpoint")
-    if len(ctx.cfg.kda_layers) < 2:
-        raise SkipCheck("the control swaps o_norm between two KDA layers; this config has fewer than two")
+    if not ctx.cfg.kda_layers:
+        raise SkipCheck("the control alters a KDA layer's o_norm; this config has no KDA layer")
 
     routing = kda_routing(ctx.device)  # CPU: transformers' torch code; CUDA: fla's kernels must be engaged
     if ctx.device.type == "cuda" and "[package]" not in routing["chunk_kimi_delta_attention"]:
@@ -185,10 +185,16 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
     hf = builders.hf_model(ctx, torch.float32)
     logits, caps = hf_forward(hf, ids, capture=True)
     params = dict(hf.named_parameters())
-    a, b = (params[f"model.layers.{i}.self_attn.o_norm.weight"] for i in ctx.cfg.kda_layers[:2])
-    fault, fault_note = (_swapped(a, b), []) if not torch.equal(a, b) else (_scaled(a, 1.5), [
-        "the two o_norm weights are equal (a fresh transformers init holds ones): swapping them changes nothing, "
-        "so the control scales the first one by 1.5 instead"])
+    a, *rest = (params[f"model.layers.{i}.self_attn.o_norm.weight"] for i in ctx.cfg.kda_layers[:2])
+    if not rest:  # a real-size target's slice holds one KDA layer
+        fault, fault_note = _scaled(a, 1.5), ["one KDA layer (nothing to swap its o_norm with): the control scales "
+                                              "its o_norm by 1.5"]
+    elif torch.equal(a, rest[0]):
+        fault, fault_note = _scaled(a, 1.5), [
+            "the two o_norm weights are equal (a fresh transformers init holds ones): swapping them changes "
+            "nothing, so the control scales the first one by 1.5 instead"]
+    else:
+        fault, fault_note = _swapped(a, rest[0]), []
     with fault:
         ctrl_logits, ctrl_caps = hf_forward(hf, ids, capture=True)
     names = list(ref.captures)
@@ -201,7 +207,7 @@ def _reference_vs_transformers(ctx: CheckContext) -> Trial:
 
 
 _CONTROL_SWAP = ("transformers with two KDA layers' o_norm weights swapped (the first scaled by 1.5 where the two "
-                 "are equal)")
+                 "are equal or the model has one KDA layer)")
 
 
 @register_check(

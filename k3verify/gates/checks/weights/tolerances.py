@@ -34,13 +34,13 @@ from k3verify.gates.shared.patch import patched
 PAD_VALUE = 1.0e6  # what the loader must never read
 
 
-def _targets(cfg: ModelConfig) -> tuple[str, list[str], str, str]:
-    """(router weight, two A_log names, norm, correction bias) under the module names."""
+def _targets(cfg: ModelConfig, kda_layers: int) -> tuple[str, list[str], str, str]:
+    """(router weight, the first `kda_layers` A_log names, norm, correction bias) under the module names."""
     moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
-    if moe is None or len(cfg.kda_layers) < 2:
-        raise SkipCheck("needs a MoE layer and two KDA layers (router and A_log rules)")
+    if moe is None or len(cfg.kda_layers) < kda_layers:
+        raise SkipCheck(f"needs a MoE layer and {kda_layers} KDA layer(s) (router and A_log rules)")
     router = f"model.layers.{moe}.block_sparse_moe.gate."
-    a_logs = [f"model.layers.{i}.self_attn.A_log" for i in cfg.kda_layers[:2]]
+    a_logs = [f"model.layers.{i}.self_attn.A_log" for i in cfg.kda_layers[:kda_layers]]
     return router + "weight", a_logs, "model.norm.weight", router + "e_score_correction_bias"
 
 
@@ -62,7 +62,7 @@ def _rules_off() -> Iterator[None]:
                 control="the reconciler with every tolerance rule switched off")
 def check_reconcile_tolerances(ctx: CheckContext) -> Trial:
     cfg, prefix = ctx.cfg, ctx.cfg.checkpoint_prefix
-    router, a_logs, norm, bias = _targets(cfg)
+    router, a_logs, norm, bias = _targets(cfg, 2)  # one copy carries both A_log edits
     if ctx.target.names == "transformers":
         raise SkipCheck("the edits are written under published names; this checkpoint uses transformers' names "
                         "(the rules themselves run in weights.reconcile.buckets on it)")
@@ -154,12 +154,13 @@ def _rule_free_load(module: nn.Module, cfg: ModelConfig, tensors: Mapping[str, t
 def check_loader_tolerances(ctx: CheckContext) -> Trial:
     builders.require_whole_model(ctx, "a host copy of the checkpoint", torch.bfloat16)
     cfg, prefix = ctx.cfg, ctx.cfg.checkpoint_prefix
-    router, a_logs, _, _ = _targets(cfg)
+    # the tolerated load and the refused one are separate mappings: one KDA layer (a real-size slice's) serves both
+    router, (a_log,), _, _ = _targets(cfg, 1)
     specs = module_specs(cfg)
-    mapping = _tolerated_mapping(cfg, builders.checkpoint_tensors(ctx), a_logs[0])
+    mapping = _tolerated_mapping(cfg, builders.checkpoint_tensors(ctx), a_log)
     short = dict(mapping)
-    short[prefix + a_logs[1]] = torch.zeros(cfg.kda_num_heads - 1)
-    names = [router, a_logs[0]]
+    short[prefix + a_log] = torch.zeros(cfg.kda_num_heads - 1)
+    names = [router, a_log]
     reference = {n: _expected_holding(mapping[prefix + n], specs[n].shape, specs[n].dtype) for n in names}
 
     def run(load: Load) -> dict[str, torch.Tensor]:
@@ -176,11 +177,11 @@ def check_loader_tolerances(ctx: CheckContext) -> Trial:
         try:
             load(build_param_module(specs, device="meta"), cfg, short)
         except WeightLoadError as exc:
-            flags[1] = int(a_logs[1] in str(exc) and (not cfg.is_k3 or "KDA heads" in str(exc)))
+            flags[1] = int(a_log in str(exc) and (not cfg.is_k3 or "KDA heads" in str(exc)))
         return {**got, "outcomes": torch.tensor(flags)}
 
     return Trial(reference={**reference, "outcomes": torch.ones(2, dtype=torch.int64)}, candidate=run(load_into),
                  control=run(_rule_free_load),
-                 notes=[f"routers stored fp32, {a_logs[0]} stored {tuple(mapping[prefix + a_logs[0]].shape)} "
-                        f"{mapping[prefix + a_logs[0]].dtype}; outcomes: [tolerated load, A_log of "
+                 notes=[f"routers stored fp32, {a_log} stored {tuple(mapping[prefix + a_log].shape)} "
+                        f"{mapping[prefix + a_log].dtype}; outcomes: [tolerated load, A_log of "
                         f"{cfg.kda_num_heads - 1} entries refused naming it]"])
