@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from k3verify.errors import UsageError
+
+# Triton keeps the autotuner's pick of each kernel (fla's KDA kernels among them) in its on-disk cache, keyed by the
+# Triton version, the card's architecture, the kernel's source and the tuning key: a later process on the same card
+# reuses it instead of benchmarking every configuration again (a cold real-size gate spent 147 s of one check on it),
+# and picks the same configuration, so a kernel's bits do not change from one run to the next. TRITON_CACHE_AUTOTUNING=0
+# turns it off.
+AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
 
 COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp", "quant_report")  # module names
 
@@ -25,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(AUTOTUNE_CACHE_ENV, "1")  # before Triton reads it; inherited by every child process
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
