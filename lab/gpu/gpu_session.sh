@@ -403,8 +403,14 @@ realsize)
     # kl-48b-8l (27.7 GB bf16) made on disk, digested, gated by parity --device cuda (layer-by-layer module
     # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
     # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
-    step "realsize kl-48b-8l: make -> digest -> parity -> serve"
-    python3 -m lab.gpu.gpu_realsize --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
+    # in four parts, two per call (about 280 s each on a warm Triton cache): call it twice on the same warm machine;
+    # the second call reuses the checkpoint and the first two parts, merges the four and serves from the merged report
+    step "realsize kl-48b-8l: make -> digest -> parity (parts ${PARTS:-4}, ${PARTS_PER_CALL:-2} per call) -> serve"
+    PARTS=${PARTS:-4} PARTS_PER_CALL=${PARTS_PER_CALL:-2} REUSE=${REUSE:-1} PARITY_S=${PARITY_S:-520} \
+        python3 -m lab.gpu.gpu_realsize --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
+    for d in /tmp/k3v-realsize/"${PRESET:-kl-48b-8l}"-parts/part-*/; do
+        [ -f "$d/report.json" ] && cp "$d/report.json" "$OUT/$(basename "$d").json"
+    done
     ;;
 types)
     step "cuda fast-path checks + weights.* (k3-syn-25), gpu tests of the Triton norm / router"
