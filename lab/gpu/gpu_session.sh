@@ -408,8 +408,9 @@ realsize)
     step "realsize kl-48b-8l: make -> digest -> parity (parts ${PARTS:-4}, ${PARTS_PER_CALL:-2} per call) -> serve"
     PARTS=${PARTS:-4} PARTS_PER_CALL=${PARTS_PER_CALL:-2} REUSE=${REUSE:-1} PARITY_S=${PARITY_S:-520} \
         python3 -m lab.gpu.gpu_realsize --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
+    mkdir -p "$OUT/parts"  # into logs.tgz on exit (a call returns at most 8 files)
     for d in /tmp/k3v-realsize/"${PRESET:-kl-48b-8l}"-parts/part-*/; do
-        [ -f "$d/report.json" ] && cp "$d/report.json" "$OUT/$(basename "$d").json"
+        [ -f "$d/report.json" ] && cp "$d/report.json" "$OUT/parts/$(basename "$d").json"
     done
     ;;
 types)
