@@ -16,10 +16,9 @@ from k3verify.errors import UsageError
 
 # Triton keeps the autotuner's pick of each kernel (fla's KDA kernels among them) in its on-disk cache, keyed by the
 # Triton version, the card's architecture, the kernel's source and the tuning key: a later process on the same card
-# reuses it instead of benchmarking every configuration again (one check of a cold real-size gate spent 147 s
-# compiling and autotuning, 0.2 s in a later process with both cached),
-# and picks the same configuration, so a kernel's bits do not change from one run to the next. TRITON_CACHE_AUTOTUNING=0
-# turns it off.
+# reuses it instead of benchmarking every configuration again (at real size, minutes of a cold run), and picks the
+# same configuration, so a kernel's bits do not change from one run to the next. TRITON_CACHE_AUTOTUNING=0 turns it
+# off.
 AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
 
 COMMANDS = ("parity", "mutate", "serve", "checkpoint", "bench", "plan", "llamacpp", "quant_report")  # module names

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3verify.gates.core.check import REGISTRY
-from k3verify.gates.core.suite import RESOURCE_METRICS, load_all_checks, make_context_factory, run_check
+from k3verify.gates.core.resources import RESOURCE_METRICS
+from k3verify.gates.core.suite import load_all_checks, make_context_factory, run_check
 from k3verify.gates.shared import builders
 from k3verify.gates.shared.slice import SlicedTensors, slice_context, slice_layers
 from k3verify.presets import get_preset

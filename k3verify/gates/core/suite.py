@@ -32,7 +32,7 @@ from k3verify.gates.core.evaluate import evaluate_trial
 from k3verify.gates.core.evidence import SIZE_SKIP, missing_evidence
 from k3verify.gates.core.noise import NoiseLookup
 from k3verify.gates.core.noise import lookup as noise_lookup
-from k3verify.plan.host_memory import host_peak_bytes, reset_host_peak
+from k3verify.gates.core.resources import PeakMemory
 
 if TYPE_CHECKING:
     from k3verify.endpoint.session import EndpointSession
@@ -193,18 +193,12 @@ def covered_dtypes(results: Iterable[Result]) -> list[str]:
     return dtypes_of_run((Status(r.status).value, r.serving_dtypes) for r in results)
 
 
-# What a check's run took of the machine (not what it measured of the target): recorded in its metrics, never compared.
-RESOURCE_METRICS = ("cuda_peak_gib", "host_peak_gib")
-
-
 def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind: str) -> Result:
     """Run one check to a Result. Every exception becomes an `error` Result with its traceback."""
     check_seed = derive_seed(seed, check.id)
     start = time.perf_counter()
     ctx: CheckContext | None = None
-    if device_kind == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    host_reset = reset_host_peak()
+    peaks = PeakMemory(device_kind)
 
     def attempt() -> Result:
         nonlocal ctx
@@ -244,11 +238,7 @@ def run_check(check: Check, ctx_factory: ContextFactory, seed: int, device_kind:
         result.traceback = traceback.format_exc()
     result.seed = check_seed
     result.duration_s = time.perf_counter() - start
-    if device_kind == "cuda":  # what the check's own step took of the card (the run's cached models included)
-        result.metrics["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    host_peak = host_peak_bytes() if host_reset else None
-    if host_peak is not None:  # the process's resident peak during the check (the run's cached data included)
-        result.metrics["host_peak_gib"] = host_peak / 2**30
+    peaks.record(result.metrics)
     result.serving_dtypes = [] if ctx is None else sorted(ctx.serving_dtypes)
     return result
 
