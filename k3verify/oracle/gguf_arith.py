@@ -29,6 +29,9 @@ tell that cascade from any other difference, one run records its scaled products
 pinning block, takes the recorded run's code wherever its own differs only because of such a near-tie (its
 distance from the boundary within twice the two runs' drift there, and that drift under MAX_CODE_DRIFT code
 steps), counting each pin: the same rule route pinning applies to router near-ties (gates/shared/route_pin.py).
+A Q8_0 block's scale d = fp16(max|x|/127) is a rounding too (one fp16 step moves the whole block ~1e-3, as a code
+step does), pinned by the same rule; and a row rounded again for another product (q, k and v of one input, an
+expert's gate and up, every expert a token is routed to) is one choice, as in llama.cpp, counted once.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch import nn
 
 from k3verify.oracle import active
 from k3verify.oracle import functional as Fn
+from k3verify.oracle.rounding import scale_steps
 
 KNOB = "linear.gguf_activations"
 TAG = Fn.ACTIVATION_TAG  # the attribute a tagged weight carries: its activation format (or {"k_b":.., "v_b":..})
@@ -140,24 +144,48 @@ def round_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return x.float().bfloat16().to(x.dtype)
     if fmt == "q8_0":
         scaled, q, d = Fn.q8_0_codes(x)
-        return _value(_pinned(scaled, q), d, x)
+        if not _PINS:
+            return _value(q, d, x)
+        position, step = scale_steps(x.reshape(-1, x.shape[-1]))  # [R, K/32]: each fp16 scale, in its steps
+        q, scale_codes = _pinned(scaled, q, position)
+        moved = (scale_codes != position.round()).reshape(d.shape)  # a scale followed: code x step
+        d = torch.where(moved, (scale_codes * step).reshape(d.shape).to(d.dtype), d)
+        return _value(q, d, x)
     if fmt == "q8_K":
         scaled, q, d = q8_k_parts(x)
-        return _value(_pinned(scaled, q), d, x)
+        return _value(_pinned(scaled, q)[0] if _PINS else q, d, x)
     raise ValueError(f"unknown activation format {fmt!r}; known: f32, f16, bf16, q8_0, q8_K")
+
+
+# One rounded value of a forward: (rounding index in call order, row, element of the row), the rounding and row
+# being the first of that forward to round these very values (CodePins); a Q8_0 row's elements are its K codes,
+# then its K/32 block scales
+Spot = tuple[int, int, int]
 
 
 @dataclass
 class CodePins:
-    """The scaled products of every Q8_0/Q8_K rounding of one run, in call order (`record`), or, in a run made to
-    follow them (`pin`), how many codes were pinned and how many roundings had no recorded counterpart of the
-    same shape (a router choice that differs between the runs): those are left as computed."""
+    """One run's Q8_0/Q8_K roundings, in call order, each as rows [R, K (+ K/32)], one activation row each: the
+    scaled products, then for Q8_0 the block scales' max|x|/127 in units of their fp16 step (rounding.scale_steps:
+    fp16's rounding to nearest even is then a rounding to the nearest even integer, with near-ties of its own), in
+    `scaled` (float64, always recorded), and per row the (rounding, row) that first rounded the same values in this
+    run: llama.cpp rounds a matmul input once per product, the same row the same way for every product
+    that reads it, so a code is one choice wherever its row is rounded, and a Spot names it at that first rounding.
+    A run made to `follow` a recorded run's scaled products takes that run's code wherever its own differs only
+    because of a near-tie (module doc), each such spot listed in `pins` (once, however often its row is rounded); a
+    rounding with no recorded counterpart of the same shape (a router choice that differs between the runs) is left
+    as computed and counted in `unmatched`."""
 
-    record: bool
+    follow: list[torch.Tensor] | None = None
     scaled: list[torch.Tensor] = field(default_factory=list)
-    pinned: int = 0
+    pins: list[Spot] = field(default_factory=list)
     unmatched: int = 0
-    _next: int = 0
+    _seen: dict[bytes, tuple[int, int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def pinned(self) -> int:
+        """How many codes were taken from the followed run (each row counted once)."""
+        return len(self.pins)
 
 
 _PINS: list[CodePins] = []
@@ -165,11 +193,13 @@ _PINS: list[CodePins] = []
 
 @contextlib.contextmanager
 def pinning_codes(pins: CodePins) -> Iterator[CodePins]:
-    """Inside, every Q8_0/Q8_K activation rounding is recorded into `pins` (pins.record) or takes its codes from
-    the recorded run at near-ties (module doc). Not thread-safe, like oracle/active.py."""
-    if not pins.record and not pins.scaled:
-        raise ValueError("pinning codes needs a recorded run first (CodePins(record=True) around it)")
-    pins._next = 0
+    """Inside, every Q8_0/Q8_K activation rounding is recorded into `pins` and takes the followed run's codes at
+    near-ties (module doc). Not thread-safe, like oracle/active.py."""
+    if pins.follow is not None and not pins.follow:
+        raise ValueError("pinning codes needs a recorded run first (the scaled products of a run recorded inside "
+                         "pinning_codes)")
+    if pins.scaled:
+        raise ValueError("a CodePins records one run: give each run its own")
     _PINS.append(pins)
     try:
         yield pins
@@ -177,26 +207,34 @@ def pinning_codes(pins: CodePins) -> Iterator[CodePins]:
         _PINS.remove(pins)
 
 
-def _pinned(scaled: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """q, or in a pinning block the recorded run's codes where q differs from them at a near-tie."""
-    if not _PINS:
-        return q
+def _pinned(scaled: torch.Tensor, q: torch.Tensor,
+            scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In a pinning block: the codes q (shaped as scaled) and, given their positions `scales` [R, K/32], the fp16
+    scale codes, each the followed run's where this run's differs from it at a near-tie."""
     pins = _PINS[-1]
-    if pins.record:
-        pins.scaled.append(scaled.detach().double().clone())
-        return q
-    at = pins._next
-    pins._next += 1
-    if at >= len(pins.scaled) or pins.scaled[at].shape != scaled.shape:
-        pins.unmatched += 1
-        return q
-    theirs, ours = pins.scaled[at].to(scaled.device), scaled.double()
-    their_q = torch.round(theirs).clamp(max=127.0)
-    drift = (theirs - ours).abs()
-    distance = (ours - ours.floor() - 0.5).abs()
-    pin = (their_q != q.double()) & (distance <= 2 * drift) & (drift <= MAX_CODE_DRIFT)
-    pins.pinned += int(pin.sum())
-    return torch.where(pin, their_q.to(q.dtype), q)
+    at = len(pins.scaled)
+    K = scaled.shape[-2] * scaled.shape[-1]
+    rows = scaled.detach().float().reshape(-1, K)  # [R, K]
+    values, codes = rows.double(), q.reshape(rows.shape).double()
+    if scales is not None:
+        values = torch.cat([values, scales.double()], dim=1)  # [R, K + K/32]
+        codes = torch.cat([codes, scales.double().round()], dim=1)
+    first = [pins._seen.setdefault(row.tobytes(), (at, r)) for r, row in enumerate(values.cpu().numpy())]
+    pins.scaled.append(values.clone())
+    out = codes.clone(memory_format=torch.contiguous_format)
+    if pins.follow is not None:
+        if at >= len(pins.follow) or pins.follow[at].shape != values.shape:
+            pins.unmatched += 1
+        else:
+            theirs = pins.follow[at].to(values.device)
+            their_codes = torch.round(theirs)
+            their_codes[:, :K] = their_codes[:, :K].clamp(max=127.0)
+            drift = (theirs - values).abs()
+            distance = (values - values.floor() - 0.5).abs()
+            pin = (their_codes != out) & (distance <= 2 * drift) & (drift <= MAX_CODE_DRIFT)
+            pins.pins += [(at, r, e) for r, e in pin.nonzero().tolist() if first[r] == (at, r)]
+            out = torch.where(pin, their_codes, out)
+    return out[:, :K].to(q.dtype).reshape(q.shape), out[:, K:]
 
 
 def linear_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

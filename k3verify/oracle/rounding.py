@@ -112,7 +112,7 @@ def q8_0_round(x: torch.Tensor, layer: int, stage: str, expert: int, tokens: Seq
         raise ValueError(f"expected rows [{len(tokens)}, K] for {len(tokens)} tokens; got {tuple(x.shape)}")
     ledger, who = _ACTIVE[-1], -1 if stage == INPUT else expert
     scaled, q, d = Fn.q8_0_codes(x)
-    position, step = _scale_steps(x)  # [n, K/32]: max|x|/127 in units of its fp16 step, and that step
+    position, step = scale_steps(x)  # [n, K/32]: max|x|/127 in units of its fp16 step, and that step
     stages = {stage: (scaled.reshape(x.shape[0], -1), q.reshape(x.shape[0], -1).clone()),
               stage + SCALE: (position, position.round())}
     row_of = {token: r for r, token in enumerate(tokens)}
@@ -135,7 +135,7 @@ def q8_0_round(x: torch.Tensor, layer: int, stage: str, expert: int, tokens: Seq
     return Fn.q8_0_value(stages[stage][1].reshape(q.shape), d, x)
 
 
-def _scale_steps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_steps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each 32-value block's max|x|/127 (fp32, as q8_0_codes computes it before rounding it to fp16) in units of the
     fp16 step at its magnitude, float64 [n, K/32], and that step: fp16's rounding to nearest even is then the
     rounding of this position to the nearest even integer, and its near-ties are those of a code."""

@@ -92,12 +92,12 @@ def test_code_pinning_takes_the_recorded_code_only_at_a_near_tie() -> None:
         x[0], x[5], x[6] = -2.0, tie * d, far * d
         return x
 
-    recorded = gguf_arith.CodePins(record=True)
+    recorded = gguf_arith.CodePins()
     with gguf_arith.pinning_codes(recorded):
         mine = gguf_arith.round_activation(row(10.5 - 1e-5, 20.4), "q8_K")
     assert recorded.pinned == 0 and len(recorded.scaled) == 1
     assert torch.round(mine[5] / d) == 10 and torch.round(mine[6] / d) == 20
-    follower = gguf_arith.CodePins(record=False, scaled=recorded.scaled)
+    follower = gguf_arith.CodePins(follow=recorded.scaled)
     with gguf_arith.pinning_codes(follower):
         theirs = gguf_arith.round_activation(row(10.5 + 1e-5, 20.6), "q8_K")
         gguf_arith.round_activation(torch.ones(2, 256), "q8_K")
@@ -106,5 +106,53 @@ def test_code_pinning_takes_the_recorded_code_only_at_a_near_tie() -> None:
     unpinned = gguf_arith.round_activation(row(10.5 + 1e-5, 20.6), "q8_K")
     assert torch.round(unpinned[5] / d) == 11
     with pytest.raises(ValueError, match="needs a recorded run first"), \
-            gguf_arith.pinning_codes(gguf_arith.CodePins(record=False)):
+            gguf_arith.pinning_codes(gguf_arith.CodePins(follow=[])):
         pass
+
+
+def test_a_row_rounded_again_takes_the_same_pinned_code_and_counts_once() -> None:
+    """The same activation rows rounded for two products (as q, k and v of one input are, or an expert's gate and
+    up) take the recorded code at the same near-tie in both, and the pin is counted once: llama.cpp rounds each
+    product's input the same way, so it is one choice, not two."""
+    d = 1 / 63.5
+    x = torch.zeros(3, 256, dtype=torch.float64)
+    x[:, 0] = -2.0
+    x[1, 5] = (10.5 - 1e-5) * d
+    recorded = gguf_arith.CodePins()
+    with gguf_arith.pinning_codes(recorded):
+        gguf_arith.round_activation(x, "q8_K")
+        gguf_arith.round_activation(x, "q8_K")
+    moved = x.clone()
+    moved[1, 5] = (10.5 + 1e-5) * d
+    follower = gguf_arith.CodePins(follow=recorded.scaled)
+    with gguf_arith.pinning_codes(follower):
+        first = gguf_arith.round_activation(moved, "q8_K")
+        again = gguf_arith.round_activation(moved, "q8_K")
+    assert torch.equal(first, again) and torch.round(first[1, 5] / d) == 10
+    assert follower.pins == [(0, 1, 5)]
+
+
+def test_a_q8_0_block_scale_at_an_fp16_near_tie_is_pinned() -> None:
+    """A Q8_0 block's scale fp16(max|x|/127) whose max sits a hair either side of an fp16 rounding boundary in the
+    two runs: the follower takes the recorded run's scale (every value of the block moves with it), counted as a
+    pin at the block's scale (element K + block); a scale moved by a whole fp16 step is never pinned."""
+    step = 2.0 ** -10 * 2.0 ** -10  # fp16's step for values in [2^-10, 2^-9)
+    tie = (2.0 ** -10 + 100.5 * step) * 127  # max|x| / 127 exactly half-way between two fp16 values
+
+    def block(peak: float) -> torch.Tensor:
+        x = torch.linspace(-0.1, 0.1, 32, dtype=torch.float64) * peak
+        x[3] = peak
+        return x[None, :]
+
+    recorded = gguf_arith.CodePins()
+    with gguf_arith.pinning_codes(recorded):
+        mine = gguf_arith.round_activation(block(tie * (1 - 1e-7)), "q8_0")
+        gguf_arith.round_activation(block(tie * (1 + 1e-2)), "q8_0")
+    follower = gguf_arith.CodePins(follow=recorded.scaled)
+    with gguf_arith.pinning_codes(follower):
+        theirs = gguf_arith.round_activation(block(tie * (1 + 1e-7)), "q8_0")
+        far = gguf_arith.round_activation(block(tie * (1 + 1.02e-2)), "q8_0")
+    unpinned = gguf_arith.round_activation(block(tie * (1 + 1e-7)), "q8_0")
+    assert float(mine[0, 3] / theirs[0, 3]) == 1.0 and float(unpinned[0, 3] / theirs[0, 3]) != 1.0
+    assert follower.pins == [(0, 0, 32)]
+    assert torch.equal(far, gguf_arith.round_activation(block(tie * (1 + 1.02e-2)), "q8_0"))

@@ -169,10 +169,10 @@ def code_pinned(ctx: CheckContext, seq: list[int], first: int) -> tuple[Scores, 
     key = f"endpoint.oracle.code_pinned.{ep.precision.name}.{first}.{hash(tuple(seq))}"
     if key not in ctx.cache:
         ids = torch.tensor(seq, device=ctx.device)
-        recorded = gguf_arith.CodePins(record=True)
+        recorded = gguf_arith.CodePins()
         rows = []
         for dtype, pins in ((precision.dtype, recorded), (precision.gold_dtype, gguf_arith.CodePins(
-                record=False, scaled=recorded.scaled))):
+                follow=recorded.scaled))):
             model = builders.reference_model(ctx, dtype)
             with torch.no_grad(), applied(ep.accepted), precision.emulated(), gguf_arith.pinning_codes(pins):
                 logits = model(ids).logits[first - 1: len(seq) - 1]
