@@ -1,7 +1,8 @@
 """Quantized GGUFs made by llama.cpp's own llama-quantize, verified through upstream llama-server: the oracle runs
 on the file's own weights (`--weights-from`) in llama.cpp's CPU arithmetic for them (`--dtype w-gguf-a8`), so a
 correct server passes on a Q8_0 file and on a Q4_K_M file (k-quants, kl-256's widths) with no rounding excused,
-and a fault in the file it serves, its tokenizer or its cache fails; the quantization's own cost is measured apart (the quantization report)."""
+and a fault in the file it serves, its tokenizer or its cache fails; the quantization's own cost is measured apart
+(the quantization report)."""
 
 from __future__ import annotations
 
