@@ -97,9 +97,21 @@ def _atomic(path: Path, text: str) -> Path:
     return path
 
 
-def _bars(title: str, labels: Sequence[str], series: Mapping[str, Sequence[float]], unit: str) -> str:
-    """A small inline SVG: one polyline per series over the labels (log scale when every value is positive)."""
-    values = [v for s in series.values() for v in s if v is not None and not math.isnan(v)]
+def _finite(value: object) -> float | None:
+    """A plotted value: a number, or None for a gap (None, NaN, an infinity, or report.json's "nan"/"inf" strings,
+    as a report read back from disk holds them)."""
+    if value is None or isinstance(value, bool):
+        return None
+    number = float(value) if isinstance(value, int | float | str) else math.nan
+    return number if math.isfinite(number) else None
+
+
+def _bars(title: str, labels: Sequence[str], series: Mapping[str, Sequence[Any]], unit: str) -> str:
+    """A small inline SVG: one polyline per series over the labels (log scale when every value is positive); a
+    value that is not a finite number is a gap, and the title says how many there are."""
+    series = {name: [_finite(v) for v in s] for name, s in series.items()}
+    values = [v for s in series.values() for v in s if v is not None]
+    gaps = sum(v is None for s in series.values() for v in s)
     if not values or not labels:
         return f"<p>{html.escape(title)}: no data</p>"
     log = all(v > 0 for v in values)
@@ -112,11 +124,12 @@ def _bars(title: str, labels: Sequence[str], series: Mapping[str, Sequence[float
     parts = [f'<svg width="{w}" height="{h + 30}" role="img" aria-label="{html.escape(title)}">']
     for i, (name, s) in enumerate(series.items()):
         pts = [f"{pad + j * step:.1f},{h - pad - (f(v) - lo) / span * (h - 2 * pad):.1f}" for j, v in enumerate(s)
-               if v is not None and not math.isnan(v)]
+               if v is not None]
         parts.append(f'<polyline fill="none" stroke="{colours[i % 3]}" stroke-width="2" points="{" ".join(pts)}"/>')
         parts.append(f'<text x="{pad + 150 * i}" y="{h + 20}" fill="{colours[i % 3]}">{html.escape(name)}</text>')
     parts.append(f'<text x="{pad}" y="14">{html.escape(title)} ({unit}{", log scale" if log else ""}: '
-                 f'{min(values):.3g} .. {max(values):.3g})</text></svg>')
+                 f'{min(values):.3g} .. {max(values):.3g}{f"; {gaps} not finite, left out" if gaps else ""})'
+                 '</text></svg>')
     return "".join(parts)
 
 
