@@ -149,17 +149,12 @@ def _compare_tensors(
         return _failed(kind, bar, shapes, dtypes,
                        f"dtype differs{where}: reference {_dtype_name(ref)} vs candidate {_dtype_name(cand)}")
     cand = cand.to(ref.device)
+    nonfinite = _nonfinite(kind, bar, ref, cand, key, shapes, dtypes)
+    if nonfinite is not None:
+        return nonfinite
     if kind is Kind.BITEXACT:
         return _compare_bitexact(ref, cand, key, shapes, dtypes)
     r, c = ref.to(torch.float64), cand.to(torch.float64)
-    bad_r, bad_c = ~torch.isfinite(r), ~torch.isfinite(c)
-    if bool(bad_r.any()) or bool(bad_c.any()):
-        # Point at the candidate's first non-finite element if it has one: that is usually the bug.
-        flat = int((bad_c if bool(bad_c.any()) else bad_r).reshape(-1).nonzero()[0, 0])
-        nonfinite = (f"non-finite values{where}: reference {int(r.isnan().sum())} NaN / {int(r.isinf().sum())} Inf, "
-                  f"candidate {int(c.isnan().sum())} NaN / {int(c.isinf().sum())} Inf")
-        return Comparison(kind, False, math.inf, bar, math.inf, True, shapes, dtypes, reason=nonfinite,
-                          worst=_worst(key, flat, ref.shape, r, c))
     diff = (c - r).abs()
     n = diff.numel()
     max_abs = float(diff.max()) if n else 0.0
@@ -184,19 +179,25 @@ def _compare_tensors(
                       rms_ratio=ratio, worst=worst)
 
 
+def _nonfinite(kind: Kind, bar: float | None, ref: torch.Tensor, cand: torch.Tensor, key: str | None, shapes: dict,
+               dtypes: dict) -> Comparison | None:
+    """The failed comparison when either side holds a NaN or an Inf (judged in the tensors' own dtype), else None."""
+    bad_r, bad_c = ~torch.isfinite(ref), ~torch.isfinite(cand)
+    if not (bool(bad_r.any()) or bool(bad_c.any())):
+        return None
+    where = "" if key is None else f" [{key}]"
+    # Point at the candidate's first non-finite element if it has one: that is usually the bug.
+    flat = int((bad_c if bool(bad_c.any()) else bad_r).reshape(-1).nonzero()[0, 0])
+    reason = (f"non-finite values{where}: reference {int(ref.isnan().sum())} NaN / {int(ref.isinf().sum())} Inf, "
+              f"candidate {int(cand.isnan().sum())} NaN / {int(cand.isinf().sum())} Inf")
+    return Comparison(kind, False, math.inf, bar, math.inf, True, shapes, dtypes, reason=reason,
+                      worst=_worst(key, flat, ref.shape, ref, cand))
+
+
 def _compare_bitexact(ref: torch.Tensor, cand: torch.Tensor, key: str | None, shapes: dict, dtypes: dict) -> Comparison:
     """Equal element for element, in the tensors' own dtype: float64 copies only of the elements that differ (a
     real-size byte image of a checkpoint is gigabytes, and three float64 copies of it filled the host)."""
     where = "" if key is None else f" [{key}]"
-    bad_r = ~torch.isfinite(ref) if ref.dtype.is_floating_point else None
-    bad_c = ~torch.isfinite(cand) if cand.dtype.is_floating_point else None
-    if bad_r is not None and bad_c is not None and (bool(bad_r.any()) or bool(bad_c.any())):
-        flat = int((bad_c if bool(bad_c.any()) else bad_r).reshape(-1).nonzero()[0, 0])
-        nonfinite = (f"non-finite values{where}: reference {int(ref.isnan().sum())} NaN / {int(ref.isinf().sum())} "
-                     f"Inf, candidate {int(cand.isnan().sum())} NaN / {int(cand.isinf().sum())} Inf")
-        return Comparison(Kind.BITEXACT, False, math.inf, None, math.inf, True, shapes, dtypes, reason=nonfinite,
-                          worst=_worst(key, flat, ref.shape, ref, cand))
-    del bad_r, bad_c
     differ = (ref != cand).reshape(-1).nonzero().reshape(-1)
     mismatches = differ.numel()
     if not mismatches:
