@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from k3verify.checkpoint.loader import load_into
+from k3verify.gates.report.svg import as_float
 from k3verify.oracle.conventions import Assignment, applied
 from k3verify.oracle.k3_reference import K3Reference
 from k3verify.oracle.precision import get_precision
@@ -100,9 +101,9 @@ def _atomic(path: Path, text: str) -> Path:
 def _finite(value: object) -> float | None:
     """A plotted value: a number, or None for a gap (None, NaN, an infinity, or report.json's "nan"/"inf" strings,
     as a report read back from disk holds them)."""
-    if value is None or isinstance(value, bool):
+    if value is None:
         return None
-    number = float(value) if isinstance(value, int | float | str) else math.nan
+    number = as_float(value)
     return number if math.isfinite(number) else None
 
 

@@ -12,7 +12,7 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 28, 44
 COLORS = ("#1f6feb", "#d1242f", "#8250df", "#1a7f37")
 
 
-def _as_float(value: object) -> float:
+def as_float(value: object) -> float:
     # report.json stores non-finite numbers as "nan" / "inf" / "-inf", which float() reads back.
     if isinstance(value, int | float | str):
         return float(value)
@@ -45,7 +45,7 @@ def line_chart(
 ) -> str:
     """One SVG chart. `series` values may be numbers or the report's "nan"/"inf" strings; non-finite
     points are drawn as red crosses at the top edge. `highlight` marks an x (first divergent layer)."""
-    parsed = [(name, [_as_float(v) for v in values]) for name, values in series]
+    parsed = [(name, [as_float(v) for v in values]) for name, values in series]
     floor, lo, hi = _log_range([v for _, vals in parsed for v in vals], bar)
     n = max((len(vals) for _, vals in parsed), default=0)
     plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
@@ -102,7 +102,7 @@ def margin_bar(margin: object, passed: bool, thin_at: float = 0.8) -> str:
     """A 120-px bar: fill = margin (metric/bar) capped at 1, tick at the thin threshold."""
     if margin is None:
         return ""
-    value = _as_float(margin)
+    value = as_float(margin)
     frac = min(value, 1.0) if math.isfinite(value) else 1.0
     color = "#d1242f" if not passed else ("#bf8700" if value > thin_at else "#1a7f37")
     width = max(frac * 120, 1.0)
