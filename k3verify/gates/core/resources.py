@@ -7,7 +7,7 @@ import torch
 
 from k3verify.plan.host_memory import host_peak_bytes, reset_host_peak
 
-RESOURCE_METRICS = ("cuda_peak_gib", "host_peak_gib")
+RESOURCE_METRICS = {"cuda_peak_gib": "CUDA", "host_peak_gib": "host"}  # metric -> what a console line calls it
 
 
 class PeakMemory:

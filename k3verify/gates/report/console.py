@@ -15,6 +15,7 @@ from rich.table import Table
 
 from k3verify.gates.core.check import Check, Result, Status
 from k3verify.gates.core.excused import status_label
+from k3verify.gates.core.resources import RESOURCE_METRICS
 from k3verify.gates.core.suite import RunResult
 
 STATUS_STYLE = {
@@ -47,8 +48,8 @@ def progress_hooks(total: int, console: Console | None = None, verbose: bool = F
                 style = STATUS_STYLE[result.status]
                 label = status_label(result.status.value, result.metrics).upper()
                 took = f" [dim]({result.duration_s:.1f} s" + "".join(
-                    f", {name} peak {result.metrics[key]:.1f} GiB" for key, name in
-                    (("cuda_peak_gib", "CUDA"), ("host_peak_gib", "host")) if key in result.metrics) + ")[/]" \
+                    f", {name} peak {result.metrics[key]:.1f} GiB" for key, name in RESOURCE_METRICS.items()
+                    if key in result.metrics) + ")[/]" \
                     if verbose else ""
                 progress.console.print(f"[{style}]{label:8}[/] {result.id}{took}: {escape(result.reason or '')}")
             if not result.id.startswith("gates.import."):
