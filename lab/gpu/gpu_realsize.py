@@ -9,7 +9,11 @@ $OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARI
 checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command; PARTS=N runs
 the gate in N parts (consecutive check ids, each its own process), kept across calls on a warm machine, then merged
 with `parity --merge` into the report `serve` reads; PARTS_PER_CALL=K stops after K parts run in this call, so a call
-ends between parts rather than inside one. Consecutive ids keep the checks that share cached models together: a
+ends between parts rather than inside one. Each finished part's report.json and report-index.jsonl go into
+$OUT/parts.tgz as soon as it ends; unpacked into .realsize-parts/ at the repository root (carry it), a later call on
+a fresh machine takes the parts that ran on the same commit, source and card instead of running them again (the
+merge checks the rest). Every step's output is written to $OUT/logs/<step>.log as it runs, so a call cut off by its
+time limit still says how far it got. Consecutive ids keep the checks that share cached models together: a
 split balanced by an earlier run's per-check times was tried and is slower (served.vs_transformers took 243 s in a
 part without served.vs_gold, 7 s after it, as it builds the served model and the gold itself).
 """
@@ -19,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +36,9 @@ from typing import Any
 
 K3V = [sys.executable, "-m", "k3verify"]
 RESULT_WORDS = {"PASS", "FAIL", "ERROR", "SKIPPED", "EXCUSED", "VACUOUS"}
+CARRIED_PARTS = Path(".realsize-parts")  # parts that earlier calls returned in parts.tgz, unpacked and carried
+PART_FILES = ("report.json", "report-index.jsonl")  # what `parity --merge` reads of a part
+LOG_DIR = Path("/tmp/k3v-gpu/logs")  # main() puts it under --out
 
 
 @dataclass
@@ -69,12 +78,17 @@ class GpuSampler(threading.Thread):
 def run_step(step: Step, argv: list[str], sampler: GpuSampler) -> None:
     print(f"== {step.name} (budget {step.budget_s:.0f} s): {' '.join(argv[2:])}", flush=True)
     start = time.monotonic()
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=step.budget_s)
-        step.exit, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        step.exit = 124
-        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"{step.name.replace(' ', '-').replace('/', '-of-')}.log"
+    with log.open("w") as sink:  # written as it runs: a call cut off by its limit still returns it
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            step.exit = proc.wait(timeout=step.budget_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            step.exit = 124
+    output = log.read_text(errors="replace")
     step.wall_s = time.monotonic() - start
     step.peak_gpu_mib = sampler.peak(start, time.monotonic())
     if step.exit is not None and step.exit < 0:  # the kernel's out-of-memory killer sends SIGKILL without a word
@@ -138,6 +152,45 @@ def gate_ids() -> list[str]:
     return sorted(c.id for c in gate_checks(load_all_checks(), "quick"))
 
 
+def current_run() -> dict[str, str | None]:
+    """What a part must share with this call to be merged with its parts: commit, k3verify source, card."""
+    import torch
+
+    from k3verify.gates.core.binding import source_digest
+    from k3verify.gates.core.suite import _git, device_name
+
+    return {"git_sha": _git("rev-parse", "HEAD"), "source_digest": source_digest(),
+            "device_name": device_name("cuda" if torch.cuda.is_available() else "cpu")}
+
+
+def take_carried(carried: Path, part: Path) -> None:
+    """Copy a part an earlier call returned (carried in the tree) to where this call's parts live, when this machine
+    has none and it ran on this commit, source and card; otherwise say why it is not taken."""
+    if (part / "report.json").is_file() or not (carried / "report.json").is_file():
+        return
+    run = json.loads((carried / "report.json").read_text())["run"]
+    differ = [f"{k} {run.get(k)!r} (this call: {v!r})" for k, v in current_run().items() if run.get(k) != v]
+    if differ:
+        print(f"== {carried}: not taken, it ran with {'; '.join(differ)}", flush=True)
+        return
+    part.mkdir(parents=True, exist_ok=True)
+    for name in PART_FILES:
+        shutil.copy2(carried / name, part / name)
+    print(f"== {part.name}: taken from {carried} (an earlier call's)", flush=True)
+
+
+def bundle_parts(parts_dir: Path, bundle: Path) -> None:
+    """Every finished part's report and index in one archive (a call returns few files), unpacked under
+    CARRIED_PARTS by the one who carries them to the next call."""
+    tmp = bundle.with_suffix(".partial")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for part in sorted(parts_dir.glob("part-*")):
+            for name in PART_FILES:
+                if (part / name).is_file():
+                    tar.add(part / name, arcname=f"{parts_dir.name}/{part.name}/{name}")
+    tmp.replace(bundle)
+
+
 def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report: Path, sampler: GpuSampler) -> None:
     """The gate in `parts` runs of consecutive check ids (each its own process: an empty card), then merged into
     `report`. A part whose
@@ -150,6 +203,7 @@ def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report
         chosen = ids[k * len(ids) // parts:(k + 1) * len(ids) // parts]
         part = parts_dir / f"part-{k + 1}-of-{parts}"
         dirs.append(part)
+        take_carried(CARRIED_PARTS / parts_dir.name / part.name, part)
         done = part / "report.json"
         if done.is_file() and json.loads(done.read_text())["summary"]["verdict"] in ("pass", "inconclusive"):
             print(f"== part {k + 1}/{parts}: done before ({len(chosen)} checks)", flush=True)
@@ -163,6 +217,7 @@ def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report
         sub = Step(f"part {k + 1}/{parts}", left)
         run_step(sub, [*parity, *[w for i in chosen for w in ("--only", i)], "--report-dir", str(part)], sampler)
         step.detail[sub.name] = {"exit": sub.exit, "wall_s": sub.wall_s, "peak_gpu_mib": sub.peak_gpu_mib}
+        bundle_parts(parts_dir, LOG_DIR.parent / "parts.tgz")
         if sub.exit not in (0, 4):
             step.exit, step.wall_s = sub.exit, time.monotonic() - start
             return
@@ -180,6 +235,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--device", default="cuda", help="cpu runs the same chain on a small preset (a dry run)")
     args = parser.parse_args()
+    global LOG_DIR
+    LOG_DIR = args.out / "logs"
     budget = {k: float(os.environ.get(f"{k.upper()}_S", v)) for k, v in
               (("make", 100), ("digest", 40), ("parity", 340), ("serve", 150))}
     args.out.mkdir(parents=True, exist_ok=True)

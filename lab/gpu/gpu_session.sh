@@ -97,6 +97,10 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 # for the same 8-file limit.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache} TRITON_CACHE_AUTOTUNING=1
 save_tcache() {
+    [ "${TCACHE_SAVE:-1}" = 0 ] || save_tcache_parts
+    bundle_logs
+}
+save_tcache_parts() {
     rm -f "$OUT"/tcache.t?z.*
     if command -v xz >/dev/null; then
         tar -cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -6 | split -b 15M - "$OUT/tcache.txz."
@@ -105,7 +109,9 @@ save_tcache() {
 with lzma.open(sys.stdout.buffer, 'wb', preset=3) as out: shutil.copyfileobj(sys.stdin.buffer, out)" | split -b 15M - "$OUT/tcache.txz."
     fi
     echo "triton cache saved: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) -> $(cat "$OUT"/tcache.txz.* | wc -c) bytes"
-    (cd "$OUT" && ls -A | grep -vE '^(\.bundle|x\.out|tcache\.txz\..*|logs\.tgz|[^/]*\.json)$' >"$OUT/.bundle" || true
+}
+bundle_logs() {
+    (cd "$OUT" && ls -A | grep -vE '^(\.bundle|x\.out|tcache\.txz\..*|logs\.tgz|parts\.tgz|[^/]*\.json)$' >"$OUT/.bundle" || true
      if [ -s "$OUT/.bundle" ]; then tar -czf logs.tgz -T .bundle && xargs -d '\n' rm -rf <.bundle; fi
      rm -f .bundle)
 }
@@ -120,7 +126,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filt
         cat .tcache/tcache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
             && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
     fi
-    [ "${TCACHE_SAVE:-1}" = 0 ] || trap save_tcache EXIT  # TCACHE_SAVE=0: a short call that keeps the carried one
+    trap save_tcache EXIT  # TCACHE_SAVE=0: a short call that keeps the carried one (the logs are bundled still)
 fi
 step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }
@@ -404,14 +410,12 @@ realsize)
     # checks, model-level vs a transformers fp32 gold) and served, one budget per step; prints a table with
     # each step's wall time and peak GPU memory, writes $OUT/realsize.json (the checkpoint stays in /tmp)
     # in four parts, two per call (about 280 s each on a warm Triton cache): call it twice on the same warm machine;
-    # the second call reuses the checkpoint and the first two parts, merges the four and serves from the merged report
+    # the second call reuses the checkpoint and the first two parts, merges the four and serves from the merged report.
+    # Each finished part comes back in $OUT/parts.tgz: `tar -xzf parts.tgz -C .realsize-parts` here and carry
+    # .realsize-parts, and a call on a fresh machine runs only the parts still missing (same commit, source, card)
     step "realsize kl-48b-8l: make -> digest -> parity (parts ${PARTS:-4}, ${PARTS_PER_CALL:-2} per call) -> serve"
     PARTS=${PARTS:-4} PARTS_PER_CALL=${PARTS_PER_CALL:-2} REUSE=${REUSE:-1} PARITY_S=${PARITY_S:-520} \
         python3 -m lab.gpu.gpu_realsize --out "$OUT" --preset "${PRESET:-kl-48b-8l}"
-    mkdir -p "$OUT/parts"  # into logs.tgz on exit (a call returns at most 8 files)
-    for d in /tmp/k3v-realsize/"${PRESET:-kl-48b-8l}"-parts/part-*/; do
-        [ -f "$d/report.json" ] && cp "$d/report.json" "$OUT/parts/$(basename "$d").json"
-    done
     ;;
 types)
     step "cuda fast-path checks + weights.* (k3-syn-25), gpu tests of the Triton norm / router"
