@@ -9,7 +9,7 @@ $OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARI
 checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command; PARTS=N runs
 the gate in N parts (consecutive check ids, each its own process), kept across calls on a warm machine, then merged
 with `parity --merge` into the report `serve` reads; PARTS_PER_CALL=K stops after K parts run in this call, so a call
-ends between parts rather than inside one. Each finished part's report.json and report-index.jsonl go into
+ends between parts rather than inside one; PARTS_FIRST="4 1" runs those parts first. Each finished part's report.json and report-index.jsonl go into
 $OUT/parts.tgz as soon as it ends; unpacked into .realsize-parts/ at the repository root (carry it), a later call on
 a fresh machine takes the parts that ran on the same commit, source and card instead of running them again (the
 merge checks the rest). Every step's output is written to $OUT/logs/<step>.log as it runs, so a call cut off by its
@@ -198,11 +198,12 @@ def run_parts(step: Step, parity: list[str], parts: int, parts_dir: Path, report
     ran out."""
     ids = gate_ids()
     per_call = int(os.environ.get("PARTS_PER_CALL", str(parts)))
-    start, dirs, ran = time.monotonic(), [], 0
-    for k in range(parts):
+    start, ran = time.monotonic(), 0
+    dirs = [parts_dir / f"part-{k + 1}-of-{parts}" for k in range(parts)]
+    first = [int(w) - 1 for w in os.environ.get("PARTS_FIRST", "").split()]  # e.g. "4": part 4 before the others
+    for k in first + [k for k in range(parts) if k not in first]:
         chosen = ids[k * len(ids) // parts:(k + 1) * len(ids) // parts]
-        part = parts_dir / f"part-{k + 1}-of-{parts}"
-        dirs.append(part)
+        part = dirs[k]
         take_carried(CARRIED_PARTS / parts_dir.name / part.name, part)
         done = part / "report.json"
         if done.is_file() and json.loads(done.read_text())["summary"]["verdict"] in ("pass", "inconclusive"):
