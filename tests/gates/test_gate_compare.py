@@ -160,7 +160,8 @@ def test_bf16_accepts_any_relative_error_below_rtol(values: list[float], rel: fl
 
 def test_bitexact_holds_no_float64_copy_of_its_inputs() -> None:
     """A bit-exactness check of a checkpoint's bytes compares gigabytes at real size: the comparison must take about
-    one byte per element (the unequal mask), not three float64 copies (24 bytes an element filled a 128 GiB host)."""
+    one byte per element (the unequal mask), not three float64 copies (24 bytes an element filled a 128 GiB host),
+    and no non-finite masks for integers, which hold no NaN (two more bytes an element)."""
     from k3verify.plan.host_memory import host_peak_bytes, reset_host_peak
 
     n = 64 << 20
@@ -174,4 +175,4 @@ def test_bitexact_holds_no_float64_copy_of_its_inputs() -> None:
     comp = compare("bitexact", ref, cand)
     grown = host_peak_bytes() - start
     assert (comp.passed, comp.metric, comp.max_abs, comp.worst.flat_index) == (False, 1.0, 1.0, 12345)
-    assert grown < 3 * n, f"comparing {n} uint8 elements grew the resident peak by {grown / n:.1f} bytes an element"
+    assert grown < 1.5 * n, f"comparing {n} uint8 elements grew the resident peak by {grown / n:.1f} bytes an element"

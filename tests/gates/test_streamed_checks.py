@@ -94,6 +94,25 @@ def test_the_strict_loader_check_reads_the_slice_s_own_layers(monkeypatch: pytes
     assert result.control is not None and result.control.status == "fail"
 
 
+def test_the_strict_loader_check_fails_one_loaded_value_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loaded module's parameters are views into the byte image the check compares: a loader that stores one
+    value wrong fails `values`, though every name loads (the control's lenient loader does not see it)."""
+    import k3verify.gates.checks.weights.loader as loader_check
+
+    load = loader_check.load_into
+
+    def one_off(module: torch.nn.Module, cfg: Any, mapping: Any) -> None:
+        load(module, cfg, mapping)
+        with torch.no_grad():
+            param = next(t for t in module.state_dict(keep_vars=True).values()
+                         if t.dtype.is_floating_point and not t.is_meta)
+            param.view(-1)[7] += 1
+
+    monkeypatch.setattr(loader_check, "load_into", one_off)
+    result = _run("k3-syn-25", "weights.loader.strict")
+    assert result.status == "fail" and "[values]" in result.reason, (result.reason, result.traceback)
+
+
 def test_the_reference_cross_check_runs_on_a_slice_with_one_kda_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """kl-48b-8l's slice (layers 0 and 7) holds one KDA layer: the cross-check of the two references runs on it with
     that layer's o_norm scaled as its control (it skipped before: its control swapped two layers' o_norm)."""

@@ -181,7 +181,10 @@ def _compare_tensors(
 
 def _nonfinite(kind: Kind, bar: float | None, ref: torch.Tensor, cand: torch.Tensor, key: str | None, shapes: dict,
                dtypes: dict) -> Comparison | None:
-    """The failed comparison when either side holds a NaN or an Inf (judged in the tensors' own dtype), else None."""
+    """The failed comparison when either side holds a NaN or an Inf (judged in the tensors' own dtype), else None.
+    Integer tensors hold neither: no mask is built for them (a byte image's mask would be as large as the image)."""
+    if not (ref.is_floating_point() or ref.is_complex() or cand.is_floating_point() or cand.is_complex()):
+        return None
     bad_r, bad_c = ~torch.isfinite(ref), ~torch.isfinite(cand)
     if not (bool(bad_r.any()) or bool(bad_c.any())):
         return None

@@ -12,6 +12,7 @@ flags; the reference is all ones.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch import nn
 from k3verify.checkpoint.buckets import build_param_module
 from k3verify.checkpoint.hf_interop import normalize_hf_names
 from k3verify.checkpoint.loader import WeightLoadError, load_into
-from k3verify.checkpoint.names import module_specs, quantized_pair
+from k3verify.checkpoint.names import TensorSpec, module_specs, quantized_pair
 from k3verify.gates import CheckContext, Kind, Trial, register_check
 from k3verify.gates.shared import builders
 from k3verify.gates.shared.checkpoint_edits import DROPPED, UNKNOWN_IN_PREFIX, UNKNOWN_OUTSIDE
@@ -89,10 +90,44 @@ def _as_module_holds(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> 
     return out
 
 
-def _flat_bytes(tensors: Mapping[str, torch.Tensor], names: list[str],
-                dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
-    parts = [tensors[n].to(dtypes[n]).contiguous().reshape(-1).view(torch.uint8) for n in names]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+class _ByteLayout:
+    """Every module tensor's bytes in spec order in one uint8 buffer, each at an offset aligned to 8 bytes (the
+    gaps are zero). The loaded module's parameters are views into such a buffer, so the loaded bytes are the
+    buffer itself: at real size a slice's byte image is gigabytes, and a copy of it per comparand is what a host
+    runs out of."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
+        self.specs = specs
+        self.spans: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, spec in specs.items():
+            size = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+            self.spans[name] = (offset, size)
+            offset += -(-size // 8) * 8
+        self.total = offset
+        self.data_bytes = sum(size for _, size in self.spans.values())
+
+    def words(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The buffer as 8-byte words (its length is a multiple of 8): compared word by word, a byte that differs
+        still fails, and the comparison's mask is an eighth of the bytes'."""
+        return buffer.view(torch.int64)
+
+    def buffer(self) -> torch.Tensor:
+        return torch.zeros(self.total, dtype=torch.uint8)
+
+    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        offset, size = self.spans[name]
+        spec = self.specs[name]
+        return buffer[offset:offset + size].view(spec.dtype).view(spec.shape)
+
+    def module(self, buffer: torch.Tensor) -> nn.Module:
+        """build_param_module(specs)'s names, every parameter a view into `buffer`."""
+        module = build_param_module(self.specs, device="meta")
+        for name in self.specs:
+            *path, leaf = name.split(".")
+            module.get_submodule(".".join(path)).register_parameter(
+                leaf, nn.Parameter(self.view(buffer, name), requires_grad=False))
+        return module
 
 
 @torch.no_grad()
@@ -179,40 +214,48 @@ def check_loader_strict(ctx: CheckContext) -> Trial:
     def lenient(module: nn.Module, mapping: Mapping[str, torch.Tensor]) -> None:
         _lenient_load(module, mapping, prefix)
 
-    host = build_param_module(specs, device="cpu")  # re-filled with sentinels before each clean load
+    layout = _ByteLayout(specs)
+    loaded = layout.buffer()
+    host = layout.module(loaded)  # re-filled with sentinels before each clean load; its bytes are `loaded`
     meta = build_param_module(specs, device="meta")  # for refusals only the outcome matters, not the values
 
-    def run(load: Loader, notes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(load: Loader, notes: list[str]) -> torch.Tensor:
         flags: list[int] = []
-        loaded = torch.empty(0, dtype=torch.uint8)
         for label, mapping, must_name in scenarios:
             module = meta if must_name is not None else host
             if must_name is None:
                 _sentinel_fill(module)
             flags.append(_outcome(load, module, mapping, must_name, notes, label))
-            if must_name is None:
-                state = module.state_dict()
-                loaded = _flat_bytes(state, list(specs), {n: t.dtype for n, t in state.items()})
-        return torch.tensor(flags, dtype=torch.int64), loaded
+        return torch.tensor(flags, dtype=torch.int64)
 
     cand_notes: list[str] = []
     ctrl_notes: list[str] = []
-    cand_flags, cand_bytes = run(strict, cand_notes)
-    ctrl_flags, ctrl_bytes = run(lenient, ctrl_notes)
+    cand_flags = run(strict, cand_notes)
+    cand_bytes = loaded.clone()  # the control's load overwrites `loaded` next
+    ctrl_flags = run(lenient, ctrl_notes)
+    ctrl_bytes = loaded
     source: Mapping[str, torch.Tensor] = _IndependentRead(ctx.checkpoint_dir)
     if isinstance(ctx.target, SlicedTarget):  # the slice's layers, renumbered as its modules are
         source = SlicedTensors(source, list(ctx.target.layers))
     if ctx.target.names == "transformers":
         source = normalize_hf_names(cfg, source)
         cand_notes.append("names: transformers' spellings, read through checkpoint/hf_interop's name map")
-    values = {n: _as_module_holds(n, source[prefix + n], specs[n].shape) for n in specs}
-    ref_bytes = _flat_bytes(values, list(specs), {n: s.dtype for n, s in specs.items()})
+    ref_bytes = layout.buffer()
+    for n, spec in specs.items():  # one tensor read at a time
+        value = _as_module_holds(n, source[prefix + n], spec.shape).to(spec.dtype).contiguous().view(-1)
+        offset, size = layout.spans[n]
+        if value.numel() * value.element_size() != size:  # the strict load refuses it: its bytes stay zero here
+            cand_notes.append(f"{prefix + n}: the checkpoint holds {tuple(source[prefix + n].shape)}, the module "
+                              f"{tuple(spec.shape)}")
+            continue
+        ref_bytes[offset:offset + size].copy_(value.view(torch.uint8))
     return Trial(
-        reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": ref_bytes},
-        candidate={"outcomes": cand_flags, "values": cand_bytes},
-        control={"outcomes": ctrl_flags, "values": ctrl_bytes},
-        metrics={"tensors": float(len(specs)), "bytes": float(ref_bytes.numel())},
+        reference={"outcomes": torch.ones(len(scenarios), dtype=torch.int64), "values": layout.words(ref_bytes)},
+        candidate={"outcomes": cand_flags, "values": layout.words(cand_bytes)},
+        control={"outcomes": ctrl_flags, "values": layout.words(ctrl_bytes)},
+        metrics={"tensors": float(len(specs)), "bytes": float(layout.data_bytes)},
         notes=[f"outcomes: {[label for label, _, _ in scenarios]}; values: every module tensor's bytes in spec "
-               f"order vs the checkpoint read with safetensors.load_file (or the synthetic tensors without a dir)",
+               f"order (each at an 8-byte boundary, compared as 8-byte words) vs the checkpoint read with "
+               f"safetensors' own reader (or the synthetic tensors without a dir)",
                *cand_notes, *(f"control: {n}" for n in ctrl_notes)],
     )
