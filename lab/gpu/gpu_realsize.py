@@ -3,19 +3,19 @@
     python -m lab.gpu.gpu_realsize --out $OUT [--preset kl-48b-8l] [--dir /tmp/k3v-realsize]
 
 Each step is a `k3verify` command in a child process with a timeout; a thread samples the GPU's used memory
-(nvidia-smi, every 0.5 s) so each step's peak is known. The serve step starts `k3verify serve` on the parity
-report, waits for /health, sends one /v1/completions request and stops the server. Prints a table and writes
+(nvidia-smi, every 0.5 s) so each step's peak is known. The serve step starts `k3verify serve` on the parity report,
+waits for /health, sends one /v1/completions request and stops the server. Prints a table and writes
 $OUT/realsize.json. Budgets (seconds) can be changed with MAKE_S, DIGEST_S, PARITY_S, SERVE_S. REUSE=1 keeps a
 checkpoint an earlier call on the same (warm) machine made; PARITY_ARGS adds words to the parity command; PARTS=N runs
 the gate in N parts (consecutive check ids, each its own process), kept across calls on a warm machine, then merged
 with `parity --merge` into the report `serve` reads; PARTS_PER_CALL=K stops after K parts run in this call, so a call
-ends between parts rather than inside one; PARTS_FIRST="4 1" runs those parts first. Each finished part's report.json and report-index.jsonl go into
-$OUT/parts.tgz as soon as it ends; unpacked into .realsize-parts/ at the repository root (carry it), a later call on
-a fresh machine takes the parts that ran on the same commit, source and card instead of running them again (the
-merge checks the rest). Every step's output is written to $OUT/logs/<step>.log as it runs, so a call cut off by its
-time limit still says how far it got. Consecutive ids keep the checks that share cached models together: a
-split balanced by an earlier run's per-check times was tried and is slower (served.vs_transformers took 243 s in a
-part without served.vs_gold, 7 s after it, as it builds the served model and the gold itself).
+ends between parts rather than inside one; PARTS_FIRST="4 1" runs those parts first. Each finished part's report.json
+and report-index.jsonl go into $OUT/parts.tgz as soon as it ends; unpacked into .realsize-parts/ at the repository
+root (carry it), a later call on a fresh machine takes the parts that ran on the same commit, source and card instead
+of running them again (the merge checks the rest). Every step's output is written to $OUT/logs/<step>.log as it runs,
+so a call cut off by its time limit still says how far it got. Consecutive ids keep the checks that share cached
+models together: a split balanced by an earlier run's per-check times was tried and is slower (served.vs_transformers
+took 243 s in a part without served.vs_gold, 7 s after it, as it builds the served model and the gold itself).
 """
 
 from __future__ import annotations
