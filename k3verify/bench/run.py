@@ -121,12 +121,15 @@ def setup(plan: BenchPlan, cfg: ModelConfig, hf_dict: dict[str, Any], device: to
         streamed_gold_logits,
     )
     from k3verify.checkpoint.synthetic_weights import synthetic_tensors
+    from k3verify.kernels.compile_watch import watch_compiles
     from k3verify.plan.device_fit import device_memory_gib
     from k3verify.serving.model import ServingModel
 
     max_b = max(plan.batches)
     ctx = max(plan.prompt_len + plan.new_tokens + plan.graph_parity_steps + 8, 2 * plan.decode_parity_steps)
     card_gib = plan.card_gib if plan.card_gib is not None or device.type != "cuda" else device_memory_gib(device)
+    if device.type == "cuda":
+        watch_compiles()
     if card_gib is not None:  # say it before the allocator does
         require_bench_fits(bench_peak(cfg, context=max(ctx, *plan.prefill_lens, plan.parity_len), batch=max_b,
                                       segment=max(*plan.prefill_lens, plan.parity_len)),

@@ -208,6 +208,9 @@ def _run_long_context(args: argparse.Namespace, shape: ModelShape) -> int:
     try:
         if card is not None:  # before the bandwidth probe allocates anything
             from k3verify.bench.floor import measure_copy_bandwidth
+            from k3verify.kernels.compile_watch import watch_compiles
+
+            watch_compiles()
 
             require_long_context_fits(shape.cfg, plan, device, card)
             bandwidth = measure_copy_bandwidth(device)

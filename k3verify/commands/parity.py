@@ -42,6 +42,7 @@ from k3verify.gates.report.console import print_summary, progress_hooks
 from k3verify.gates.report.json_report import writable_dir_problem, write_report_data, write_reports
 from k3verify.gates.report.merge import MergeError, merge_parts
 from k3verify.gates.shared.slice import slice_context
+from k3verify.kernels.compile_watch import watch_compiles
 from k3verify.oracle.pinning import report_pins
 from k3verify.oracle.precision import PRECISIONS
 from k3verify.peers.gguf_target import GgufTarget, gguf_target
@@ -110,6 +111,7 @@ def validate_device(device: str) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
         device_memory_gib(dev)  # $K3V_CARD_GIB: the allocator held to a smaller card's memory from the start
+        watch_compiles()  # a first run on a card compiles for minutes: say so
     return dev
 
 

@@ -31,6 +31,7 @@ from k3verify.commands.serve_options import ServeOptions
 from k3verify.errors import UsageError
 from k3verify.gates.core.binding import read_report_key, source_digest
 from k3verify.gates.trust.lookup import GateWant, lookup_report
+from k3verify.kernels.compile_watch import watch_compiles
 from k3verify.plan.device_fit import DoesNotFit, require_plan_fits
 from k3verify.serving.engine import Engine
 from k3verify.serving.graphs import graphs_for
@@ -203,6 +204,8 @@ def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | No
 def warm_up_if_cuda(opts: ServeOptions, built: BuiltEngine) -> None:
     # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
     engine = built.engine
+    if engine.runner.device.type == "cuda":
+        watch_compiles(lambda line: print(f"k3verify serve: {line}", flush=True))
     if engine.runner.device.type == "cuda" and not opts.no_warmup and built.world is None:
         report = warm_up(engine.runner, engine.launcher.graphs, opts.max_step_tokens, engine.launcher.prefill_graphs)
         print(f"k3verify serve: {report.describe()}", flush=True)
