@@ -14,6 +14,7 @@ hooks installed before ours are called as they were.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -44,12 +45,23 @@ class CompileWatch:
         self.seconds = 0.0
         self.lock = threading.Lock()
 
-    def before(self, *, key: Any, fn: Any, **_: Any) -> bool:
-        with self.lock:
-            self.started[(_name(fn), repr(key))] = self.clock()
+    def before(self, **kwargs: Any) -> bool:
+        """Triton's pre-compile hook (keywords key, fn, ...): never raises, whatever a Triton version passes."""
+        try:
+            with self.lock:
+                self.started[(_name(kwargs.get("fn")), repr(kwargs.get("key")))] = self.clock()
+        except Exception:  # a notice must never stop a compile
+            pass
         return False  # compile: a true value would make Triton skip it
 
-    def after(self, *, key: Any, fn: Any, **_: Any) -> None:
+    def after(self, **kwargs: Any) -> None:
+        """Triton's post-compile hook: never raises."""
+        try:
+            self._after(kwargs.get("key"), kwargs.get("fn"))
+        except Exception:  # a notice must never fail a compile that succeeded
+            pass
+
+    def _after(self, key: Any, fn: Any) -> None:
         name = _name(fn)
         with self.lock:
             start = self.started.pop((name, repr(key)), None)
@@ -66,6 +78,12 @@ class CompileWatch:
         if first:
             self.say(f"[triton] compiled {name} in {took:.1f} s ({count} compile(s), {total:.0f} s so far; a "
                      f"first run on this card, later runs read {triton_cache_dir()})")
+
+    def say_summary(self) -> None:
+        line = self.summary()
+        if line is not None:
+            with contextlib.suppress(Exception):  # at exit, stderr may be gone
+                self.say(line)
 
     def summary(self) -> str | None:
         if not self.compiles:
@@ -108,6 +126,6 @@ def watch_compiles(say: Callable[[str], None] | None = None) -> CompileWatch | N
     watch = CompileWatch(say or (lambda line: print(line, file=sys.stderr, flush=True)))
     runtime.jit_cache_hook = _chain(runtime.jit_cache_hook, watch.before)
     runtime.jit_post_compile_hook = _chain(runtime.jit_post_compile_hook, watch.after)
-    atexit.register(lambda: (line := watch.summary()) and watch.say(line))
+    atexit.register(watch.say_summary)
     _WATCH = watch
     return watch

@@ -81,3 +81,17 @@ def test_notices_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(compile_watch.WATCH_ENV, "0")
     assert compile_watch.watch_compiles() is None
     assert knobs.runtime.jit_cache_hook is None
+
+
+def test_a_hook_called_with_other_keywords_or_a_failing_say_never_raises() -> None:
+    """Another Triton version may pass other keywords; a console that fails must not fail the compile."""
+    clock = Clock()
+
+    def broken_say(line: str) -> None:
+        raise OSError("stderr closed")
+
+    watch = CompileWatch(broken_say, clock)
+    assert watch.before() is False and watch.before(unexpected=1) is False
+    watch.after()
+    assert _compile(watch, clock, "k", 1, 5.0) is False  # the say raises inside: swallowed
+    assert watch.compiles == 1
