@@ -21,6 +21,7 @@ took 243 s in a part without served.vs_gold, 7 s after it, as it builds the serv
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -152,15 +153,16 @@ def gate_ids() -> list[str]:
     return sorted(c.id for c in gate_checks(load_all_checks(), "quick"))
 
 
+@functools.cache
 def current_run() -> dict[str, str | None]:
-    """What a part must share with this call to be merged with its parts: commit, k3verify source, card."""
+    """What a part must share with this call to be merged with its parts: commit, k3verify source, card (the run
+    record a report of this call would hold; computed once)."""
     import torch
 
-    from k3verify.gates.core.binding import source_digest
-    from k3verify.gates.core.suite import _git, device_name
+    from k3verify.gates.core.suite import collect_run_info
 
-    return {"git_sha": _git("rev-parse", "HEAD"), "source_digest": source_digest(),
-            "device_name": device_name("cuda" if torch.cuda.is_available() else "cpu")}
+    info = collect_run_info(device="cuda" if torch.cuda.is_available() else "cpu", seed=0, suite="quick")
+    return {"git_sha": info.git_sha, "source_digest": info.source_digest, "device_name": info.device_name}
 
 
 def take_carried(carried: Path, part: Path) -> None:

@@ -96,11 +96,11 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 # ~180 s compiling. Everything else under $OUT but x.out and the top-level JSON goes into $OUT/logs.tgz on exit,
 # for the same 8-file limit.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache} TRITON_CACHE_AUTOTUNING=1
-save_tcache() {
-    [ "${TCACHE_SAVE:-1}" = 0 ] || save_tcache_parts
+on_exit() {
+    [ "${TCACHE_SAVE:-1}" = 0 ] || save_tcache
     bundle_logs
 }
-save_tcache_parts() {
+save_tcache() {
     rm -f "$OUT"/tcache.t?z.*
     if command -v xz >/dev/null; then
         tar -cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -6 | split -b 15M - "$OUT/tcache.txz."
@@ -126,7 +126,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filt
         cat .tcache/tcache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
             && echo "triton cache restored: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
     fi
-    trap save_tcache EXIT  # TCACHE_SAVE=0: a short call that keeps the carried one (the logs are bundled still)
+    trap on_exit EXIT  # TCACHE_SAVE=0: a short call that keeps the carried one (the logs are bundled still)
 fi
 step() { echo "== $1 ($(date +%T))"; }
 quiet() { grep -v -E "Warning|warnings.warn|fast path refused|^\s*$"; }
