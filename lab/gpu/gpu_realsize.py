@@ -11,7 +11,7 @@ the gate in N parts (consecutive check ids, each its own process), kept across c
 with `parity --merge` into the report `serve` reads; PARTS_PER_CALL=K stops after K parts run in this call, so a call
 ends between parts rather than inside one; PARTS_FIRST="4 1" runs those parts first. Each finished part's report.json
 and report-index.jsonl go into $OUT/parts.tgz as soon as it ends; unpacked into .realsize-parts/ at the repository
-root (carry it), a later call on a fresh machine takes the parts that ran on the same commit, source and card instead
+root (carry it), a later call on a fresh machine takes the parts that ran on the same package source and card instead
 of running them again (the merge checks the rest). Every step's output is written to $OUT/logs/<step>.log as it runs,
 so a call cut off by its time limit still says how far it got. Consecutive ids keep the checks that share cached
 models together: a split balanced by an earlier run's per-check times was tried and is slower (served.vs_transformers
@@ -155,19 +155,20 @@ def gate_ids() -> list[str]:
 
 @functools.cache
 def current_run() -> dict[str, str | None]:
-    """What a part must share with this call to be merged with its parts: commit, k3verify source, card (the run
-    record a report of this call would hold; computed once)."""
+    """What a part must share with this call to be merged with its parts: k3verify's source and the card (the run
+    record a report of this call would hold; computed once). The commit may differ (`parity --merge` keeps each
+    part's): an edit outside the package does not make a part run again."""
     import torch
 
     from k3verify.gates.core.suite import collect_run_info
 
     info = collect_run_info(device="cuda" if torch.cuda.is_available() else "cpu", seed=0, suite="quick")
-    return {"git_sha": info.git_sha, "source_digest": info.source_digest, "device_name": info.device_name}
+    return {"source_digest": info.source_digest, "device_name": info.device_name}
 
 
 def take_carried(carried: Path, part: Path) -> None:
     """Copy a part an earlier call returned (carried in the tree) to where this call's parts live, when this machine
-    has none and it ran on this commit, source and card; otherwise say why it is not taken."""
+    has none and it ran on this package source and card; otherwise say why it is not taken."""
     if (part / "report.json").is_file() or not (carried / "report.json").is_file():
         return
     run = json.loads((carried / "report.json").read_text())["run"]

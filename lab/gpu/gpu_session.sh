@@ -412,7 +412,7 @@ realsize)
     # in four parts, two per call (about 280 s each on a warm Triton cache): call it twice on the same warm machine;
     # the second call reuses the checkpoint and the first two parts, merges the four and serves from the merged report.
     # Each finished part comes back in $OUT/parts.tgz: `tar -xzf parts.tgz -C .realsize-parts` here and carry
-    # .realsize-parts, and a call on a fresh machine runs only the parts still missing (same commit, source, card)
+    # .realsize-parts, and a call on a fresh machine runs only the parts still missing (same package source and card)
     step "realsize kl-48b-8l: make -> digest -> parity (parts ${PARTS:-4}, ${PARTS_PER_CALL:-2} per call) -> serve"
     PARTS=${PARTS:-4} PARTS_PER_CALL=${PARTS_PER_CALL:-2} REUSE=${REUSE:-1} PARITY_S=${PARITY_S:-520} \
         python3 -m lab.gpu.gpu_realsize --out "$OUT" --preset "${PRESET:-kl-48b-8l}"

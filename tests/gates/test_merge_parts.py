@@ -14,6 +14,7 @@ import k3verify
 from k3verify.cli import main
 from k3verify.gates.core.binding import source_digest
 from k3verify.gates.core.suite import gate_checks, load_all_checks
+from k3verify.gates.report.index import append_entry
 from k3verify.gates.report.merge import MergeError, merge_parts
 from k3verify.gates.trust.lookup import GateWant, lookup_report
 from k3verify.target import resolve_target
@@ -77,3 +78,30 @@ def test_a_check_no_part_ran_is_named(parts: tuple[Path, Path, Path]) -> None:
     extra = dataclasses.replace(next(c for c in registered if c.id == "model.logits.fp32"), id="model.logits.extra")
     with pytest.raises(MergeError, match=r"no part ran 1 check\(s\) of the quick suite's gate: model.logits.extra"):
         merge_parts([a, b], [*registered, extra])
+
+
+def _rewritten(part: Path, out: Path, **run: str) -> Path:
+    """A copy of `part` as k3verify would have written it with these run fields (report and index line together)."""
+    shutil.copytree(part, out)
+    data = json.loads((part / "report.json").read_text())
+    data["run"].update(run)
+    raw = json.dumps(data, indent=1).encode()
+    (out / "report.json").write_bytes(raw)
+    append_entry(out, raw, data["run"])
+    return out
+
+
+def test_a_part_of_another_commit_merges_only_on_the_same_package_source(parts: tuple[Path, Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """A part from a commit that edited nothing in the package is the same gate code: merged, its commit kept in
+    `parts`; a part whose package differed is refused, naming source_digest."""
+    _, a, b = parts
+    later = json.loads((b / "report.json").read_text())["run"]["started_at"] + "Z"  # sorts after every real start
+    other = _rewritten(b, tmp_path / "other-commit", git_sha="0" * 40, started_at=later)
+    merged = merge_parts([a, other], load_all_checks())
+    assert merged["summary"]["verdict"] == "pass" and merged["run"]["git_sha"] == "0" * 40
+    a_sha = json.loads((a / "report.json").read_text())["run"]["git_sha"]
+    assert [p["git_sha"] for p in merged["run"]["parts"]] == [a_sha, "0" * 40]
+    edited = _rewritten(b, tmp_path / "other-source", git_sha="0" * 40, source_digest="sha256:" + "1" * 64)
+    with pytest.raises(MergeError, match=r"ran with source_digest 'sha256:1111"):
+        merge_parts([a, edited], load_all_checks())

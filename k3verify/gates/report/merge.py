@@ -22,8 +22,10 @@ from k3verify.gates.core.suite import dtypes_of_run, gate_checks
 from k3verify.gates.report.index import REPORT_FILE, ReportIndexError, binding_problem, content_problem, read_index
 from k3verify.gates.report.json_report import validate_report
 
-# Fields of run that may differ between the parts of one gate run (the rest must be equal).
-PER_PART = ("only", "started_at", "wall_time_s", "dtypes", "git_dirty", "parts")
+# Fields of run that may differ between the parts of one gate run (the rest must be equal). The commit may differ
+# where source_digest (every file of the package that ran the checks) does not: a part is not run again for an
+# edit outside the package; each part's commit is kept in `parts`, the merged run names the newest part's.
+PER_PART = ("only", "started_at", "wall_time_s", "dtypes", "git_dirty", "git_sha", "parts")
 
 
 class MergeError(ValueError):
@@ -79,11 +81,14 @@ def merge_parts(directories: Sequence[Path], registered: Sequence[Check]) -> dic
     if extra:
         raise MergeError(f"checks outside the {run0['suite']} suite's gate: {', '.join(extra[:8])}")
     results.sort(key=lambda r: r["id"])
-    run = {**run0, "only": [], "started_at": min(d["run"]["started_at"] for _, d in parts),
+    newest = max((d for _, d in parts), key=lambda d: d["run"]["started_at"])
+    run = {**run0, "git_sha": newest["run"]["git_sha"], "only": [],
+           "started_at": min(d["run"]["started_at"] for _, d in parts),
            "wall_time_s": sum(d["run"]["wall_time_s"] for _, d in parts),
            "git_dirty": any(d["run"]["git_dirty"] for _, d in parts) if run0["git_dirty"] is not None else None,
            "dtypes": dtypes_of_run((r["status"], r.get("serving_dtypes") or ()) for r in results),
-           "parts": [{"report": str(d), "started_at": data["run"]["started_at"], "only": list(data["run"]["only"]),
+           "parts": [{"report": str(d), "started_at": data["run"]["started_at"], "git_sha": data["run"]["git_sha"],
+                      "only": list(data["run"]["only"]),
                       "checks": len(data["results"]), "wall_time_s": data["run"]["wall_time_s"]}
                      for d, data in parts]}
     merged: dict[str, Any] = {"schema_version": first["schema_version"], "run": run, "results": results,
