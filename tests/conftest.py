@@ -13,7 +13,6 @@ from build_order import make_scheduler
 from reports_guard import CHECKOUT_REPORTS, reports_state
 
 
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (-p no:xdist) never calls it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """While .ci/run's llama.cpp build runs, hand out work that does not wait for it (tests/build_order.py)."""
     return make_scheduler(config, log)
