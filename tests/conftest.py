@@ -9,13 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from build_order import make_scheduler
 from reports_guard import CHECKOUT_REPORTS, reports_state
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """While .ci/run's llama.cpp build runs, hand out work that does not wait for it (tests/build_order.py)."""
-    return make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
