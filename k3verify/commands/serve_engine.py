@@ -204,9 +204,10 @@ def _speculator(opts: ServeOptions, runner: ModelRunner) -> SpeculativeStep | No
 def warm_up_if_cuda(opts: ServeOptions, built: BuiltEngine) -> None:
     # a parallel world's ranks replay rank 0's steps through the engine loop only: no warm-up outside it
     engine = built.engine
-    if engine.runner.device.type == "cuda":
-        watch_compiles(lambda line: print(f"k3verify serve: {line}", flush=True))
-    if engine.runner.device.type == "cuda" and not opts.no_warmup and built.world is None:
+    if engine.runner.device.type != "cuda":
+        return
+    watch_compiles(lambda line: print(f"k3verify serve: {line}", flush=True))
+    if not opts.no_warmup and built.world is None:
         report = warm_up(engine.runner, engine.launcher.graphs, opts.max_step_tokens, engine.launcher.prefill_graphs)
         print(f"k3verify serve: {report.describe()}", flush=True)
 
